@@ -1,0 +1,119 @@
+"""The index interface: one contract, two backends (memory, redis).
+
+Semantics (every backend; tests/contract checks them against both):
+
+Instances
+  ``register`` creates an instance or renews it. Registering again with a
+  different ``incarnation`` or ``model`` *resets* it: its blocks, engine-hash
+  map, sequence and staleness are dropped (a restarted engine has an empty
+  cache). Each registration, heartbeat and applied batch renews the lease to
+  ``now + lease_ttl_s``. An instance whose lease has expired is invisible to
+  ``match`` at once; ``reap_expired`` later drops it with its blocks.
+
+Events (``apply``)
+  The instance must be registered, else :class:`FailedPrecondition`. With
+  ``last`` the highest applied sequence (``None`` before the first batch):
+  ``seq <= last`` is a DUPLICATE and changes nothing; ``seq == last + 1`` (or
+  ``last is None``) is APPLIED; ``seq > last + 1`` is APPLIED_AFTER_GAP and
+  marks the instance stale. A batch containing ``AllBlocksCleared`` leaves the
+  instance fresh (what follows the clear is a full replay). Events apply in
+  order, atomically per batch:
+
+  - ``BlockStored``: namespace ``(instance model, lora_name)``. Content keys
+    are ``block_keys`` if given, else the chain of ``token_ids`` after the
+    content key of ``parent_block_hash`` (the namespace seed when absent). A
+    parent hash unknown to the instance makes every block of the event an
+    *orphan*: counted, not stored. Each engine hash maps to its (namespace,
+    key); a hash already mapped to another key is first removed. The tier
+    bit is set on ``(key, instance)``.
+  - ``BlockRemoved``: for each known engine hash, clear the tier bit (all
+    bits when ``tier`` is None); an entry with no bit left is dropped with its
+    engine-hash mapping. Unknown hashes are ignored.
+  - ``AllBlocksCleared``: drop every entry and mapping of the instance.
+
+  ``blocks_stored`` / ``blocks_removed`` count (key, tier) bits that changed.
+  Several engine hashes mapping to one content key share one entry: removing
+  any of them removes it (under-reporting a hit is safe; affinity is advice).
+
+Match
+  For namespace ``ns`` and keys ``k[0..n)``: every live instance (stale ones
+  only with ``include_stale``, then flagged) holding ``k[0]``, with the largest
+  ``d`` such that it holds ``k[0..d)`` on any tier, and per tier how many of
+  those ``d`` blocks have their fastest copy there. Sorted by depth
+  descending, then worker id, then dp rank. Unknown namespace: empty.
+
+Thread-safety: backends are used from one asyncio event loop; all methods are
+coroutines and each is atomic with respect to the others (redis: one script or
+one transaction; memory: no await inside a mutation).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+from indexer.model import (
+    ApplyResult,
+    EventBatch,
+    IndexDump,
+    IndexStats,
+    InstanceId,
+    InstanceMatch,
+    InstanceSpec,
+    InstanceState,
+    Namespace,
+)
+
+
+class Index(abc.ABC):
+    """A KV-block index shared by all instances of a fleet."""
+
+    #: Short backend name reported in stats ("memory", "redis").
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    async def register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
+        """Create or renew an instance; return its state and whether it was reset."""
+
+    @abc.abstractmethod
+    async def heartbeat(self, instance: InstanceId) -> InstanceState:
+        """Renew the lease. Raises NotFound for an unknown instance."""
+
+    @abc.abstractmethod
+    async def remove_instance(self, instance: InstanceId) -> int:
+        """Drop an instance and its blocks; return the (key, tier) entries dropped.
+
+        Raises NotFound for an unknown instance.
+        """
+
+    @abc.abstractmethod
+    async def list_instances(self, model: str = "") -> list[InstanceState]:
+        """All registered instances (of ``model`` when given), sorted by id."""
+
+    @abc.abstractmethod
+    async def apply(self, batch: EventBatch) -> ApplyResult:
+        """Apply one batch (see the module docstring). Idempotent per sequence."""
+
+    @abc.abstractmethod
+    async def match(
+        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+    ) -> list[InstanceMatch]:
+        """Per-instance longest gap-free prefix of ``keys``, deepest first."""
+
+    @abc.abstractmethod
+    async def reap_expired(self) -> list[InstanceId]:
+        """Drop every instance whose lease has expired; return their ids."""
+
+    @abc.abstractmethod
+    async def stats(self) -> IndexStats:
+        """Sizes of the whole index."""
+
+    @abc.abstractmethod
+    async def dump(self) -> IndexDump:
+        """The whole content in canonical form (for tests and debugging)."""
+
+    async def ping(self) -> None:  # noqa: B027 - optional hook
+        """Raise Unavailable when the backend cannot serve."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""

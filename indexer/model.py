@@ -1,0 +1,197 @@
+"""Domain types of the index: instances, events, batches and match results.
+
+Plain dataclasses with no transport types, shared by the interface
+(indexer/index.py), both backends and the service logic. Block keys and engine
+block hashes are unsigned 64-bit ints; see docs/spec/block-keys.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Tier(enum.IntEnum):
+    """Storage tier of a cached block; a lower value is a faster tier."""
+
+    GPU = 1
+    CPU = 2
+    DISK = 3
+
+    @property
+    def bit(self) -> int:
+        """This tier's bit in a tier mask."""
+        return 1 << (self.value - 1)
+
+
+ALL_TIERS_MASK = 0b111
+
+
+def fastest_tier(mask: int) -> Tier:
+    """The fastest tier present in a non-zero tier mask."""
+    for tier in Tier:
+        if mask & tier.bit:
+            return tier
+    raise ValueError("empty tier mask")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class InstanceId:
+    """One KV-cache holder: an engine (worker) and its data-parallel rank."""
+
+    worker_id: str
+    dp_rank: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.worker_id}/dp{self.dp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Model plus LoRA adapter; nothing matches across namespaces."""
+
+    model: str
+    lora_name: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.model}+{self.lora_name}" if self.lora_name else self.model
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """What a registration says about an instance."""
+
+    instance: InstanceId
+    model: str
+    address: str = ""
+    lease_ttl_s: float = 30.0
+    incarnation: str = ""
+
+
+@dataclass(slots=True)
+class InstanceState:
+    """An instance as the index knows it (returned by register/list)."""
+
+    spec: InstanceSpec
+    lease_expires_at: float
+    live: bool
+    stale: bool
+    applied_sequence: int | None
+    blocks: int = 0  # (block, tier) entries held
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks entering an instance's cache on one tier.
+
+    Content keys come from ``block_keys`` when given, else from ``token_ids``
+    chained after the content key of ``parent_block_hash`` (or the namespace
+    seed when there is no parent).
+    """
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+    lora_name: str = ""
+    tier: Tier = Tier.GPU
+    block_keys: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks leaving one tier (``tier=None``: every tier) of an instance."""
+
+    block_hashes: tuple[int, ...]
+    tier: Tier | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The instance dropped its whole cache; also starts a resync."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """Events of one instance, applied atomically and in order."""
+
+    instance: InstanceId
+    sequence: int
+    events: tuple[Event, ...]
+    timestamp: float = 0.0
+
+
+class BatchOutcome(enum.Enum):
+    """What apply did with a batch."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    APPLIED_AFTER_GAP = "applied_after_gap"
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """Result of applying one batch."""
+
+    outcome: BatchOutcome
+    applied_sequence: int
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    blocks_orphaned: int = 0
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceMatch:
+    """One instance's hit: it holds ``keys[0:depth)`` with no gap.
+
+    ``tier_blocks[t]`` counts the blocks of that prefix whose fastest copy is
+    on tier ``t`` (they sum to ``depth``).
+    """
+
+    instance: InstanceId
+    address: str
+    depth: int
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    """Size of one namespace."""
+
+    namespace: Namespace
+    blocks: int
+    block_instances: int
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Size of the whole index (shared state, not per-replica counters)."""
+
+    backend: str
+    instances: int = 0
+    instances_live: int = 0
+    instances_stale: int = 0
+    blocks: int = 0
+    block_instances: int = 0
+    namespaces: list[NamespaceStats] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class IndexDump:
+    """Canonical content of an index, for tests and debugging.
+
+    ``blocks[ns][key][instance] = tier mask``; ``engine_hashes[instance][h] =
+    (ns, key)``; ``instances`` keyed by id. Two backends with equal dumps
+    answer every Match identically.
+    """
+
+    blocks: dict[Namespace, dict[int, dict[InstanceId, int]]]
+    engine_hashes: dict[InstanceId, dict[int, tuple[Namespace, int]]]
+    instances: dict[InstanceId, InstanceState]

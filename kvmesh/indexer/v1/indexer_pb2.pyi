@@ -1,0 +1,332 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+    TIER_CPU: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
+class BatchOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BATCH_OUTCOME_UNSPECIFIED: _ClassVar[BatchOutcome]
+    BATCH_OUTCOME_APPLIED: _ClassVar[BatchOutcome]
+    BATCH_OUTCOME_DUPLICATE: _ClassVar[BatchOutcome]
+    BATCH_OUTCOME_APPLIED_AFTER_GAP: _ClassVar[BatchOutcome]
+    BATCH_OUTCOME_REJECTED: _ClassVar[BatchOutcome]
+TIER_UNSPECIFIED: Tier
+TIER_GPU: Tier
+TIER_CPU: Tier
+TIER_DISK: Tier
+BATCH_OUTCOME_UNSPECIFIED: BatchOutcome
+BATCH_OUTCOME_APPLIED: BatchOutcome
+BATCH_OUTCOME_DUPLICATE: BatchOutcome
+BATCH_OUTCOME_APPLIED_AFTER_GAP: BatchOutcome
+BATCH_OUTCOME_REJECTED: BatchOutcome
+
+class InstanceRef(_message.Message):
+    __slots__ = ("worker_id", "dp_rank")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    dp_rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "tier", "block_keys")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_name: str
+    tier: Tier
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "tier")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    tier: Tier
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("instance", "sequence", "timestamp", "events")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    sequence: int
+    timestamp: float
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class BatchError(_message.Message):
+    __slots__ = ("code", "message", "field")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    field: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class BatchAck(_message.Message):
+    __slots__ = ("instance", "sequence", "outcome", "applied_sequence", "blocks_stored", "blocks_removed", "blocks_orphaned", "stale", "error")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_ORPHANED_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    sequence: int
+    outcome: BatchOutcome
+    applied_sequence: int
+    blocks_stored: int
+    blocks_removed: int
+    blocks_orphaned: int
+    stale: bool
+    error: BatchError
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[BatchOutcome, str]] = ..., applied_sequence: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., blocks_orphaned: _Optional[int] = ..., stale: _Optional[bool] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ...) -> None: ...
+
+class RegisterInstanceRequest(_message.Message):
+    __slots__ = ("instance", "model", "address", "lease_ttl_seconds", "incarnation")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    model: str
+    address: str
+    lease_ttl_seconds: float
+    incarnation: str
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("instance", "model", "address", "incarnation", "lease_ttl_seconds", "lease_expires_at", "live", "stale", "applied_sequence", "has_applied_sequence", "blocks")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    HAS_APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    model: str
+    address: str
+    incarnation: str
+    lease_ttl_seconds: float
+    lease_expires_at: float
+    live: bool
+    stale: bool
+    applied_sequence: int
+    has_applied_sequence: bool
+    blocks: int
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_expires_at: _Optional[float] = ..., live: _Optional[bool] = ..., stale: _Optional[bool] = ..., applied_sequence: _Optional[int] = ..., has_applied_sequence: _Optional[bool] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class RegisterInstanceResponse(_message.Message):
+    __slots__ = ("info", "reset")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    info: InstanceInfo
+    reset: bool
+    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("instance",)
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_expires_at", "stale")
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_at: float
+    stale: bool
+    def __init__(self, lease_expires_at: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class RemoveInstanceRequest(_message.Message):
+    __slots__ = ("instance",)
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ...) -> None: ...
+
+class RemoveInstanceResponse(_message.Message):
+    __slots__ = ("blocks_removed",)
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    blocks_removed: int
+    def __init__(self, blocks_removed: _Optional[int] = ...) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...
+
+class PublishEventsRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: EventBatch
+    def __init__(self, batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+
+class PublishEventsResponse(_message.Message):
+    __slots__ = ("ack",)
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    ack: BatchAck
+    def __init__(self, ack: _Optional[_Union[BatchAck, _Mapping]] = ...) -> None: ...
+
+class PublishEventsStreamRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: EventBatch
+    def __init__(self, batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+
+class PublishEventsStreamResponse(_message.Message):
+    __slots__ = ("ack",)
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    ack: BatchAck
+    def __init__(self, ack: _Optional[_Union[BatchAck, _Mapping]] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STALE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora_name: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    max_blocks: int
+    include_stale: bool
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ...) -> None: ...
+
+class InstanceMatch(_message.Message):
+    __slots__ = ("instance", "address", "depth", "gpu_blocks", "cpu_blocks", "disk_blocks", "stale")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    address: str
+    depth: int
+    gpu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+    stale: bool
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., address: _Optional[str] = ..., depth: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("matches", "total_blocks", "block_size")
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    matches: _containers.RepeatedCompositeFieldContainer[InstanceMatch]
+    total_blocks: int
+    block_size: int
+    def __init__(self, matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("model", "lora_name", "blocks", "block_instances")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora_name: str
+    blocks: int
+    block_instances: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., blocks: _Optional[int] = ..., block_instances: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("backend", "instances", "instances_live", "instances_stale", "blocks", "block_instances", "namespaces", "batches_applied", "batches_duplicate", "batches_rejected", "sequence_gaps", "matches", "matched_blocks")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_LIVE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_STALE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_GAPS_FIELD_NUMBER: _ClassVar[int]
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    instances: int
+    instances_live: int
+    instances_stale: int
+    blocks: int
+    block_instances: int
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    batches_applied: int
+    batches_duplicate: int
+    batches_rejected: int
+    sequence_gaps: int
+    matches: int
+    matched_blocks: int
+    def __init__(self, backend: _Optional[str] = ..., instances: _Optional[int] = ..., instances_live: _Optional[int] = ..., instances_stale: _Optional[int] = ..., blocks: _Optional[int] = ..., block_instances: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., sequence_gaps: _Optional[int] = ..., matches: _Optional[int] = ..., matched_blocks: _Optional[int] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,1 @@
+"""kvmesh router_client (not built yet; see its README)."""

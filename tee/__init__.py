@@ -1,0 +1,1 @@
+"""kvmesh tee (not built yet; see its README)."""

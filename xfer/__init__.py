@@ -1,0 +1,1 @@
+"""kvmesh xfer (not built yet; see its README)."""

@@ -30,12 +30,19 @@ def keys(model: str, lora: str, tokens: list[int], block_size: int) -> list[int]
     return out
 
 
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 CASES = [
-    ("empty prompt", "meta-llama/Llama-3.1-8B-Instruct", "", [], 16),
-    ("partial block only", "meta-llama/Llama-3.1-8B-Instruct", "", list(range(15)), 16),
-    ("one block", "meta-llama/Llama-3.1-8B-Instruct", "", list(range(16)), 16),
-    ("two blocks and a partial", "meta-llama/Llama-3.1-8B-Instruct", "", list(range(1, 40)), 16),
-    ("same tokens, LoRA namespace", "meta-llama/Llama-3.1-8B-Instruct", "sql-adapter", list(range(1, 40)), 16),
+    ("empty prompt", LLAMA, "", [], 16),
+    ("partial block only", LLAMA, "", list(range(15)), 16),
+    ("one block", LLAMA, "", list(range(16)), 16),
+    ("two blocks and a partial", LLAMA, "", list(range(1, 40)), 16),
+    (
+        "same tokens, LoRA namespace",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "sql-adapter",
+        list(range(1, 40)),
+        16,
+    ),
     ("extreme token ids", "Qwen/Qwen2.5-7B", "", [0, 4294967295, 1, 4294967294] * 2, 4),
     ("block size 1", "Qwen/Qwen2.5-7B", "", [151643, 8, 9], 1),
     ("non-ascii model name", "mod\u00e8le-\u6a21\u578b", "", [7] * 64, 32),

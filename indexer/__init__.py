@@ -1,0 +1,1 @@
+"""kvmesh indexer: ingests KV-cache events and answers longest-prefix matches."""

@@ -1,0 +1,61 @@
+"""Fixtures shared by every test folder: a fake clock, a real Redis, index factories."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+
+class FakeClock:
+    """A settable clock in seconds, passed to backends as ``clock``."""
+
+    def __init__(self, start: float = 1_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Any]:
+    """A real redis-server on a free port, for the whole test session."""
+    from kvmesh.redisproc import RedisProcess
+
+    with RedisProcess() as proc:
+        yield proc
+
+
+BACKENDS = ["memory", "redis"]
+
+
+@pytest.fixture(params=BACKENDS)
+async def index(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[Any]:
+    """Each backend in turn, empty, on the fake clock."""
+    idx = make_index(request.param, clock, request)
+    try:
+        yield idx
+    finally:
+        await idx.close()
+
+
+def make_index(backend: str, clock: FakeClock, request: pytest.FixtureRequest) -> Any:
+    """A fresh, empty index of ``backend`` (a unique key prefix for Redis)."""
+    if backend == "memory":
+        from indexer.memory import MemoryIndex
+
+        return MemoryIndex(clock=clock)
+    from indexer.redis_backend import RedisIndex
+
+    server = request.getfixturevalue("redis_server")
+    return RedisIndex(server.url, prefix=f"t{uuid.uuid4().hex[:8]}", clock=clock)

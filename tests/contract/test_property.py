@@ -1,0 +1,284 @@
+"""Property tests: random operation sequences against a backend and the naive model.
+
+After every operation the backend and tests/contract/reference.py must agree
+on the result and on the whole index content (dump). The same harness run with
+each deliberately broken model in place of the reference must find a
+counterexample, which shows the properties can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import xxhash
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from indexer.errors import KvmeshError
+from indexer.memory import MemoryIndex
+from indexer.model import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    IndexDump,
+    InstanceId,
+    InstanceSpec,
+    Namespace,
+    Tier,
+)
+from kvmesh.blockkeys import block_keys
+from tests.conftest import FakeClock
+from tests.contract.reference import BROKEN, ReferenceIndex
+
+BS = 2  # tokens per block: tiny, so random prompts share prefixes often
+MODELS = ["m", "m2"]
+WORKERS = [InstanceId("w0", 0), InstanceId("w0", 1), InstanceId("w1", 0)]
+
+# Few prompts over a two-token alphabet: operations often hit the same chains.
+prompts_st = st.lists(
+    st.lists(st.integers(0, 1), min_size=BS, max_size=6 * BS), min_size=1, max_size=3
+)
+tier_st = st.sampled_from([Tier.GPU, Tier.CPU, Tier.DISK])
+seq_delta_st = st.sampled_from([1, 1, 1, 1, 0, -1, 2, 3])
+inst_st = st.sampled_from(WORKERS)
+
+store_st = st.tuples(
+    st.just("store"),
+    st.integers(0, 4),  # prompt index
+    st.integers(0, 5),  # first block
+    st.integers(1, 6),  # block count
+    st.sampled_from(["", "", "lora"]),
+    tier_st,
+    st.booleans(),  # precomputed keys instead of tokens
+)
+remove_st = st.tuples(
+    st.just("remove"),
+    st.integers(0, 4),
+    st.lists(st.integers(0, 6), max_size=4),  # block indices (6+ are unknown hashes)
+    st.one_of(st.none(), tier_st),
+    st.sampled_from(["", "lora"]),
+)
+event_st = st.one_of(store_st, store_st, remove_st, st.tuples(st.just("clear")))
+batch_st = st.tuples(
+    st.just("batch"), inst_st, seq_delta_st, st.lists(event_st, min_size=1, max_size=3)
+)
+match_st = st.tuples(
+    st.just("match"),
+    st.integers(0, 4),
+    st.sampled_from(MODELS),
+    st.sampled_from(["", "lora"]),
+    st.booleans(),  # include_stale
+)
+register_st = st.tuples(
+    st.just("register"),
+    inst_st,
+    st.sampled_from(MODELS[:1] * 4 + MODELS[1:]),
+    st.sampled_from(["a", "a", "a", "b"]),  # incarnation: "b" resets
+)
+# (weight, strategy): most operations are batches and matches.
+_WEIGHTED_OPS = [
+    (8, register_st),
+    (35, batch_st),
+    (25, match_st),
+    (8, st.tuples(st.just("heartbeat"), inst_st)),
+    (10, st.tuples(st.just("advance"), st.sampled_from([1.0, 5.0, 20.0, 40.0]))),
+    (7, st.tuples(st.just("reap"))),
+    (7, st.tuples(st.just("remove_instance"), inst_st)),
+]
+
+
+def _pick(n: int) -> st.SearchStrategy[tuple[Any, ...]]:
+    for weight, strategy in _WEIGHTED_OPS:
+        if n < weight:
+            return strategy
+        n -= weight
+    raise AssertionError("weights out of range")
+
+
+op_st = st.integers(0, sum(w for w, _ in _WEIGHTED_OPS) - 1).flatmap(_pick)
+case_st = st.tuples(
+    prompts_st, st.sampled_from([1 << 64, 5]), st.lists(op_st, min_size=10, max_size=60)
+)
+
+
+@dataclass
+class Harness:
+    """Drives one subject (async backend) and one reference with the same ops."""
+
+    subject: Any
+    ref: ReferenceIndex
+    clock: FakeClock
+    prompts: list[list[int]]
+    hash_mod: int
+    model_of: dict[InstanceId, str] = field(default_factory=dict)
+    next_seq: dict[InstanceId, int] = field(default_factory=dict)
+
+    def ehash(self, prompt: list[int], block: int) -> int:
+        """The 'engine hash' of a prompt's block: content based, maybe colliding."""
+        data = bytes(prompt[: (block + 1) * BS])
+        return xxhash.xxh3_64_intdigest(data) % self.hash_mod
+
+    def event(self, spec: tuple[Any, ...], iid: InstanceId) -> Any:
+        kind = spec[0]
+        if kind == "clear":
+            return AllBlocksCleared()
+        prompt = self.prompts[spec[1] % len(self.prompts)]
+        n_blocks = len(prompt) // BS
+        if kind == "remove":
+            hashes = tuple(self.ehash(prompt, b) if b < n_blocks else 10**6 + b for b in spec[2])
+            return BlockRemoved(hashes, spec[3])
+        _, _, first, count, lora, tier, use_keys = spec
+        first = min(first, n_blocks - 1)
+        last = min(n_blocks, first + count)
+        hashes = tuple(self.ehash(prompt, b) for b in range(first, last))
+        parent = self.ehash(prompt, first - 1) if first else None
+        if use_keys:
+            model = self.model_of.get(iid, "m")
+            keys = block_keys(prompt, BS, model, lora)[first:last]
+            return BlockStored(hashes, parent, (), 0, lora, tier, tuple(keys))
+        tokens = tuple(prompt[first * BS : last * BS])
+        return BlockStored(hashes, parent, tokens, BS, lora, tier)
+
+    async def call(self, name: str, *args: Any, **kw: Any) -> None:
+        got: Any
+        want: Any
+        try:
+            got = await getattr(self.subject, name)(*args, **kw)
+        except KvmeshError as e:
+            got = type(e)
+        try:
+            want = getattr(self.ref, name)(*args, **kw)
+        except KvmeshError as e:
+            want = type(e)
+        if name in ("register", "heartbeat"):
+            got, want = normalise_state(got), normalise_state(want)
+        assert got == want, f"{name}{args}: backend {got!r} != model {want!r}"
+
+    async def run(self, ops: list[tuple[Any, ...]]) -> None:
+        # Every instance starts registered so that most batches take effect.
+        preamble: list[tuple[Any, ...]] = [("register", iid, "m", "a") for iid in WORKERS]
+        for op in preamble + ops:
+            kind = op[0]
+            if kind == "register":
+                _, iid, model, inc = op
+                self.model_of[iid] = model
+                await self.call("register", InstanceSpec(iid, model, f"http://{iid}", 30.0, inc))
+            elif kind == "batch":
+                _, iid, delta, events = op
+                seq = max(0, self.next_seq.get(iid, -1) + delta)
+                self.next_seq[iid] = max(seq, self.next_seq.get(iid, -1))
+                evs = tuple(self.event(e, iid) for e in events)
+                await self.call("apply", EventBatch(iid, seq, evs))
+            elif kind == "heartbeat":
+                await self.call("heartbeat", op[1])
+            elif kind == "advance":
+                self.clock.advance(op[1])
+            elif kind == "reap":
+                await self.call("reap_expired")
+            elif kind == "remove_instance":
+                await self.call("remove_instance", op[1])
+            elif kind == "match":
+                # The drawn prompt and namespace, then every prompt of the pool
+                # in the drawn namespace: more of the index is checked per op.
+                _, p, model, lora, include_stale = op
+                ns = Namespace(model, lora)
+                first = self.prompts[p % len(self.prompts)]
+                for prompt in [first, *self.prompts]:
+                    keys = block_keys(prompt, BS, model, lora)
+                    await self.call("match", ns, keys, include_stale=include_stale)
+            got_dump = normalise_dump(await self.subject.dump())
+            want_dump = normalise_dump(self.ref.dump())
+            assert got_dump == want_dump, f"after {op}: dumps differ"
+
+
+def normalise_state(s: Any) -> Any:
+    if isinstance(s, tuple):
+        return (normalise_state(s[0]), *s[1:])
+    if hasattr(s, "lease_expires_at"):
+        return (s.spec, round(s.lease_expires_at, 3), s.live, s.stale, s.applied_sequence, s.blocks)
+    return s
+
+
+def normalise_dump(d: IndexDump) -> Any:
+    return (
+        {ns: t for ns, t in d.blocks.items() if t},
+        {i: e for i, e in d.engine_hashes.items() if e},
+        {i: normalise_state(s) for i, s in d.instances.items()},
+    )
+
+
+class SyncAsAsync:
+    """Presents a (possibly broken) reference model with the async interface."""
+
+    def __init__(self, model: ReferenceIndex) -> None:
+        self.model = model
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.model, name)
+
+        async def call(*args: Any, **kw: Any) -> Any:
+            return fn(*args, **kw)
+
+        return call
+
+
+def run_case(
+    subject_factory: Callable[[FakeClock], Any], case: Any, ref_cls: type = ReferenceIndex
+) -> None:
+    prompts, hash_mod, ops = case
+    clock = FakeClock()
+    subject = subject_factory(clock)
+
+    async def go() -> None:
+        try:
+            await Harness(subject, ref_cls(clock), clock, prompts, hash_mod).run(ops)
+        finally:
+            if hasattr(subject, "close"):
+                await subject.close()
+
+    asyncio.run(go())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=case_st)
+def test_memory_backend_matches_reference(case: Any) -> None:
+    run_case(lambda clock: MemoryIndex(clock=clock), case)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=case_st)
+def test_redis_backend_matches_reference(case: Any, redis_server: Any) -> None:
+    import uuid
+
+    from indexer.redis_backend import RedisIndex
+
+    run_case(
+        lambda clock: RedisIndex(redis_server.url, prefix=f"p{uuid.uuid4().hex[:8]}", clock=clock),
+        case,
+    )
+
+
+@pytest.mark.parametrize("bug", sorted(BROKEN))
+def test_broken_model_is_caught(bug: str) -> None:
+    """The harness must tell a correct backend from each broken model."""
+
+    # Deterministic and without shrinking: only "is a counterexample found" matters.
+    @settings(
+        max_examples=3000,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=case_st)
+    def prop(case: Any) -> None:
+        run_case(lambda clock: MemoryIndex(clock=clock), case, BROKEN[bug])
+
+    with pytest.raises(AssertionError):
+        prop()

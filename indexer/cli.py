@@ -1,0 +1,84 @@
+"""``kvmesh indexer …`` subcommands: ``serve`` runs one indexer replica.
+
+Flags override environment variables (``KVMESH_INDEXER_…``), which override
+the ``--config`` file, which overrides the defaults (indexer/config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from indexer.config import ConfigError, IndexerConfig, load_config
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add the ``indexer`` command (with ``serve``) to a ``kvmesh`` subparser set."""
+    p = subparsers.add_parser("indexer", help="the KV-cache indexer service")
+    sub = p.add_subparsers(dest="indexer_command", metavar="COMMAND", required=True)
+    s = sub.add_parser(
+        "serve",
+        help="run one indexer replica until SIGTERM/SIGINT",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON config file")
+    s.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 in a container)")
+    s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (default 9464; 0 disables)")
+    s.add_argument("--backend", choices=["memory", "redis"], help="index backend (default memory)")
+    s.add_argument("--redis-url", help="Redis URL for --backend redis")
+    s.add_argument("--redis-prefix", help="prefix of every Redis key (default kvm)")
+    s.add_argument("--block-size", type=int, help="tokens per block (default 16)")
+    s.add_argument("--max-match-blocks", type=int, help="most blocks one Match looks at")
+    s.add_argument("--max-message-bytes", type=int, help="largest gRPC message")
+    s.add_argument("--max-concurrent-rpcs", type=int, help="overload guard (0: no limit)")
+    s.add_argument("--default-lease-ttl", type=float, metavar="SECONDS")
+    s.add_argument("--shutdown-grace", type=float, metavar="SECONDS")
+    s.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.add_argument("--log-format", choices=["text", "json"])
+    s.add_argument(
+        "--print-config", action="store_true", help="print the effective config as JSON and exit"
+    )
+
+
+def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The nested config dict given by the flags of ``indexer serve`` (None = not given)."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": args.metrics_port,
+        "backend": args.backend,
+        "redis": {"url": args.redis_url, "prefix": args.redis_prefix},
+        "block_size": args.block_size,
+        "limits": {
+            "max_match_blocks": args.max_match_blocks,
+            "max_message_bytes": args.max_message_bytes,
+            "max_concurrent_rpcs": args.max_concurrent_rpcs,
+        },
+        "default_lease_ttl_s": args.default_lease_ttl,
+        "shutdown_grace_s": args.shutdown_grace,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+    }
+
+
+def config_from_args(args: argparse.Namespace) -> IndexerConfig:
+    """Load the effective config for parsed ``indexer serve`` arguments."""
+    return load_config(args.config, cli=cli_overrides(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute an ``indexer`` subcommand; return the exit code."""
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"kvmesh indexer serve: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config.model_dump_json(indent=2))
+        return 0
+    from indexer.server import run as run_server
+
+    return run_server(config)

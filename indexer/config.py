@@ -1,0 +1,356 @@
+"""Configuration of the indexer service: one typed model, four layers.
+
+Precedence, highest first: command-line flags > environment variables
+``KVMESH_INDEXER_<FIELD>`` (nested fields joined by ``__``, e.g.
+``KVMESH_INDEXER_REDIS__URL``, ``KVMESH_INDEXER_LIMITS__MAX_MATCH_BLOCKS``) >
+a config file (YAML, TOML or JSON, chosen by extension) > the defaults below.
+Unknown keys are rejected in every layer, naming the key and where it came
+from, so a typo never silently falls back to a default.
+
+Example file (YAML)::
+
+    host: 0.0.0.0
+    backend: redis
+    redis:
+      url: redis://redis:6379/0
+    block_size: 16
+    model_block_sizes:
+      deepseek-ai/DeepSeek-V3: 64
+    limits:
+      max_match_blocks: 8192
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from indexer.index import Index
+
+#: Prefix of the environment variables read by :func:`load_config`.
+ENV_PREFIX = "KVMESH_INDEXER_"
+
+#: Nested-field separator inside environment variable names.
+ENV_NESTED_SEP = "__"
+
+#: Worst-case wire bytes of one token id in a packed ``repeated int64`` field
+#: (a varint of a value below 2^32 takes at most 5 bytes).
+_WIRE_BYTES_PER_TOKEN = 5
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message lists every problem."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class RedisSettings(_Strict):
+    """How to reach the shared Redis (used when ``backend`` is ``"redis"``)."""
+
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis URL (redis://, rediss:// or unix://).",
+    )
+    prefix: str = Field(
+        default="kvm",
+        min_length=1,
+        description="Prefix of every Redis key; replicas sharing an index use the same one.",
+    )
+    socket_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Socket connect/read timeout. A Match is one round trip, so a short "
+        "timeout turns a hung Redis into UNAVAILABLE quickly instead of stalling routers.",
+    )
+
+
+class Limits(_Strict):
+    """Request size caps and the overload guard."""
+
+    max_match_blocks: int = Field(
+        default=8192,
+        ge=1,
+        description="Most blocks one Match may look at (also the default when a request "
+        "sends max_blocks=0). A longer prompt without max_blocks is INVALID_ARGUMENT.",
+    )
+    max_events_per_batch: int = Field(
+        default=4096, ge=1, description="Most events in one EventBatch (INVALID_ARGUMENT beyond)."
+    )
+    max_blocks_per_event: int = Field(
+        default=4096, ge=1, description="Most block hashes in one BlockStored/BlockRemoved event."
+    )
+    max_message_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=4096,
+        description="Largest request or response message; grpc itself answers "
+        "RESOURCE_EXHAUSTED for a larger one.",
+    )
+    max_concurrent_rpcs: int = Field(
+        default=1024,
+        ge=0,
+        description="Most IndexerService calls in flight on this replica (an open stream "
+        "counts as one); beyond it a call is refused with RESOURCE_EXHAUSTED. 0: no limit.",
+    )
+    max_lease_ttl_s: float = Field(
+        default=3600.0, gt=0, description="Longest lease a registration may ask for."
+    )
+
+
+class IndexerConfig(_Strict):
+    """Configuration of one indexer replica (``kvmesh indexer serve``).
+
+    The default ``host`` is loopback: the service has no authentication, so
+    listening on every interface is an explicit choice. A container sets
+    ``KVMESH_INDEXER_HOST=0.0.0.0`` (the Helm chart does).
+    """
+
+    host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="Address to listen on for gRPC and metrics; 0.0.0.0 (or ::) in a container.",
+    )
+    port: int = Field(default=50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    metrics_port: int = Field(
+        default=9464,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics port; 0 disables the endpoint.",
+    )
+    backend: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="memory: in-process, for one replica; redis: shared by all replicas.",
+    )
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    block_size: int = Field(
+        default=16, ge=1, le=65536, description="Tokens per block, for models without an override."
+    )
+    model_block_sizes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per-model block size overrides, model name -> tokens per block.",
+    )
+    limits: Limits = Field(default_factory=Limits)
+    default_lease_ttl_s: float = Field(
+        default=30.0, gt=0, description="Lease of a registration that asks for 0 seconds."
+    )
+    reap_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often expired instances are dropped with their blocks. Expired "
+        "instances are invisible to Match at once; reaping only frees memory.",
+    )
+    health_check_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often the backend is pinged to drive grpc.health.v1 status.",
+    )
+    shutdown_grace_s: float = Field(
+        default=10.0, ge=0, description="On SIGTERM, how long in-flight calls may take to finish."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one JSON object per line, for log collectors."
+    )
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> IndexerConfig:
+        for model, size in self.model_block_sizes.items():
+            if not model:
+                raise ValueError("model_block_sizes: empty model name")
+            if not 1 <= size <= 65536:
+                raise ValueError(f"model_block_sizes[{model!r}]: must be in [1, 65536]")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port and port are both {self.port}")
+        lim = self.limits
+        if self.default_lease_ttl_s > lim.max_lease_ttl_s:
+            raise ValueError(
+                f"default_lease_ttl_s ({self.default_lease_ttl_s}) exceeds "
+                f"limits.max_lease_ttl_s ({lim.max_lease_ttl_s})"
+            )
+        # A prompt at the block cap must fit in one message, else the cap's
+        # INVALID_ARGUMENT could never be reached (grpc would refuse first).
+        need = lim.max_match_blocks * self.max_block_size * _WIRE_BYTES_PER_TOKEN + 1024
+        if need > lim.max_message_bytes:
+            raise ValueError(
+                f"limits.max_message_bytes ({lim.max_message_bytes}) cannot carry a prompt of "
+                f"limits.max_match_blocks ({lim.max_match_blocks}) blocks of "
+                f"{self.max_block_size} tokens (~{need} bytes); raise it or lower the cap"
+            )
+        for name in ("reap_interval_s", "health_check_interval_s", "shutdown_grace_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be finite")
+        return self
+
+    @property
+    def max_block_size(self) -> int:
+        """The largest block size of any model."""
+        return max([self.block_size, *self.model_block_sizes.values()])
+
+    def block_size_for(self, model: str) -> int:
+        """Tokens per block for ``model`` (its override, else ``block_size``)."""
+        return self.model_block_sizes.get(model, self.block_size)
+
+
+# -- loading ------------------------------------------------------------------
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) config file to a dict."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
+    suffix = p.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            data: Any = yaml.safe_load(text)
+        elif suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {p}: unknown extension (use .yaml, .toml or .json)")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {p}: cannot parse: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping")
+    return data
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The nested dict given by ``KVMESH_INDEXER_…`` variables of ``environ``.
+
+    Values stay strings (pydantic converts them), except that a value starting
+    with ``{`` or ``[`` is parsed as JSON (for maps such as model_block_sizes).
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTED_SEP)]
+        value: Any = raw
+        if raw.lstrip()[:1] in ("{", "["):
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"environment {name}: invalid JSON: {e}") from e
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"environment {name}: {part} is both a value and a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _unknown_keys(data: Mapping[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
+    unknown: list[str] = []
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            unknown.append(f"{prefix}{key}")
+            continue
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel) and isinstance(value, Mapping):
+            unknown += _unknown_keys(value, sub, f"{prefix}{key}.")
+    return unknown
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _describe(source: str, key: str) -> str:
+    if source == "environment":
+        env = ENV_PREFIX + key.replace(".", ENV_NESTED_SEP).upper()
+        return f"unknown key {key!r} (environment variable {env})"
+    return f"unknown key {key!r} ({source})"
+
+
+def load_config(
+    file: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+) -> IndexerConfig:
+    """Build the config from defaults < ``file`` < environment < ``cli`` overrides.
+
+    ``cli`` is a nested dict of values given on the command line (``None``
+    values are skipped). Raises :class:`ConfigError` listing unknown keys with
+    their source, or every validation problem with its field.
+    """
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if file is not None:
+        layers.append((f"config file {file}", read_config_file(file)))
+    layers.append(("environment", env_overrides(environ)))
+    if cli:
+        layers.append(("command line", _drop_none(cli)))
+    problems: list[str] = []
+    merged: dict[str, Any] = {}
+    for source, data in layers:
+        problems += [_describe(source, k) for k in _unknown_keys(data, IndexerConfig, "")]
+        merged = _merge(merged, data)
+    if problems:
+        valid = ", ".join(sorted(IndexerConfig.model_fields))
+        raise ConfigError("; ".join(problems) + f". Valid top-level keys: {valid}")
+    try:
+        return IndexerConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from e
+
+
+def _drop_none(data: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            sub = _drop_none(value)
+            if sub:
+                out[key] = sub
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per problem: ``field.path: message``."""
+    lines = []
+    for item in err.errors():
+        loc = ".".join(str(p) for p in item["loc"]) or "config"
+        lines.append(f"{loc}: {item['msg']}")
+    return "invalid indexer config: " + "; ".join(lines)
+
+
+def build_index(config: IndexerConfig) -> Index:
+    """The backend ``config.backend`` names, configured from ``config``.
+
+    Building does not connect: a Redis that is down at start makes calls
+    UNAVAILABLE (and health NOT_SERVING) until it comes up.
+    """
+    if config.backend == "memory":
+        from indexer.memory import MemoryIndex
+
+        return MemoryIndex()
+    from indexer.redis_backend import RedisIndex
+
+    r = config.redis
+    return RedisIndex(r.url, prefix=r.prefix, socket_timeout_s=r.socket_timeout_s)

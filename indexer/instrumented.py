@@ -1,0 +1,296 @@
+"""Metrics and traces: the :class:`InstrumentedIndex` decorator and the metric set.
+
+Prometheus metrics live in a per-server :class:`Metrics` registry (so several
+servers in one process, as in tests, never collide). OpenTelemetry spans are
+created only when tracing is configured through the standard ``OTEL_*``
+environment variables (see :func:`configure_tracing`); otherwise no span
+object is ever built, so tracing off costs one attribute check per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from indexer.errors import KvmeshError
+from indexer.index import Index
+from indexer.model import (
+    ApplyResult,
+    EventBatch,
+    IndexDump,
+    IndexStats,
+    InstanceId,
+    InstanceMatch,
+    InstanceSpec,
+    InstanceState,
+    Namespace,
+)
+
+log = logging.getLogger(__name__)
+
+#: Latency buckets in seconds. A memory-backend Match takes tens of
+#: microseconds and a Redis one a round trip (~0.1-1 ms), so the buckets start
+#: far below prometheus_client's default 5 ms floor.
+LATENCY_BUCKETS = (
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    1.0,
+    5.0,
+)
+
+TRACER_NAME = "kvmesh.indexer"
+
+
+class Metrics:
+    """The indexer's Prometheus metrics, in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.backend_seconds = Histogram(
+            "kvmesh_indexer_backend_seconds",
+            "Latency of index backend calls.",
+            ["backend", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.backend_errors = Counter(
+            "kvmesh_indexer_backend_errors_total",
+            "Failed index backend calls by gRPC status code.",
+            ["backend", "method", "code"],
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "kvmesh_indexer_backend_up", "1 while the backend answers pings.", registry=r
+        )
+        self.rpc_seconds = Histogram(
+            "kvmesh_indexer_rpc_seconds",
+            "Latency of IndexerService calls (streams: whole stream).",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rpcs = Counter(
+            "kvmesh_indexer_rpcs_total",
+            "Finished IndexerService calls by gRPC status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.rpcs_in_flight = Gauge(
+            "kvmesh_indexer_rpcs_in_flight", "IndexerService calls in progress.", registry=r
+        )
+
+    def watch_counters(self, read: Callable[[], dict[str, int]]) -> None:
+        """Export each ``name -> value`` of ``read()`` as ``kvmesh_indexer_<name>_total``."""
+        self.registry.register(_CallbackCounters(read))
+
+
+class _CallbackCounters(Collector):
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        for name, value in self._read().items():
+            yield CounterMetricFamily(
+                f"kvmesh_indexer_{name}", f"Replica counter {name}.", value=value
+            )
+
+
+# -- tracing --------------------------------------------------------------------
+
+_tracing_on = False
+
+
+def tracing_enabled() -> bool:
+    """Whether :func:`configure_tracing` set up an SDK tracer provider."""
+    return _tracing_on
+
+
+def configure_tracing(environ: dict[str, str] | None = None) -> bool:
+    """Set up the OpenTelemetry SDK from ``OTEL_*`` variables, only if any asks for it.
+
+    Tracing is on when ``OTEL_TRACES_EXPORTER`` names an exporter other than
+    ``none`` or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its traces variant) is set,
+    and ``OTEL_SDK_DISABLED`` is not ``true``. ``console`` prints spans;
+    ``otlp`` needs the ``opentelemetry-exporter-otlp`` package. Returns
+    whether tracing is on.
+    """
+    global _tracing_on
+    env = dict(os.environ) if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if exporter in ("", "none") and not (endpoint and exporter != "none"):
+        return False
+    if _tracing_on:
+        return True
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+        SpanExporter,
+    )
+
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "kvmesh-indexer")})
+    provider = TracerProvider(resource=resource)
+    if exporter == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    else:
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
+                OTLPSpanExporter,
+            )
+        except ImportError:
+            log.warning(
+                "OTEL_* asks for OTLP traces but opentelemetry-exporter-otlp is not "
+                "installed; tracing stays off"
+            )
+            return False
+        otlp: SpanExporter = OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(otlp))
+    trace.set_tracer_provider(provider)
+    _tracing_on = True
+    log.info("OpenTelemetry tracing on (exporter %s)", exporter or "otlp")
+    return True
+
+
+# -- the decorator --------------------------------------------------------------
+
+
+class InstrumentedIndex(Index):
+    """An :class:`Index` that records latency, errors and spans of another one.
+
+    Semantics, thread-safety and return values are those of the wrapped index.
+    """
+
+    def __init__(self, inner: Index, metrics: Metrics, *, tracing: bool | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.metrics = metrics
+        self._tracing = tracing_enabled() if tracing is None else tracing
+        self._tracer = trace.get_tracer(TRACER_NAME) if self._tracing else None
+        self._hist = {
+            m: metrics.backend_seconds.labels(inner.name, m)
+            for m in (
+                "register",
+                "heartbeat",
+                "remove_instance",
+                "list_instances",
+                "apply",
+                "match",
+                "reap_expired",
+                "stats",
+                "dump",
+                "ping",
+            )
+        }
+
+    @contextlib.contextmanager
+    def _observe(
+        self, method: str, attrs: dict[str, Any] | None = None, *, span: bool = True
+    ) -> Iterator[None]:
+        span_cm: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if span and self._tracer is not None:
+            span_cm = self._tracer.start_as_current_span(
+                f"index.{method}",
+                attributes={"kvmesh.backend": self.name, **(attrs or {})},
+            )
+        start = time.perf_counter()
+        with span_cm:
+            try:
+                yield
+            except KvmeshError as e:
+                self.metrics.backend_errors.labels(self.name, method, e.code).inc()
+                raise
+            except Exception:
+                self.metrics.backend_errors.labels(self.name, method, "INTERNAL").inc()
+                raise
+            finally:
+                self._hist[method].observe(time.perf_counter() - start)
+
+    async def register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
+        """See :meth:`Index.register`."""
+        with self._observe("register"):
+            return await self.inner.register(spec)
+
+    async def heartbeat(self, instance: InstanceId) -> InstanceState:
+        """See :meth:`Index.heartbeat`."""
+        with self._observe("heartbeat"):
+            return await self.inner.heartbeat(instance)
+
+    async def remove_instance(self, instance: InstanceId) -> int:
+        """See :meth:`Index.remove_instance`."""
+        with self._observe("remove_instance"):
+            return await self.inner.remove_instance(instance)
+
+    async def list_instances(self, model: str = "") -> list[InstanceState]:
+        """See :meth:`Index.list_instances`."""
+        with self._observe("list_instances"):
+            return await self.inner.list_instances(model)
+
+    async def apply(self, batch: EventBatch) -> ApplyResult:
+        """See :meth:`Index.apply`."""
+        with self._observe("apply", {"kvmesh.events": len(batch.events)}):
+            return await self.inner.apply(batch)
+
+    async def match(
+        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+    ) -> list[InstanceMatch]:
+        """See :meth:`Index.match`."""
+        with self._observe("match", {"kvmesh.blocks": len(keys)}):
+            return await self.inner.match(namespace, keys, include_stale=include_stale)
+
+    async def reap_expired(self) -> list[InstanceId]:
+        """See :meth:`Index.reap_expired`."""
+        with self._observe("reap_expired"):
+            return await self.inner.reap_expired()
+
+    async def stats(self) -> IndexStats:
+        """See :meth:`Index.stats`."""
+        with self._observe("stats"):
+            return await self.inner.stats()
+
+    async def dump(self) -> IndexDump:
+        """See :meth:`Index.dump`."""
+        with self._observe("dump"):
+            return await self.inner.dump()
+
+    async def ping(self) -> None:
+        """See :meth:`Index.ping`; also sets ``kvmesh_indexer_backend_up``."""
+        try:
+            # No span: the health monitor pings every second; traces would drown in them.
+            with self._observe("ping", span=False):
+                await self.inner.ping()
+        except BaseException:
+            self.metrics.backend_up.set(0)
+            raise
+        self.metrics.backend_up.set(1)
+
+    async def close(self) -> None:
+        """Close the wrapped index."""
+        await self.inner.close()

@@ -1,0 +1,542 @@
+"""gRPC transport of ``kvmesh.indexer.v1.IndexerService`` (grpc.aio, uvloop when present).
+
+Transport only: messages are converted by indexer/convert.py and handled by
+indexer/service.py. Every IndexerService method but ``Ping`` goes through one
+decorator, :func:`_rpc`, which
+
+- maps a :class:`~indexer.errors.KvmeshError` to the status its ``code``
+  names (the field goes into the message and the ``kvmesh-error-field``
+  trailing metadata) and any other exception to INTERNAL with a log line, so
+  no call ever ends UNKNOWN;
+- refuses a call beyond ``limits.max_concurrent_rpcs`` with RESOURCE_EXHAUSTED;
+- records per-method latency and status counts, and a server span when
+  tracing is on.
+
+Message size: a request larger than ``limits.max_message_bytes`` is refused by
+grpc itself with RESOURCE_EXHAUSTED before any handler runs (the caps on
+blocks per Match and events per batch, checked by the logic, answer
+INVALID_ARGUMENT naming the field).
+
+The server also serves ``grpc.health.v1`` (SERVING / NOT_SERVING following the
+backend, for both ``""`` and the service name) and server reflection, and on
+:meth:`IndexerServer.stop` stops accepting calls, lets in-flight ones finish
+within the grace period and closes the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import propagate, trace
+
+from indexer import convert
+from indexer.config import IndexerConfig, build_index
+from indexer.errors import KvmeshError, ResourceExhausted
+from indexer.index import Index
+from indexer.instrumented import InstrumentedIndex, Metrics, configure_tracing, tracing_enabled
+from indexer.service import IndexerLogic
+from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+#: Full name of the service, as health checks and reflection know it.
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
+
+#: Trailing metadata key carrying the offending field of an error.
+ERROR_FIELD_METADATA = "kvmesh-error-field"
+
+_PING_RESPONSE = pb.PingResponse()
+
+_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+_G = TypeVar("_G", bound=Callable[..., AsyncIterator[Any]])
+
+
+def status_code(kvmesh_code: str) -> grpc.StatusCode:
+    """The grpc.StatusCode a KvmeshError code names (INTERNAL for UNKNOWN or a bad name)."""
+    code = getattr(grpc.StatusCode, kvmesh_code, grpc.StatusCode.INTERNAL)
+    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
+        return grpc.StatusCode.INTERNAL
+    return code
+
+
+class _CallScope:
+    """Admission, metrics and span of one call (shared by unary and stream wrappers)."""
+
+    __slots__ = ("_span_cm", "_start", "code", "method", "servicer")
+
+    def __init__(self, servicer: IndexerServicer, method: str) -> None:
+        self.servicer = servicer
+        self.method = method
+        self.code = "OK"
+        self._start = 0.0
+        self._span_cm: contextlib.AbstractContextManager[Any] | None = None
+
+    def enter(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        s = self.servicer
+        limit = s.max_concurrent_rpcs
+        if limit and s.in_flight >= limit:
+            self.code = "RESOURCE_EXHAUSTED"
+            s.metrics.rpcs.labels(self.method, self.code).inc()
+            raise ResourceExhausted(
+                f"server overloaded: {limit} calls in flight (limits.max_concurrent_rpcs); retry"
+            )
+        s.in_flight += 1
+        s.metrics.rpcs_in_flight.inc()
+        self._start = time.perf_counter()
+        if s.tracing:
+            carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+            self._span_cm = trace.get_tracer("kvmesh.indexer").start_as_current_span(
+                f"{SERVICE_NAME}/{self.method}",
+                context=propagate.extract(carrier),
+                kind=trace.SpanKind.SERVER,
+                attributes={"rpc.system": "grpc", "rpc.method": self.method},
+            )
+            self._span_cm.__enter__()
+
+    def exit(self) -> None:
+        s = self.servicer
+        s.in_flight -= 1
+        m = s.metrics
+        m.rpcs_in_flight.dec()
+        m.rpc_seconds.labels(self.method).observe(time.perf_counter() - self._start)
+        m.rpcs.labels(self.method, self.code).inc()
+        if self._span_cm is not None:
+            span = trace.get_current_span()
+            span.set_attribute("rpc.grpc.status_code", self.code)
+            self._span_cm.__exit__(None, None, None)
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], scope: _CallScope, err: BaseException
+) -> None:
+    """End the call with the status ``err`` maps to (never UNKNOWN)."""
+    if isinstance(err, KvmeshError):
+        code = status_code(err.code)
+        if err.field:
+            context.set_trailing_metadata(((ERROR_FIELD_METADATA, err.field),))
+        details = str(err)
+    else:
+        log.error(
+            "internal error in %s: %r",
+            scope.method,
+            err,
+            exc_info=(type(err), err, err.__traceback__),
+        )
+        code = grpc.StatusCode.INTERNAL
+        details = f"internal error: {type(err).__name__}"
+    scope.code = code.name
+    await context.abort(code, details)
+
+
+def _rpc(method: str) -> Callable[[_F], _F]:
+    """The error/admission/metrics wrapper of a unary IndexerService method."""
+
+    def deco(fn: _F) -> _F:
+        @functools.wraps(fn)
+        async def wrapper(
+            self: IndexerServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> Any:
+            scope = _CallScope(self, method)
+            try:
+                scope.enter(context)
+            except KvmeshError as e:
+                await _abort(context, scope, e)
+                raise  # pragma: no cover - abort raises
+            try:
+                return await fn(self, request, context)
+            except asyncio.CancelledError:
+                scope.code = "CANCELLED"
+                raise
+            except Exception as e:
+                if _is_abort(e):
+                    raise
+                await _abort(context, scope, e)
+                raise  # pragma: no cover - abort raises
+            finally:
+                scope.exit()
+
+        wrapper.__kvmesh_rpc__ = method  # type: ignore[attr-defined]
+        return cast(_F, wrapper)
+
+    return deco
+
+
+def _rpc_stream(method: str) -> Callable[[_G], _G]:
+    """The same wrapper as :func:`_rpc` for a streaming-response method."""
+
+    def deco(fn: _G) -> _G:
+        @functools.wraps(fn)
+        async def wrapper(
+            self: IndexerServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            scope = _CallScope(self, method)
+            try:
+                scope.enter(context)
+            except KvmeshError as e:
+                await _abort(context, scope, e)
+                return  # pragma: no cover - abort raises
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except asyncio.CancelledError:
+                scope.code = "CANCELLED"
+                raise
+            except Exception as e:
+                if _is_abort(e):
+                    raise
+                await _abort(context, scope, e)
+            finally:
+                scope.exit()
+
+        wrapper.__kvmesh_rpc__ = method  # type: ignore[attr-defined]
+        return cast(_G, wrapper)
+
+    return deco
+
+
+def _is_abort(e: BaseException) -> bool:
+    # grpc.aio raises its AbortError out of context.abort(); let it through.
+    return type(e).__name__ == "AbortError"
+
+
+class IndexerServicer(pb_grpc.IndexerServiceServicer):
+    """grpc.aio servicer: converts messages and calls :class:`IndexerLogic`."""
+
+    def __init__(self, logic: IndexerLogic, metrics: Metrics) -> None:
+        self.logic = logic
+        self.metrics = metrics
+        self.max_concurrent_rpcs = logic.config.limits.max_concurrent_rpcs
+        self.in_flight = 0
+        self.tracing = tracing_enabled()
+
+    @_rpc("RegisterInstance")
+    async def RegisterInstance(
+        self, request: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RegisterInstanceResponse:
+        """Register (or re-register) an instance and start its lease."""
+        state, reset = await self.logic.register(convert.spec_from_pb(request))
+        return pb.RegisterInstanceResponse(info=convert.state_to_pb(state), reset=reset)
+
+    @_rpc("Heartbeat")
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.HeartbeatResponse:
+        """Renew an instance's lease."""
+        state = await self.logic.heartbeat(convert.instance_from_pb(request.instance))
+        return pb.HeartbeatResponse(lease_expires_at=state.lease_expires_at, stale=state.stale)
+
+    @_rpc("RemoveInstance")
+    async def RemoveInstance(
+        self, request: pb.RemoveInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RemoveInstanceResponse:
+        """Drop an instance and all its blocks."""
+        n = await self.logic.remove_instance(convert.instance_from_pb(request.instance))
+        return pb.RemoveInstanceResponse(blocks_removed=n)
+
+    @_rpc("ListInstances")
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListInstancesResponse:
+        """List registered instances."""
+        states = await self.logic.list_instances(request.model)
+        return pb.ListInstancesResponse(instances=[convert.state_to_pb(s) for s in states])
+
+    @_rpc("PublishEvents")
+    async def PublishEvents(
+        self, request: pb.PublishEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PublishEventsResponse:
+        """Apply one batch; a rejected batch is the call's error status."""
+        result = await self.logic.publish(convert.batch_from_pb(request.batch))
+        return pb.PublishEventsResponse(ack=convert.ack_to_pb(request.batch, result))
+
+    @_rpc_stream("PublishEventsStream")
+    async def PublishEventsStream(
+        self,
+        request_iterator: AsyncIterator[pb.PublishEventsStreamRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.PublishEventsStreamResponse]:
+        """Apply batches in order, one ack each; a rejected batch is reported in its ack."""
+        async for request in request_iterator:
+            batch = request.batch
+            try:
+                result = await self.logic.publish(convert.batch_from_pb(batch))
+                ack = convert.ack_to_pb(batch, result)
+            except KvmeshError as e:
+                ack = convert.rejected_ack_to_pb(batch, e)
+            except Exception as e:
+                log.exception("internal error applying batch %d of a stream", batch.sequence)
+                ack = convert.rejected_ack_to_pb(
+                    batch, KvmeshError(f"internal error: {type(e).__name__}")
+                )
+            yield pb.PublishEventsStreamResponse(ack=ack)
+
+    @_rpc("Match")
+    async def Match(
+        self, request: pb.MatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.MatchResponse:
+        """Which live instances hold the longest prefix of a prompt."""
+        result = await self.logic.match(convert.match_query_from_pb(request))
+        return convert.match_result_to_pb(result)
+
+    @_rpc("GetStats")
+    async def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetStatsResponse:
+        """Index sizes plus this replica's counters."""
+        return convert.stats_to_pb(await self.logic.stats())
+
+    async def Ping(
+        self, request: pb.PingRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PingResponse:
+        """Does no work (not wrapped: it cannot fail, and it is the latency floor)."""
+        return _PING_RESPONSE
+
+
+def _host_port(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+class IndexerServer:
+    """A running indexer: gRPC server, health, reflection, metrics, background tasks."""
+
+    def __init__(
+        self,
+        config: IndexerConfig,
+        index: Index,
+        *,
+        owns_index: bool,
+    ) -> None:
+        self.config = config
+        #: The backend as given or built (not the instrumented wrapper).
+        self.index = index
+        self.metrics = Metrics()
+        self.metrics.watch_counters(self._counter_values)
+        self._instrumented = InstrumentedIndex(index, self.metrics)
+        self._owns_index = owns_index
+        self.health = health.aio.HealthServicer()
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self.logic = IndexerLogic(
+            self._instrumented, config, on_backend_health=self._on_backend_health
+        )
+        lim = config.limits
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", lim.max_message_bytes),
+                ("grpc.max_send_message_length", lim.max_message_bytes),
+                # Fail loudly when the port is taken instead of sharing it.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self.servicer = IndexerServicer(self.logic, self.metrics)
+        pb_grpc.add_IndexerServiceServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_http: Any = None
+        self._stopped = False
+        self._terminated = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (for a client to dial)."""
+        return _host_port(self.config.host, self.port)
+
+    def _counter_values(self) -> dict[str, int]:
+        c = self.logic.counters
+        return {
+            "batches_applied": c.batches_applied,
+            "batches_duplicate": c.batches_duplicate,
+            "batches_rejected": c.batches_rejected,
+            "sequence_gaps": c.sequence_gaps,
+            "matches": c.matches,
+            "matched_blocks": c.matched_blocks,
+            "instances_reaped": c.instances_reaped,
+            "reap_errors": c.reap_errors,
+        }
+
+    def _on_backend_health(self, ok: bool) -> None:
+        if self._stopped:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ok
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.metrics.backend_up.set(1 if ok else 0)
+        task = asyncio.get_running_loop().create_task(self._set_health(status))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        """Bind, start serving, and start background tasks."""
+        cfg = self.config
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            self.port = self._server.add_insecure_port(_host_port(cfg.host, cfg.port))
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {_host_port(cfg.host, cfg.port)}: {e}") from e
+        if self.port == 0:
+            raise OSError(f"cannot listen on {_host_port(cfg.host, cfg.port)}")
+        await self._server.start()
+        await self.logic.check_backend()
+        self.logic.start()
+        if cfg.metrics_port:
+            from prometheus_client import start_http_server
+
+            try:
+                self._metrics_http, _ = start_http_server(
+                    cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry
+                )
+            except OSError as e:
+                await self.stop(0)
+                raise OSError(
+                    f"cannot serve metrics on {_host_port(cfg.host, cfg.metrics_port)}: {e}"
+                ) from e
+            self.metrics_port = self._metrics_http.server_port
+        log.info(
+            "kvmesh indexer serving on %s (backend %s, block size %d)%s",
+            self.address,
+            self.index.name,
+            cfg.block_size,
+            f", metrics on :{self.metrics_port}" if self.metrics_port else "",
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let in-flight ones finish within ``grace`` seconds
+        (default ``shutdown_grace_s``), then stop background tasks and close the
+        backend (when the server built it). Idempotent."""
+        if self._stopped:
+            await self._terminated.wait()
+            return
+        self._stopped = True
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        try:
+            await self.health.enter_graceful_shutdown()
+            await self._server.stop(grace)
+            await self.logic.stop()
+            for t in list(self._health_tasks):
+                t.cancel()
+            if self._owns_index:
+                try:
+                    await self.index.close()
+                except Exception:
+                    log.exception("closing the backend failed")
+            if self._metrics_http is not None:
+                http = self._metrics_http
+                await asyncio.get_running_loop().run_in_executor(None, http.shutdown)
+                http.server_close()
+        finally:
+            self._terminated.set()
+            log.info("kvmesh indexer stopped")
+
+    async def wait_for_termination(self) -> None:
+        """Wait until :meth:`stop` has finished."""
+        await self._terminated.wait()
+
+
+async def start_server(config: IndexerConfig, index: Index | None = None) -> IndexerServer:
+    """Start an indexer server for ``config``.
+
+    ``index`` defaults to the backend the config names (built here, and closed
+    by :meth:`IndexerServer.stop`); an index passed in is left open for the
+    caller. ``config.port`` 0 picks a free port, see ``server.port``.
+    """
+    configure_tracing()
+    owns = index is None
+    if index is None:
+        index = build_index(config)
+    server = IndexerServer(config, index, owns_index=owns)
+    try:
+        await server.start()
+    except BaseException:
+        if owns:
+            with contextlib.suppress(Exception):
+                await index.close()
+        raise
+    return server
+
+
+# -- the blocking entry point ----------------------------------------------------------
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": record.created,
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(config: IndexerConfig) -> None:
+    """Configure root logging from ``log_level`` and ``log_format`` (to stderr)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.log_level)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop when uvloop is installed, else the default one."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop ships on Linux and macOS
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+async def serve_until_signal(config: IndexerConfig) -> int:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully; return an exit code."""
+    try:
+        server = await start_server(config)
+    except (OSError, KvmeshError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining in-flight calls (grace %.1fs)", config.shutdown_grace_s)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    await server.stop()
+    return 0
+
+
+def run(config: IndexerConfig) -> int:
+    """Run an indexer in the foreground (the CLI's ``indexer serve``); return an exit code."""
+    setup_logging(config)
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(serve_until_signal(config))

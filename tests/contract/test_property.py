@@ -250,7 +250,7 @@ def test_memory_backend_matches_reference(case: Any) -> None:
     run_case(lambda clock: MemoryIndex(clock=clock), case)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=case_st)
 def test_redis_backend_matches_reference(case: Any, redis_server: Any) -> None:
     import uuid

@@ -1,0 +1,165 @@
+-- Apply one event batch atomically.
+-- KEYS: instance hash.
+-- ARGV: base, now, seq, model, name,
+--   nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
+--   nn, then nn pairs (ns id, model \0 lora) to register,
+--   then ops:  'S' ns tierbit parent hashes keys | 'R' mask hashes | 'C'
+--   (hashes and keys packed as 8-byte big-endian words; parent '' = no check).
+-- Returns {'noreg'} | {'model'} | {'retry'} |
+--   {'dup', seq, stale, exp, n} |
+--   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, retired ids...}
+local meta = KEYS[1]
+local now = tonumber(ARGV[2])
+local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n')
+if not h[1] then
+  return {'noreg'}
+end
+if h[2] ~= ARGV[4] then
+  return {'model'}
+end
+local exp = string.format('%.17g', now + tonumber(h[3]))
+redis.call('HSET', meta, 'exp', exp)
+redis.call('ZADD', B .. 'lease', exp, ARGV[5])
+local revived = tonumber(h[6]) <= now
+local stale = h[5] == '1'
+local last = nil
+if h[4] then
+  last = tonumber(h[4])
+end
+local seq = tonumber(ARGV[3])
+if last and seq <= last then
+  if revived then
+    bump_gen()
+  end
+  return {'dup', h[4], stale and 1 or 0, exp, h[7]}
+end
+local gap = last ~= nil and seq > last + 1
+local id = h[1]
+local ek = B .. 'e:' .. id
+-- Parents the caller resolved before the batch: all must be exact, checked before
+-- any write, so that the caller's key chain and orphan prediction hold.
+local p = 6
+local nb = tonumber(ARGV[p])
+for j = 1, nb do
+  local v = redis.call('HGET', ek, ARGV[p + 2 * j - 1])
+  if (v or '') ~= ARGV[p + 2 * j] then
+    return {'retry'}
+  end
+end
+p = p + 2 * nb + 1
+local nn = tonumber(ARGV[p])
+for j = 1, nn do
+  redis.call('HSETNX', B .. 'ns', ARGV[p + 2 * j - 1], ARGV[p + 2 * j])
+end
+p = p + 2 * nn + 1
+local n = tonumber(h[7])
+local stored, removed, orphaned = 0, 0, 0
+local cleared = false
+local retired = {}
+local bpre = B .. 'b:'
+local sub = string.sub
+while p <= #ARGV do
+  local op = ARGV[p]
+  if op == 'S' then
+    local ns, tb, parent, hb, kb = ARGV[p + 1], tonumber(ARGV[p + 2]), ARGV[p + 3], ARGV[p + 4], ARGV[p + 5]
+    p = p + 6
+    local ok = true
+    if parent ~= '' then
+      local v = redis.call('HGET', ek, parent)
+      if not v or sub(v, 1, 8) ~= ns then
+        ok = false
+        orphaned = orphaned + #hb / 8
+      end
+    end
+    if ok then
+      local cnt = math.min(#hb, #kb) / 8
+      for i = 1, cnt do
+        local eh = sub(hb, 8 * i - 7, 8 * i)
+        local suf = ns .. sub(kb, 8 * i - 7, 8 * i)
+        if redis.call('HSETNX', ek, eh, suf) == 0 then
+          local old = redis.call('HGET', ek, eh)
+          if old ~= suf then
+            local d = drop_entry(old, id)
+            removed = removed + d
+            n = n - d
+            redis.call('HSET', ek, eh, suf)
+          end
+        end
+        local bk = bpre .. suf
+        if redis.call('HSETNX', bk, id, tb) == 1 then
+          stored = stored + 1
+          n = n + 1
+          if redis.call('HLEN', bk) == 1 then
+            ns_add(ns, 1, 1)
+          else
+            ns_add(ns, 0, 1)
+          end
+        else
+          local m = tonumber(redis.call('HGET', bk, id))
+          if bit.band(m, tb) == 0 then
+            redis.call('HSET', bk, id, m + tb)
+            stored = stored + 1
+            n = n + 1
+          end
+        end
+      end
+    end
+  elseif op == 'R' then
+    local mask, hb = tonumber(ARGV[p + 1]), ARGV[p + 2]
+    p = p + 3
+    for i = 1, #hb / 8 do
+      local eh = sub(hb, 8 * i - 7, 8 * i)
+      local suf = redis.call('HGET', ek, eh)
+      if suf then
+        local bk = bpre .. suf
+        local m = redis.call('HGET', bk, id)
+        local old = m and tonumber(m) or 0
+        local new = old - bit.band(old, mask)
+        local d = POP[old] - POP[new]
+        removed = removed + d
+        n = n - d
+        if new ~= 0 then
+          if d ~= 0 then
+            redis.call('HSET', bk, id, new)
+          end
+        else
+          if old ~= 0 then
+            redis.call('HDEL', bk, id)
+            if redis.call('EXISTS', bk) == 0 then
+              ns_add(sub(suf, 1, 8), -1, -1)
+            else
+              ns_add(sub(suf, 1, 8), 0, -1)
+            end
+          end
+          redis.call('HDEL', ek, eh)
+        end
+      end
+    end
+  elseif op == 'C' then
+    p = p + 1
+    -- Rotate to a fresh int id: O(1) here, the old entries are purged in chunks.
+    local dead = retire(id)
+    if dead ~= '' then
+      retired[#retired + 1] = dead
+    end
+    removed = removed + n
+    n = 0
+    id = new_id()
+    ek = B .. 'e:' .. id
+    redis.call('HSET', meta, 'id', id)
+    cleared = true
+  else
+    return redis.error_reply('kvmesh apply: bad op ' .. tostring(op))
+  end
+end
+ns_flush()
+local nstale = (stale or gap) and not cleared
+redis.call('HSET', meta, 'seq', ARGV[3], 'st', nstale and 1 or 0, 'n', n)
+if revived or cleared or nstale ~= stale then
+  bump_gen()
+end
+local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id}
+for _, r in ipairs(retired) do
+  out[#out + 1] = r
+end
+return out

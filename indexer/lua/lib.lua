@@ -1,0 +1,74 @@
+-- Shared prelude, prepended by indexer/redis_backend.py to every script.
+-- ARGV[1] is always the key base "<prefix>:"; names follow indexer/keys.py.
+local B = ARGV[1]
+local FIELDS = {'id', 'w', 'r', 'm', 'a', 'ttl', 'inc', 'exp', 'seq', 'st', 'n'}
+-- bits set in a tier mask 0..7
+local POP = {[0] = 0, 1, 1, 2, 1, 2, 2, 3}
+-- tier (1 gpu, 2 cpu, 3 disk) holding the fastest copy, for masks 1..7
+local FAST = {1, 2, 1, 3, 1, 2, 1}
+
+local function bump_gen()
+  local k = B .. 'gen'
+  if redis.call('EXISTS', k) == 0 then
+    -- Start from the server time in microseconds so that a generation seen
+    -- before a Redis restart is never seen again after it.
+    local t = redis.call('TIME')
+    redis.call('SET', k, t[1] .. string.format('%06d', tonumber(t[2])))
+  end
+  return redis.call('INCR', k)
+end
+
+local function state(meta)
+  return redis.call('HMGET', meta, unpack(FIELDS))
+end
+
+local function new_id()
+  return tostring(redis.call('INCR', B .. 'ids'))
+end
+
+-- Per-namespace counter deltas, flushed once per script.
+local nsd = {}
+local function ns_add(ns, dblocks, dpairs)
+  local d = nsd[ns]
+  if not d then
+    d = {0, 0}
+    nsd[ns] = d
+  end
+  d[1] = d[1] + dblocks
+  d[2] = d[2] + dpairs
+end
+local function ns_flush()
+  for ns, d in pairs(nsd) do
+    if d[1] ~= 0 and redis.call('HINCRBY', B .. 'nsb', ns, d[1]) <= 0 then
+      redis.call('HDEL', B .. 'nsb', ns)
+    end
+    if d[2] ~= 0 and redis.call('HINCRBY', B .. 'nsbi', ns, d[2]) <= 0 then
+      redis.call('HDEL', B .. 'nsbi', ns)
+    end
+  end
+end
+
+-- Drop the entry of int id `id` on block `suf` (ns id .. key); return bits dropped.
+local function drop_entry(suf, id)
+  local bk = B .. 'b:' .. suf
+  local m = redis.call('HGET', bk, id)
+  if not m then
+    return 0
+  end
+  redis.call('HDEL', bk, id)
+  if redis.call('EXISTS', bk) == 0 then
+    ns_add(string.sub(suf, 1, 8), -1, -1)
+  else
+    ns_add(string.sub(suf, 1, 8), 0, -1)
+  end
+  return POP[tonumber(m)]
+end
+
+-- Queue the int id of `meta` for purging when it still has entries; return it or ''.
+local function retire(id)
+  if redis.call('EXISTS', B .. 'e:' .. id) == 1 then
+    redis.call('SADD', B .. 'dead', id)
+    return id
+  end
+  return ''
+end

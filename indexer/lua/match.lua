@@ -1,0 +1,75 @@
+-- Match: walk the prefix, stop at the first block no candidate holds.
+-- ARGV: base, block name prefix (base .. 'b:' .. ns id), keys packed as 8-byte
+-- big-endian words, then the int ids to exclude (expired, stale, retired).
+-- Returns {gen, id, gpu, cpu, disk, id, gpu, cpu, disk, ...}.
+local bp = ARGV[2]
+local blob = ARGV[3]
+local n = #blob / 8
+local gen = redis.call('GET', B .. 'gen') or ''
+local out = {gen}
+if n == 0 then
+  return out
+end
+local first = redis.call('HGETALL', bp .. string.sub(blob, 1, 8))
+if #first == 0 then
+  return out
+end
+local ex = {}
+for i = 4, #ARGV do
+  ex[ARGV[i]] = true
+end
+local ids, cnt, m = {}, {}, 0
+for j = 1, #first, 2 do
+  local id = first[j]
+  if not ex[id] then
+    m = m + 1
+    ids[m] = id
+    local c = {0, 0, 0}
+    c[FAST[tonumber(first[j + 1])]] = 1
+    cnt[m] = c
+  end
+end
+local function emit(id, c)
+  out[#out + 1] = id
+  out[#out + 1] = c[1]
+  out[#out + 1] = c[2]
+  out[#out + 1] = c[3]
+end
+local i = 2
+while m > 0 and i <= n do
+  local bk = bp .. string.sub(blob, 8 * i - 7, 8 * i)
+  local vals
+  if m <= 256 then
+    vals = redis.call('HMGET', bk, unpack(ids, 1, m))
+  else
+    -- Many candidates: one HGETALL beats a huge HMGET (and unpack's stack limit).
+    local all, map = redis.call('HGETALL', bk), {}
+    for j = 1, #all, 2 do
+      map[all[j]] = all[j + 1]
+    end
+    vals = {}
+    for j = 1, m do
+      vals[j] = map[ids[j]] or false
+    end
+  end
+  local nids, ncnt, k = {}, {}, 0
+  for j = 1, m do
+    local v = vals[j]
+    local c = cnt[j]
+    if v then
+      k = k + 1
+      nids[k] = ids[j]
+      local f = FAST[tonumber(v)]
+      c[f] = c[f] + 1
+      ncnt[k] = c
+    else
+      emit(ids[j], c)
+    end
+  end
+  ids, cnt, m = nids, ncnt, k
+  i = i + 1
+end
+for j = 1, m do
+  emit(ids[j], cnt[j])
+end
+return out

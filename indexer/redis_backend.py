@@ -1,0 +1,764 @@
+"""Redis backend: one index shared by every indexer replica.
+
+Key schema, script protocol and round-trip costs: indexer/KEYS.md. Key names:
+indexer/keys.py. Scripts: indexer/lua/ (``lib.lua`` is prepended to each).
+
+- A Match is one EVALSHA (``match.lua``) that walks the prefix and stops at the
+  first block no candidate holds. Which instances to leave out (lease expired
+  per ``clock``, stale, retired) comes from a cached instance table, passed as
+  ARGV. The table is refreshed when the script reports a new generation (at
+  most every ``instance_cache_ttl_s``), when a cached lease seems to have run
+  out, and at once when the script names an instance id it does not know.
+- An apply is one EVALSHA (``apply.lua``): sequence check, lease renewal and
+  every mutation, atomically. Content keys are chained here in Python; parent
+  keys come from a local LRU of engine hash -> (namespace, key), verified by
+  the script (an outdated entry makes it refuse before writing, and we retry
+  with the authoritative value).
+- Clearing, resetting, removing and reaping an instance retire its interned
+  int id in O(1); its entries are then purged in chunks (``purge.lua``) so a
+  huge instance never blocks Redis for long.
+
+Every method raises :class:`~indexer.errors.Unavailable` when Redis cannot be
+reached (after at most ``socket_timeout_s`` per round trip) and recovers by
+itself once Redis is back, reloading scripts after NOSCRIPT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from indexer import keys as K
+from indexer.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvmeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from indexer.index import Index
+from indexer.model import (
+    ALL_TIERS_MASK,
+    AllBlocksCleared,
+    ApplyResult,
+    BatchOutcome,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    IndexDump,
+    IndexStats,
+    InstanceId,
+    InstanceMatch,
+    InstanceSpec,
+    InstanceState,
+    Namespace,
+    NamespaceStats,
+)
+from kvmesh.blockkeys import chain_keys, namespace_seed
+
+#: Entries dropped per purge script. Each costs ~4 Redis calls (~1-2 us), so a
+#: chunk holds Redis for about a millisecond: long enough to amortise the round
+#: trip, short enough that Matches queued behind it barely notice.
+PURGE_CHUNK = 512
+
+#: Attempts of one apply when the script rejects the caller's cached view
+#: (parent mapping, model, int id changed by another replica). The second
+#: attempt reads everything from Redis, so more than two is only ever needed
+#: under concurrent writes to the same instance.
+_APPLY_ATTEMPTS = 4
+
+#: Keys fetched per HGETALL pipeline in dump(): bounds client memory per step.
+_DUMP_BATCH = 1000
+
+_LUA_DIR = Path(__file__).with_name("lua")
+_SCRIPTS = ("match", "apply", "register", "heartbeat", "remove", "purge", "snapshot")
+
+# Redis replies that mean "not serving right now" rather than "bad request".
+_TRANSIENT = (b"LOADING", b"BUSY", b"MASTERDOWN", b"READONLY", b"TRYAGAIN", b"CLUSTERDOWN")
+
+_OP_STORE = b"S"
+_OP_REMOVE = b"R"
+_OP_CLEAR = b"C"
+
+
+class _Script:
+    """A Lua script (lib.lua + body) and its SHA1, loaded on NOSCRIPT."""
+
+    __slots__ = ("name", "sha", "text")
+
+    def __init__(self, name: str, lib: str) -> None:
+        import hashlib
+
+        body = (_LUA_DIR / f"{name}.lua").read_text("utf-8")
+        self.name = name
+        self.text = lib + "\n" + body
+        self.sha = hashlib.sha1(self.text.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+def _load_scripts() -> dict[str, _Script]:
+    lib = (_LUA_DIR / "lib.lua").read_text("utf-8")
+    return {name: _Script(name, lib) for name in _SCRIPTS}
+
+
+@dataclass(slots=True)
+class _Inst:
+    """Cached view of one instance (a row of the instance table)."""
+
+    instance: InstanceId
+    name: bytes
+    int_id: bytes
+    spec: InstanceSpec
+    exp: float
+    stale: bool
+    seq: int | None
+    bits: int
+
+    def state(self, now: float) -> InstanceState:
+        return InstanceState(
+            spec=self.spec,
+            lease_expires_at=self.exp,
+            live=self.exp > now,
+            stale=self.stale,
+            applied_sequence=self.seq,
+            blocks=self.bits,
+        )
+
+
+def _parse_inst(row: Sequence[bytes | None]) -> _Inst:
+    int_id, w, r, m, a, ttl, inc, exp, seq, st, n = row
+    assert int_id is not None and w is not None and r is not None and m is not None
+    instance = InstanceId(w.decode(), int(r))
+    spec = InstanceSpec(
+        instance=instance,
+        model=m.decode(),
+        address=(a or b"").decode(),
+        lease_ttl_s=float(ttl or 0),
+        incarnation=(inc or b"").decode(),
+    )
+    return _Inst(
+        instance=instance,
+        name=K.instance_name(instance.worker_id, instance.dp_rank),
+        int_id=int_id,
+        spec=spec,
+        exp=float(exp or 0),
+        stale=st == b"1",
+        seq=None if seq is None else int(seq),
+        bits=int(n or 0),
+    )
+
+
+def _match_order(m: InstanceMatch) -> tuple[int, str, int]:
+    return (-m.depth, m.instance.worker_id, m.instance.dp_rank)
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    out = bytearray()
+    for c in raw:
+        if c in b"*?[]\\":
+            out.append(0x5C)
+        out.append(c)
+    return bytes(out)
+
+
+def _pack(values: Sequence[int], what: str) -> bytes:
+    try:
+        return struct.pack(f">{len(values)}Q", *values)
+    except struct.error:
+        raise InvalidArgument("values must be unsigned 64-bit integers", field=what) from None
+
+
+class RedisIndex(Index):
+    """The Redis backend (see the module docstring and indexer/KEYS.md).
+
+    ``url`` is a redis:// URL; ``prefix`` starts every key name, so several
+    indexes can share one Redis. ``clock`` returns seconds and judges leases
+    (lease expiry stamps in Redis are absolute ``clock()`` values).
+    ``instance_cache_ttl_s`` bounds how often the cached instance table is
+    refreshed; ``parent_cache_size`` caps the local engine-hash LRU.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "kvm",
+        clock: Callable[[], float] = time.time,
+        instance_cache_ttl_s: float = 0.25,
+        socket_timeout_s: float = 1.0,
+        parent_cache_size: int = 1_000_000,
+    ) -> None:
+        self._clock = clock
+        self._prefix = prefix
+        self._base = K.base(prefix)
+        self._cache_ttl = instance_cache_ttl_s
+        self._parent_cap = parent_cache_size
+        # Connections open lazily on the first command. No client-side retries:
+        # a down Redis must surface as Unavailable within one socket timeout.
+        self._r: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            decode_responses=False,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        # redis.asyncio leaves execute_command untyped; every call goes through this.
+        self._exec = cast(Callable[..., Awaitable[Any]], self._r.execute_command)
+        self._scripts = _load_scripts()
+        #: Requests sent to Redis (a pipeline counts once): the cost figure that
+        #: KEYS.md promises, exposed for tests and benchmarks.
+        self.round_trips = 0
+        self._s_match = self._scripts["match"]
+        self._s_apply = self._scripts["apply"]
+        # instance table cache
+        self._by_name: dict[InstanceId, _Inst] = {}
+        self._by_id: dict[bytes, _Inst] = {}
+        self._dead: set[bytes] = set()
+        self._gen: bytes | None = None
+        self._refreshed_at = float("-inf")  # time.monotonic() of the last snapshot
+        self._excl_all: list[bytes] = []
+        self._excl_stale_ok: list[bytes] = []
+        self._excl_until = float("-inf")  # clock() at which a cached lease runs out
+        self._excl_dirty = True
+        # per-namespace constants
+        self._ns_cache: dict[tuple[str, str], tuple[bytes, bytes, bytes]] = {}
+        self._ns_names: dict[bytes, Namespace] = {}
+        # (instance name, engine hash) -> ns id + block key, as last written
+        self._parents: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+
+    # -- plumbing ------------------------------------------------------------
+
+    @staticmethod
+    def _map_error(exc: Exception) -> KvmeshError:
+        if isinstance(exc, ResponseError):
+            msg = str(exc)
+            head = msg.split(" ", 1)[0].encode()
+            if head in _TRANSIENT:
+                return Unavailable(f"redis: {msg}")
+            if head == b"OOM":
+                return ResourceExhausted(f"redis: {msg}")
+            return KvmeshError(f"redis: {msg}")
+        return Unavailable(f"redis unreachable: {exc.__class__.__name__}: {exc}")
+
+    async def _eval(self, script: _Script, numkeys: int, *args: Any) -> Any:
+        self.round_trips += 1
+        try:
+            try:
+                return await self._exec("EVALSHA", script.sha, numkeys, *args)
+            except NoScriptError:
+                # Redis restarted or SCRIPT FLUSH: load and run again.
+                self.round_trips += 2
+                await self._exec("SCRIPT", "LOAD", script.text)
+                return await self._exec("EVALSHA", script.sha, numkeys, *args)
+        except (RedisError, OSError) as exc:
+            raise self._map_error(exc) from exc
+
+    async def _cmd(self, *args: Any) -> Any:
+        self.round_trips += 1
+        try:
+            return await self._exec(*args)
+        except (RedisError, OSError) as exc:
+            raise self._map_error(exc) from exc
+
+    async def _pipe(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        self.round_trips += 1
+        try:
+            async with self._r.pipeline(transaction=False) as p:
+                for c in commands:
+                    cast(Any, p).execute_command(*c)
+                return list(await p.execute())
+        except (RedisError, OSError) as exc:
+            raise self._map_error(exc) from exc
+
+    def _ns(self, model: str, lora: str) -> tuple[bytes, bytes, bytes]:
+        """(ns id, block name prefix, ns registry value), cached."""
+        got = self._ns_cache.get((model, lora))
+        if got is None:
+            nid = K.ns_id(model, lora)
+            got = (nid, K.block_prefix(self._prefix, nid), K.ns_name(model, lora))
+            self._ns_cache[(model, lora)] = got
+            self._ns_names[nid] = Namespace(model, lora)
+        return got
+
+    def _inst_key(self, instance: InstanceId) -> tuple[bytes, bytes]:
+        name = K.instance_name(instance.worker_id, instance.dp_rank)
+        return name, K.instance_key(self._prefix, name)
+
+    # -- instance table cache --------------------------------------------------
+
+    def _install(self, inst: _Inst) -> _Inst:
+        old = self._by_name.get(inst.instance)
+        if old is not None and old.int_id != inst.int_id:
+            self._by_id.pop(old.int_id, None)
+            self._dead.add(old.int_id)
+        self._by_name[inst.instance] = inst
+        self._by_id[inst.int_id] = inst
+        self._excl_dirty = True
+        return inst
+
+    def _forget(self, instance: InstanceId) -> None:
+        old = self._by_name.pop(instance, None)
+        if old is not None:
+            self._by_id.pop(old.int_id, None)
+            self._dead.add(old.int_id)
+        self._excl_dirty = True
+
+    async def _refresh(self) -> None:
+        res = await self._eval(self._scripts["snapshot"], 0, self._base)
+        gen, dead, *rows = res
+        by_name: dict[InstanceId, _Inst] = {}
+        by_id: dict[bytes, _Inst] = {}
+        for row in rows:
+            if row[0] is None:
+                continue  # removed between ZRANGE and HMGET cannot happen in a script
+            inst = _parse_inst(row)
+            by_name[inst.instance] = inst
+            by_id[inst.int_id] = inst
+        self._by_name, self._by_id = by_name, by_id
+        self._dead = set(dead)
+        self._gen = gen
+        self._refreshed_at = time.monotonic()
+        self._excl_dirty = True
+
+    def _recompute_exclusions(self, now: float) -> None:
+        excl_all = list(self._dead)
+        excl_stale_ok = list(self._dead)
+        until = float("inf")
+        for inst in self._by_name.values():
+            if inst.exp <= now:
+                excl_all.append(inst.int_id)
+                excl_stale_ok.append(inst.int_id)
+            else:
+                until = min(until, inst.exp)
+                if inst.stale:
+                    excl_all.append(inst.int_id)
+        self._excl_all, self._excl_stale_ok = excl_all, excl_stale_ok
+        self._excl_until = until
+        self._excl_dirty = False
+
+    async def _exclusions(self, now: float, include_stale: bool) -> list[bytes]:
+        if self._excl_dirty or now >= self._excl_until:
+            if now >= self._excl_until and time.monotonic() - self._refreshed_at >= self._cache_ttl:
+                # A cached lease ran out; another replica may have renewed it.
+                await self._refresh()
+            self._recompute_exclusions(now)
+        return self._excl_stale_ok if include_stale else self._excl_all
+
+    # -- instances -------------------------------------------------------------
+
+    async def register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
+        """Create, renew or reset an instance (see :mod:`indexer.index`)."""
+        now = self._clock()
+        name, ikey = self._inst_key(spec.instance)
+        reset, dead, row = await self._eval(
+            self._scripts["register"],
+            1,
+            ikey,
+            self._base,
+            name,
+            spec.instance.worker_id.encode(),
+            str(spec.instance.dp_rank),
+            spec.model.encode(),
+            spec.address.encode(),
+            repr(float(spec.lease_ttl_s)),
+            spec.incarnation.encode(),
+            repr(float(now)),
+        )
+        inst = self._install(_parse_inst(row))
+        if dead:
+            self._dead.add(dead)
+            await self._purge(dead)
+        return inst.state(now), bool(reset)
+
+    async def heartbeat(self, instance: InstanceId) -> InstanceState:
+        """Renew the lease; NotFound for an unknown instance."""
+        now = self._clock()
+        name, ikey = self._inst_key(instance)
+        row = await self._eval(
+            self._scripts["heartbeat"], 1, ikey, self._base, name, repr(float(now))
+        )
+        if row is None:
+            self._forget(instance)
+            raise NotFound(f"instance {instance} is not registered", field="instance")
+        return self._install(_parse_inst(row)).state(now)
+
+    async def _remove(self, instance: InstanceId, mode: bytes, now: float) -> int | None:
+        name, ikey = self._inst_key(instance)
+        res = await self._eval(
+            self._scripts["remove"], 1, ikey, self._base, name, repr(float(now)), mode
+        )
+        if res is None:
+            return None
+        dead, row = res
+        self._forget(instance)
+        if dead:
+            self._dead.add(dead)
+            await self._purge(dead)
+        return int(row[10] or 0)
+
+    async def remove_instance(self, instance: InstanceId) -> int:
+        """Drop an instance and its blocks; return the (key, tier) entries dropped."""
+        dropped = await self._remove(instance, b"remove", self._clock())
+        if dropped is None:
+            raise NotFound(f"instance {instance} is not registered", field="instance")
+        return dropped
+
+    async def list_instances(self, model: str = "") -> list[InstanceState]:
+        """Registered instances (of ``model`` when given), sorted by id."""
+        await self._refresh()
+        now = self._clock()
+        return [
+            inst.state(now)
+            for _, inst in sorted(self._by_name.items())
+            if not model or inst.spec.model == model
+        ]
+
+    async def reap_expired(self) -> list[InstanceId]:
+        """Drop every instance whose lease has expired; return their ids."""
+        now = self._clock()
+        for dead in await self._cmd("SMEMBERS", K.key(self._prefix, K.DEAD)):
+            await self._purge(dead)  # left over by an interrupted purge
+        names = await self._cmd(
+            "ZRANGEBYSCORE", K.key(self._prefix, K.LEASES), "-inf", repr(float(now))
+        )
+        reaped: list[InstanceId] = []
+        for name in names:
+            worker, _, rank = bytes(name).rpartition(b"\x00")
+            instance = InstanceId(worker.decode(), int(rank))
+            if await self._remove(instance, b"reap", now) is not None:
+                reaped.append(instance)
+        return sorted(reaped)
+
+    async def _purge(self, int_id: bytes) -> None:
+        script = self._scripts["purge"]
+        while await self._eval(script, 0, self._base, int_id, PURGE_CHUNK):
+            pass
+
+    # -- events ----------------------------------------------------------------
+
+    def _encode(
+        self,
+        inst: _Inst,
+        batch: EventBatch,
+        fetched: dict[int, bytes | None],
+        use_lru: bool,
+    ) -> tuple[list[Any], set[int], list[tuple[int, bytes]]]:
+        """Build the apply ARGV tail; return (args, parents to fetch, mappings written).
+
+        Parent mappings come from, in order: this batch's earlier stores, the
+        LRU (when ``use_lru``), ``fetched`` (HMGET). Those from the last two
+        are "beliefs" the script checks before writing anything.
+        """
+        model = inst.spec.model
+        name = inst.name
+        lru = self._parents
+        overlay: dict[int, bytes] = {}
+        beliefs: dict[int, bytes] = {}
+        missing: set[int] = set()
+        namespaces: dict[bytes, bytes] = {}
+        ops: list[Any] = []
+        cleared = False
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                nid, _, nsname = self._ns(model, ev.lora_name)
+                namespaces[nid] = nsname
+                hashes = ev.block_hashes
+                parent = ev.parent_block_hash
+                if ev.block_keys is not None:
+                    ks: Sequence[int] = ev.block_keys
+                    parent_arg = b""
+                elif parent is None:
+                    ks = self._chain(namespace_seed(model, ev.lora_name), ev)
+                    parent_arg = b""
+                else:
+                    value: bytes | None
+                    if not 0 <= parent < 1 << 64:
+                        # No such engine hash can be mapped: orphans, as for any unknown parent.
+                        parent_arg, value = b"\xff" * 9, None
+                    elif (parent_arg := K.u64(parent)) and parent in overlay:
+                        value = overlay[parent]
+                    elif cleared:
+                        value = None
+                    elif parent in beliefs:
+                        value = beliefs[parent] or None
+                    elif use_lru and (name, parent) in lru:
+                        value = lru[(name, parent)]
+                        beliefs[parent] = value
+                    elif parent in fetched:
+                        value = fetched[parent]
+                        beliefs[parent] = value or b""
+                    else:
+                        missing.add(parent)
+                        continue
+                    if value is None or value[:8] != nid:
+                        ks = ()  # the script counts the orphans
+                    else:
+                        ks = self._chain(int.from_bytes(value[8:], "big"), ev)
+                kb = _pack(ks, "block_keys")
+                hb = _pack(hashes, "block_hashes")
+                ops += (_OP_STORE, nid, ev.tier.bit, parent_arg, hb, kb)
+                if ks:
+                    for i in range(min(len(hashes), len(ks))):
+                        overlay[hashes[i]] = nid + kb[8 * i : 8 * i + 8]
+            elif isinstance(ev, BlockRemoved):
+                mask = ALL_TIERS_MASK if ev.tier is None else ev.tier.bit
+                ops += (_OP_REMOVE, mask, _pack(ev.block_hashes, "block_hashes"))
+                for h in ev.block_hashes:
+                    lru.pop((name, h), None)
+            elif isinstance(ev, AllBlocksCleared):
+                ops.append(_OP_CLEAR)
+                overlay.clear()
+                cleared = True
+            else:  # pragma: no cover - exhaustive over Event
+                raise InvalidArgument(f"unknown event {type(ev).__name__}", field="events")
+        args: list[Any] = [len(beliefs)]
+        for h, v in beliefs.items():
+            args += (K.u64(h), v)
+        args.append(len(namespaces))
+        for nid, nsname in namespaces.items():
+            args += (nid, nsname)
+        args += ops
+        return args, missing, list(overlay.items())
+
+    @staticmethod
+    def _chain(parent_key: int, ev: BlockStored) -> list[int]:
+        try:
+            return chain_keys(parent_key, ev.token_ids, ev.block_size)
+        except ValueError as exc:  # TokenIdError is a ValueError
+            raise InvalidArgument(str(exc), field="token_ids") from None
+
+    def _remember(self, name: bytes, written: list[tuple[int, bytes]]) -> None:
+        lru = self._parents
+        for h, v in written:
+            k = (name, h)
+            if k in lru:
+                lru.move_to_end(k)
+            lru[k] = v
+        while len(lru) > self._parent_cap:
+            lru.popitem(last=False)
+
+    async def apply(self, batch: EventBatch) -> ApplyResult:
+        """Apply one batch atomically (see :mod:`indexer.index`); one EVALSHA when warm."""
+        instance = batch.instance
+        inst = self._by_name.get(instance)
+        if inst is None:
+            await self._refresh()
+            inst = self._by_name.get(instance)
+            if inst is None:
+                raise FailedPrecondition(f"instance {instance} is not registered", field="instance")
+        fetched: dict[int, bytes | None] = {}
+        use_lru = True
+        for _attempt in range(_APPLY_ATTEMPTS):
+            args, missing, written = self._encode(inst, batch, fetched, use_lru)
+            while missing:
+                emap = K.emap_key(self._prefix, inst.int_id)
+                order = sorted(missing)
+                vals = await self._cmd("HMGET", emap, *(K.u64(h) for h in order))
+                fetched.update(zip(order, vals, strict=True))
+                args, missing, written = self._encode(inst, batch, fetched, use_lru)
+            now = self._clock()
+            res = await self._eval(
+                self._s_apply,
+                1,
+                K.instance_key(self._prefix, inst.name),
+                self._base,
+                repr(float(now)),
+                str(batch.sequence),
+                inst.spec.model.encode(),
+                inst.name,
+                *args,
+            )
+            status = res[0]
+            if status == b"ok":
+                _, gap, stale, exp, bits, stored, removed, orphaned, int_id, *retired = res
+                if inst.exp <= now:
+                    self._excl_dirty = True  # a lapsed lease was renewed
+                inst.exp = float(exp)
+                inst.bits = int(bits)
+                inst.seq = batch.sequence
+                if bool(stale) != inst.stale:
+                    inst.stale = bool(stale)
+                    self._excl_dirty = True
+                if int_id != inst.int_id:
+                    self._by_id.pop(inst.int_id, None)
+                    self._dead.add(inst.int_id)
+                    inst.int_id = int_id
+                    self._by_id[int_id] = inst
+                    self._excl_dirty = True
+                self._remember(inst.name, written)
+                for dead in retired:
+                    await self._purge(dead)
+                return ApplyResult(
+                    outcome=BatchOutcome.APPLIED_AFTER_GAP if gap else BatchOutcome.APPLIED,
+                    applied_sequence=batch.sequence,
+                    blocks_stored=int(stored),
+                    blocks_removed=int(removed),
+                    blocks_orphaned=int(orphaned),
+                    stale=bool(stale),
+                )
+            if status == b"dup":
+                _, seq, stale, exp, bits = res
+                if inst.exp <= now:
+                    self._excl_dirty = True
+                inst.exp = float(exp)
+                return ApplyResult(BatchOutcome.DUPLICATE, int(seq), stale=bool(stale))
+            # Our view of the instance is outdated: reread and retry from Redis.
+            await self._refresh()
+            got = self._by_name.get(instance)
+            if status == b"noreg" or got is None:
+                raise FailedPrecondition(f"instance {instance} is not registered", field="instance")
+            inst = got
+            use_lru = False
+            fetched = {}
+        raise Unavailable(f"apply for {instance}: concurrent updates, retry later")
+
+    # -- reads -----------------------------------------------------------------
+
+    async def match(
+        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+    ) -> list[InstanceMatch]:
+        """Per-instance longest gap-free prefix of ``keys``, deepest first (one EVALSHA)."""
+        if not keys:
+            return []
+        ns = self._ns_cache.get((namespace.model, namespace.lora_name))
+        if ns is None:
+            ns = self._ns(namespace.model, namespace.lora_name)
+        blob = _pack(keys, "keys")
+        now = self._clock()
+        excl = (
+            (self._excl_stale_ok if include_stale else self._excl_all)
+            if not self._excl_dirty and now < self._excl_until
+            else await self._exclusions(now, include_stale)
+        )
+        res = await self._eval(self._s_match, 0, self._base, ns[1], blob, *excl)
+        refreshed = False
+        if res[0] != self._gen and time.monotonic() - self._refreshed_at >= self._cache_ttl:
+            await self._refresh()
+            refreshed = True
+        by_id = self._by_id
+        out: list[InstanceMatch] = []
+        for j in range(1, len(res), 4):
+            inst = by_id.get(res[j])
+            if inst is None and not refreshed:
+                await self._refresh()  # a new (or re-keyed) instance
+                refreshed = True
+                by_id = self._by_id
+                inst = by_id.get(res[j])
+            if inst is None:
+                continue
+            if refreshed and (inst.exp <= now or (inst.stale and not include_stale)):
+                continue
+            g, c, d = res[j + 1], res[j + 2], res[j + 3]
+            out.append(
+                InstanceMatch(inst.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
+            )
+        out.sort(key=_match_order)
+        return out
+
+    async def stats(self) -> IndexStats:
+        """Sizes of the whole index, from counters the scripts maintain (no SCAN)."""
+        await self._refresh()
+        now = self._clock()
+        nsmap, blocks, pairs = await self._pipe(
+            [
+                ("HGETALL", K.key(self._prefix, K.NAMESPACES)),
+                ("HGETALL", K.key(self._prefix, K.NS_BLOCKS)),
+                ("HGETALL", K.key(self._prefix, K.NS_PAIRS)),
+            ]
+        )
+        st = IndexStats(backend=self.name, instances=len(self._by_name))
+        for inst in self._by_name.values():
+            st.instances_live += inst.exp > now
+            st.instances_stale += inst.stale
+        per_ns: list[NamespaceStats] = []
+        for nid, nb in blocks.items():
+            b = int(nb)
+            if b <= 0:
+                continue
+            per_ns.append(NamespaceStats(self._namespace(nid, nsmap), b, int(pairs.get(nid, 0))))
+        per_ns.sort(key=lambda s: str(s.namespace))
+        st.namespaces = per_ns
+        st.blocks = sum(s.blocks for s in per_ns)
+        st.block_instances = sum(s.block_instances for s in per_ns)
+        return st
+
+    def _namespace(self, nid: bytes, nsmap: dict[bytes, bytes]) -> Namespace:
+        ns = self._ns_names.get(nid)
+        if ns is None:
+            raw = nsmap.get(nid)
+            if raw is None:
+                return Namespace(f"?{nid.hex()}")
+            model, _, lora = raw.partition(b"\x00")
+            ns = Namespace(model.decode(), lora.decode())
+            self._ns_names[nid] = ns
+        return ns
+
+    async def dump(self) -> IndexDump:
+        """The whole content in canonical form (SCANs the keyspace; for tests)."""
+        await self._refresh()
+        now = self._clock()
+        by_id = dict(self._by_id)
+        nsmap = await self._cmd("HGETALL", K.key(self._prefix, K.NAMESPACES))
+        pattern = _glob_escape(self._base + K.BLOCK) + b"*"
+        start = len(self._base) + len(K.BLOCK)
+        names: list[bytes] = []
+        cursor: int = 0
+        while True:
+            cursor, chunk = await self._cmd("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
+            names.extend(chunk)
+            if int(cursor) == 0:
+                break
+        blocks: dict[Namespace, dict[int, dict[InstanceId, int]]] = {}
+        for i in range(0, len(names), _DUMP_BATCH):
+            part = names[i : i + _DUMP_BATCH]
+            got = await self._pipe([("HGETALL", n) for n in part])
+            for n, holders in zip(part, got, strict=True):
+                suffix = n[start:]
+                ns = self._namespace(suffix[:8], nsmap)
+                key = int.from_bytes(suffix[8:16], "big")
+                for int_id, mask in holders.items():
+                    inst = by_id.get(int_id)
+                    if inst is not None:
+                        blocks.setdefault(ns, {}).setdefault(key, {})[inst.instance] = int(mask)
+        insts = list(self._by_name.values())
+        emaps = await self._pipe(
+            [("HGETALL", K.emap_key(self._prefix, inst.int_id)) for inst in insts]
+        )
+        engine_hashes: dict[InstanceId, dict[int, tuple[Namespace, int]]] = {}
+        for inst, emap in zip(insts, emaps, strict=True):
+            if emap:
+                engine_hashes[inst.instance] = {
+                    int.from_bytes(h, "big"): (
+                        self._namespace(v[:8], nsmap),
+                        int.from_bytes(v[8:16], "big"),
+                    )
+                    for h, v in emap.items()
+                }
+        return IndexDump(
+            blocks=blocks,
+            engine_hashes=engine_hashes,
+            instances={inst.instance: inst.state(now) for inst in insts},
+        )
+
+    async def ping(self) -> None:
+        """Raise Unavailable when Redis does not answer."""
+        await self._cmd("PING")
+
+    async def close(self) -> None:
+        """Close the connection pool (the index can not be used afterwards)."""
+        with contextlib.suppress(RedisError, OSError):
+            await self._r.aclose()

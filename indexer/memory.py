@@ -12,6 +12,7 @@ without awaiting, so each is atomic on the event loop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,10 @@ from kvmesh.blockkeys import chain_keys, namespace_seed
 
 # Index of the fastest tier (0 gpu, 1 cpu, 2 disk) for each tier mask 1..7.
 _FASTEST = (-1, 0, 1, 0, 2, 0, 1, 0)
+# (gpu, cpu, disk) block counts of a one-block prefix, by tier mask 1..7.
+_DEPTH1_TIERS: tuple[tuple[int, int, int], ...] = tuple(
+    (int(f == 0), int(f == 1), int(f == 2)) for f in _FASTEST
+)
 # Number of bits set in each tier mask 0..7.
 _POPCOUNT = (0, 1, 1, 2, 1, 2, 2, 3)
 
@@ -67,6 +72,16 @@ class MemoryIndex(Index):
         self._instances: dict[InstanceId, _Instance] = {}
         self._blocks: dict[Namespace, dict[int, dict[InstanceId, int]]] = {}
         self._ns_pairs: dict[Namespace, int] = {}
+        # Match fast path: while clock() < _visible_until every registered
+        # instance is live and fresh, so Match skips the per-holder checks.
+        # Renewals only raise leases, so the bound stays valid through them;
+        # anything that can make an instance visible again sets _dirty.
+        self._visible_until = -math.inf
+        self._dirty = True
+        # (instance, tier mask of block 0) -> the InstanceMatch of a depth-1
+        # hit: most holders of a shared first block go no deeper. Cleared when
+        # an address or a stale flag changes.
+        self._depth1: dict[tuple[InstanceId, int], InstanceMatch] = {}
 
     # -- instances -----------------------------------------------------------
 
@@ -96,8 +111,13 @@ class MemoryIndex(Index):
                 inst.stale = False
                 inst.applied_sequence = None
                 reset = True
+            if inst.spec.address != spec.address:
+                self._depth1.clear()
             inst.spec = spec
             inst.lease_expires_at = now + spec.lease_ttl_s
+        self._renewed(inst.lease_expires_at)
+        if reset:
+            self._dirty = True
         return self._state(iid, inst, now), reset
 
     async def heartbeat(self, instance: InstanceId) -> InstanceState:
@@ -105,6 +125,7 @@ class MemoryIndex(Index):
         inst = self._get(instance, NotFound)
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
+        self._renewed(inst.lease_expires_at)
         return self._state(instance, inst, now)
 
     async def remove_instance(self, instance: InstanceId) -> int:
@@ -112,6 +133,7 @@ class MemoryIndex(Index):
         inst = self._get(instance, NotFound)
         removed = self._clear(instance, inst)
         del self._instances[instance]
+        self._dirty = True
         return removed
 
     async def list_instances(self, model: str = "") -> list[InstanceState]:
@@ -129,7 +151,27 @@ class MemoryIndex(Index):
         dead = [iid for iid, inst in self._instances.items() if inst.lease_expires_at <= now]
         for iid in dead:
             self._clear(iid, self._instances.pop(iid))
+        if dead:
+            self._dirty = True
         return sorted(dead)
+
+    def _renewed(self, expires_at: float) -> None:
+        if expires_at < self._visible_until:
+            self._visible_until = expires_at
+        elif self._visible_until == -math.inf:
+            self._dirty = True  # a renewal may have revived an expired instance
+
+    def _all_visible(self, now: float) -> bool:
+        """Whether every instance is live and fresh now (cached; see __init__)."""
+        if self._dirty or (now >= self._visible_until > -math.inf):
+            self._dirty = False
+            insts = self._instances.values()
+            if any(i.stale for i in insts):
+                self._visible_until = -math.inf
+            else:
+                until = min((i.lease_expires_at for i in insts), default=math.inf)
+                self._visible_until = until if until > now else -math.inf
+        return now < self._visible_until
 
     def _get(self, iid: InstanceId, err: type[NotFound] | type[FailedPrecondition]) -> _Instance:
         inst = self._instances.get(iid)
@@ -145,6 +187,7 @@ class MemoryIndex(Index):
         inst = self._get(iid, FailedPrecondition)
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
+        self._renewed(inst.lease_expires_at)
         last = inst.applied_sequence
         seq = batch.sequence
         if last is not None and seq <= last:
@@ -166,7 +209,14 @@ class MemoryIndex(Index):
                 removed += self._clear(iid, inst)
                 cleared = True
         inst.applied_sequence = seq
-        inst.stale = (inst.stale or gap) and not cleared
+        stale = (inst.stale or gap) and not cleared
+        if stale != inst.stale:
+            inst.stale = stale
+            self._depth1.clear()
+            if stale:
+                self._visible_until = -math.inf
+            else:
+                self._dirty = True
         outcome = BatchOutcome.APPLIED_AFTER_GAP if gap else BatchOutcome.APPLIED
         return ApplyResult(outcome, seq, stored, removed, orphaned, inst.stale)
 
@@ -264,19 +314,37 @@ class MemoryIndex(Index):
         first = table.get(keys[0])
         if not first:
             return []
-        now = self._clock()
         instances = self._instances
-        # instance -> [gpu, cpu, disk] blocks of the prefix held so far
+        now = self._clock()
+        # candidates: visible holders of block 0 -> their tier mask there
+        cand: dict[InstanceId, int]
+        if self._all_visible(now):
+            cand = first
+        else:
+            cand = {}
+            for iid, mask in first.items():
+                inst = instances[iid]
+                if inst.lease_expires_at > now and (include_stale or not inst.stale):
+                    cand[iid] = mask
+            if not cand:
+                return []
+        # Block 1 splits the candidates: those that go no deeper are settled
+        # with C-level set operations, the rest walk on with tier counters.
         active: dict[InstanceId, list[int]] = {}
-        for iid, mask in first.items():
-            inst = instances[iid]
-            if inst.lease_expires_at > now and (include_stale or not inst.stale):
-                counts = [0, 0, 0]
-                counts[_FASTEST[mask]] = 1
-                active[iid] = counts
+        holders = table.get(keys[1]) if len(keys) > 1 else None
+        if holders:
+            small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
+            for iid in small:
+                if iid in big:
+                    counts = [0, 0, 0]
+                    counts[_FASTEST[cand[iid]]] += 1
+                    counts[_FASTEST[holders[iid]]] += 1
+                    active[iid] = counts
+        shallow = sorted(cand.keys() - active.keys()) if active else sorted(cand)
         done: list[tuple[InstanceId, list[int]]] = []
-        for i in range(1, len(keys)):
-            holders = table.get(keys[i])
+        depth = 2
+        while active and depth < len(keys):
+            holders = table.get(keys[depth])
             if holders is None:
                 break
             for iid, counts in list(active.items()):
@@ -286,14 +354,23 @@ class MemoryIndex(Index):
                     del active[iid]
                 else:
                     counts[_FASTEST[held]] += 1
-            if not active:
-                break
+            depth += 1
         done.extend(active.items())
         out = []
         for iid, (g, c, d) in done:
             inst = instances[iid]
             out.append(InstanceMatch(iid, inst.spec.address, g + c + d, g, c, d, inst.stale))
         out.sort(key=_match_order)
+        cache = self._depth1
+        for iid in shallow:
+            mask = cand[iid]
+            hit = cache.get((iid, mask))
+            if hit is None:
+                inst = instances[iid]
+                g, c, d = _DEPTH1_TIERS[mask]
+                hit = InstanceMatch(iid, inst.spec.address, 1, g, c, d, inst.stale)
+                cache[(iid, mask)] = hit
+            out.append(hit)
         return out
 
     async def stats(self) -> IndexStats:

@@ -159,10 +159,6 @@ def _parse_inst(row: Sequence[bytes | None]) -> _Inst:
     )
 
 
-def _match_order(m: InstanceMatch) -> tuple[int, str, int]:
-    return (-m.depth, m.instance.worker_id, m.instance.dp_rank)
-
-
 def _glob_escape(raw: bytes) -> bytes:
     out = bytearray()
     for c in raw:
@@ -666,8 +662,11 @@ class RedisIndex(Index):
             out.append(
                 InstanceMatch(inst.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
             )
-        out.sort(key=_match_order)
-        return out
+        # Sort (-depth, instance, hit) tuples: C-level comparisons, no key calls
+        # (instances are unique, so hits themselves are never compared).
+        ranked = [(-m.depth, m.instance, m) for m in out]
+        ranked.sort()
+        return [r[2] for r in ranked]
 
     async def stats(self) -> IndexStats:
         """Sizes of the whole index, from counters the scripts maintain (no SCAN)."""

@@ -207,6 +207,44 @@ def _rpc_stream(method: str) -> Callable[[_G], _G]:
     return deco
 
 
+def _serialize(message: Any) -> bytes:
+    """Response serializer that also takes already serialized bytes."""
+    if isinstance(message, bytes):
+        return message
+    data: bytes = message.SerializeToString()
+    return data
+
+
+_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(servicer: IndexerServicer, server: grpc.aio.Server) -> None:
+    """Register every IndexerService method, as the generated helper would.
+
+    Built from the service descriptor instead of the generated
+    ``add_IndexerServiceServicer_to_server`` so that a handler may return
+    pre-serialized bytes (Match does); requests parse as usual.
+    """
+    service = pb.DESCRIPTOR.services_by_name["IndexerService"]
+    handlers = {}
+    for method in service.methods:
+        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            response_serializer=_serialize,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def _is_abort(e: BaseException) -> bool:
     # grpc.aio raises its AbortError out of context.abort(); let it through.
     return type(e).__name__ == "AbortError"
@@ -221,6 +259,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         self.max_concurrent_rpcs = logic.config.limits.max_concurrent_rpcs
         self.in_flight = 0
         self.tracing = tracing_enabled()
+        self._match_encoder = convert.MatchResponseEncoder()
 
     @_rpc("RegisterInstance")
     async def RegisterInstance(
@@ -284,12 +323,16 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
             yield pb.PublishEventsStreamResponse(ack=ack)
 
     @_rpc("Match")
-    async def Match(
+    async def Match(  # type: ignore[override]
         self, request: pb.MatchRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.MatchResponse:
-        """Which live instances hold the longest prefix of a prompt."""
+    ) -> bytes:
+        """Which live instances hold the longest prefix of a prompt.
+
+        Answers the serialized MatchResponse (see convert.MatchResponseEncoder);
+        :func:`add_servicer` registers a serializer that passes bytes through.
+        """
         result = await self.logic.match(convert.match_query_from_pb(request))
-        return convert.match_result_to_pb(result)
+        return self._match_encoder.encode(result)
 
     @_rpc("GetStats")
     async def GetStats(
@@ -343,7 +386,7 @@ class IndexerServer:
             ]
         )
         self.servicer = IndexerServicer(self.logic, self.metrics)
-        pb_grpc.add_IndexerServiceServicer_to_server(self.servicer, self._server)
+        add_servicer(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server

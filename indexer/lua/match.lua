@@ -18,24 +18,67 @@ local ex = {}
 for i = 4, #ARGV do
   ex[ARGV[i]] = true
 end
-local ids, cnt, m = {}, {}, 0
+-- Candidates: holders of block 0 not excluded, with their tier mask there.
+local ids, masks, m = {}, {}, 0
 for j = 1, #first, 2 do
   local id = first[j]
   if not ex[id] then
     m = m + 1
     ids[m] = id
-    local c = {0, 0, 0}
-    c[FAST[tonumber(first[j + 1])]] = 1
-    cnt[m] = c
+    masks[m] = first[j + 1]
   end
 end
+-- (gpu, cpu, disk) counts of a one-block prefix by fastest tier.
+local D1 = {{1, 0, 0}, {0, 1, 0}, {0, 0, 1}}
 local function emit(id, c)
   out[#out + 1] = id
   out[#out + 1] = c[1]
   out[#out + 1] = c[2]
   out[#out + 1] = c[3]
 end
-local i = 2
+-- Block 1 splits the candidates; only those going deeper get counters.
+-- Most holders of a shared first block stop here, so with many candidates
+-- one HGETALL of block 1 (usually small) beats an HMGET naming them all.
+local cnt, k = {}, 0
+if n >= 2 and m > 0 then
+  local bk = bp .. string.sub(blob, 9, 16)
+  local vals = {}
+  if m > 8 then
+    local all = redis.call('HGETALL', bk)
+    local map = {}
+    for j = 1, #all, 2 do
+      map[all[j]] = all[j + 1]
+    end
+    for j = 1, m do
+      vals[j] = map[ids[j]] or false
+    end
+  else
+    vals = redis.call('HMGET', bk, unpack(ids, 1, m))
+  end
+  local nids = {}
+  for j = 1, m do
+    local v = vals[j]
+    if v then
+      k = k + 1
+      nids[k] = ids[j]
+      local c = {0, 0, 0}
+      local f0 = FAST[tonumber(masks[j])]
+      c[f0] = 1
+      local f1 = FAST[tonumber(v)]
+      c[f1] = c[f1] + 1
+      cnt[k] = c
+    else
+      emit(ids[j], D1[FAST[tonumber(masks[j])]])
+    end
+  end
+  ids, m = nids, k
+else
+  for j = 1, m do
+    emit(ids[j], D1[FAST[tonumber(masks[j])]])
+  end
+  return out
+end
+local i = 3
 while m > 0 and i <= n do
   local bk = bp .. string.sub(blob, 8 * i - 7, 8 * i)
   local vals
@@ -52,21 +95,21 @@ while m > 0 and i <= n do
       vals[j] = map[ids[j]] or false
     end
   end
-  local nids, ncnt, k = {}, {}, 0
+  local nids, ncnt, k2 = {}, {}, 0
   for j = 1, m do
     local v = vals[j]
     local c = cnt[j]
     if v then
-      k = k + 1
-      nids[k] = ids[j]
+      k2 = k2 + 1
+      nids[k2] = ids[j]
       local f = FAST[tonumber(v)]
       c[f] = c[f] + 1
-      ncnt[k] = c
+      ncnt[k2] = c
     else
       emit(ids[j], c)
     end
   end
-  ids, cnt, m = nids, ncnt, k
+  ids, cnt, m = nids, ncnt, k2
   i = i + 1
 end
 for j = 1, m do

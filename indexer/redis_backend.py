@@ -159,6 +159,19 @@ def _parse_inst(row: Sequence[bytes | None]) -> _Inst:
     )
 
 
+# (gpu, cpu, disk) block counts of a one-block prefix, by tier mask 0..7.
+_DEPTH1_TIERS: tuple[tuple[int, int, int], ...] = (
+    (0, 0, 0),
+    (1, 0, 0),
+    (0, 1, 0),
+    (1, 0, 0),
+    (0, 0, 1),
+    (1, 0, 0),
+    (0, 1, 0),
+    (1, 0, 0),
+)
+
+
 def _glob_escape(raw: bytes) -> bytes:
     out = bytearray()
     for c in raw:
@@ -645,20 +658,28 @@ class RedisIndex(Index):
         if res[0] != self._gen and time.monotonic() - self._refreshed_at >= self._cache_ttl:
             await self._refresh()
             refreshed = True
+        # (int id, gpu, cpu, disk): candidates the script walked past block 1,
+        # then the other holders of block 0, which matched exactly one block.
+        rows = [(res[j], res[j + 1], res[j + 2], res[j + 3]) for j in range(2, len(res), 4)]
+        first = res[1]
+        skip = {r[0] for r in rows}
+        skip.update(excl)
+        for j in range(0, len(first), 2):
+            if first[j] not in skip:
+                rows.append((first[j], *_DEPTH1_TIERS[int(first[j + 1])]))
         by_id = self._by_id
         out: list[InstanceMatch] = []
-        for j in range(1, len(res), 4):
-            inst = by_id.get(res[j])
+        for int_id, g, c, d in rows:
+            inst = by_id.get(int_id)
             if inst is None and not refreshed:
                 await self._refresh()  # a new (or re-keyed) instance
                 refreshed = True
                 by_id = self._by_id
-                inst = by_id.get(res[j])
+                inst = by_id.get(int_id)
             if inst is None:
                 continue
             if refreshed and (inst.exp <= now or (inst.stale and not include_stale)):
                 continue
-            g, c, d = res[j + 1], res[j + 2], res[j + 3]
             out.append(
                 InstanceMatch(inst.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
             )

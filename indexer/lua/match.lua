@@ -1,17 +1,22 @@
 -- Match: walk the prefix, stop at the first block no candidate holds.
 -- ARGV: base, block name prefix (base .. 'b:' .. ns id), keys packed as 8-byte
 -- big-endian words, then the int ids to exclude (expired, stale, retired).
--- Returns {gen, id, gpu, cpu, disk, id, gpu, cpu, disk, ...}.
+-- Returns {gen, holders of block 0 as HGETALL gives them (id, mask, ...), then
+-- id, gpu, cpu, disk of each candidate holding at least blocks 0 and 1}.
+-- Holders of block 0 that are neither excluded nor listed after it matched
+-- exactly one block: the caller derives those from the raw list, which is far
+-- cheaper than emitting them one by one here (most of a Match's cost on a
+-- shared first block).
 local bp = ARGV[2]
 local blob = ARGV[3]
 local n = #blob / 8
 local gen = redis.call('GET', B .. 'gen') or ''
-local out = {gen}
 if n == 0 then
-  return out
+  return {gen, {}}
 end
 local first = redis.call('HGETALL', bp .. string.sub(blob, 1, 8))
-if #first == 0 then
+local out = {gen, first}
+if #first == 0 or n == 1 then
   return out
 end
 local ex = {}
@@ -28,8 +33,6 @@ for j = 1, #first, 2 do
     masks[m] = first[j + 1]
   end
 end
--- (gpu, cpu, disk) counts of a one-block prefix by fastest tier.
-local D1 = {{1, 0, 0}, {0, 1, 0}, {0, 0, 1}}
 local function emit(id, c)
   out[#out + 1] = id
   out[#out + 1] = c[1]
@@ -40,7 +43,7 @@ end
 -- Most holders of a shared first block stop here, so with many candidates
 -- one HGETALL of block 1 (usually small) beats an HMGET naming them all.
 local cnt, k = {}, 0
-if n >= 2 and m > 0 then
+if m > 0 then
   local bk = bp .. string.sub(blob, 9, 16)
   local vals = {}
   if m > 8 then
@@ -67,16 +70,9 @@ if n >= 2 and m > 0 then
       local f1 = FAST[tonumber(v)]
       c[f1] = c[f1] + 1
       cnt[k] = c
-    else
-      emit(ids[j], D1[FAST[tonumber(masks[j])]])
     end
   end
   ids, m = nids, k
-else
-  for j = 1, m do
-    emit(ids[j], D1[FAST[tonumber(masks[j])]])
-  end
-  return out
 end
 local i = 3
 while m > 0 and i <= n do

@@ -72,6 +72,20 @@ class RedisSettings(_Strict):
         description="Socket connect/read timeout. A Match is one round trip, so a short "
         "timeout turns a hung Redis into UNAVAILABLE quickly instead of stalling routers.",
     )
+    instance_cache_ttl_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="How long this replica trusts its cached instance table before a Match "
+        "that sees a new generation refreshes it (staleness and removals made by other "
+        "replicas show up within this time).",
+    )
+    parent_cache_size: int = Field(
+        default=200_000,
+        ge=0,
+        description="Entries of the local (instance, engine hash) -> content key cache that "
+        "saves the extra round trip for a stored block's parent. About 200 bytes each; a "
+        "miss costs one HMGET, never a wrong key (the apply script checks every belief).",
+    )
 
 
 class Limits(_Strict):
@@ -353,4 +367,10 @@ def build_index(config: IndexerConfig) -> Index:
     from indexer.redis_backend import RedisIndex
 
     r = config.redis
-    return RedisIndex(r.url, prefix=r.prefix, socket_timeout_s=r.socket_timeout_s)
+    return RedisIndex(
+        r.url,
+        prefix=r.prefix,
+        socket_timeout_s=r.socket_timeout_s,
+        instance_cache_ttl_s=r.instance_cache_ttl_s,
+        parent_cache_size=r.parent_cache_size,
+    )

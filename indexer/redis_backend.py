@@ -208,7 +208,7 @@ class RedisIndex(Index):
         clock: Callable[[], float] = time.time,
         instance_cache_ttl_s: float = 0.25,
         socket_timeout_s: float = 1.0,
-        parent_cache_size: int = 1_000_000,
+        parent_cache_size: int = 200_000,
     ) -> None:
         self._clock = clock
         self._prefix = prefix

@@ -1,0 +1,41 @@
+"""Prometheus counters and the OpenTelemetry tracer of the router client."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+#: Tracer of routing decisions (a no-op until the process configures OpenTelemetry).
+tracer = trace.get_tracer("kvmesh.router_client")
+
+
+class RouterMetrics:
+    """The router's counters in one Prometheus registry.
+
+    ``decisions{stage, reason}`` counts every choice; ``unknown_instances``
+    counts Match entries naming workers this router does not know.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            "kvmesh_router_decisions",
+            "Routing decisions by stage and reason",
+            ["stage", "reason"],
+            registry=registry,
+        )
+        self.unknown_instances = Counter(
+            "kvmesh_router_unknown_instances",
+            "Match entries naming an instance the router does not know",
+            registry=registry,
+        )
+
+
+_default: RouterMetrics | None = None
+
+
+def default_metrics() -> RouterMetrics:
+    """Metrics on the process-wide default registry (created once)."""
+    global _default
+    if _default is None:
+        _default = RouterMetrics(REGISTRY)
+    return _default

@@ -1,0 +1,390 @@
+"""The routing decision: domains, two passes, cost, reasons.
+
+For each stage (prefill, then decode when asked) independently:
+
+1. **Domains.** With no buckets, one global domain of all healthy workers.
+   Otherwise the buckets of the stage whose range holds the request's token
+   count (prefill: input tokens; decode: input + max output) and whose
+   ``max_context`` fits input + max output, ordered by rank then id. A request
+   no bucket holds takes the **range fallback**: the buckets of the stage whose
+   range lies nearest its token count (for a request longer than every
+   bucket, those with the largest ``max_tokens``); those decisions carry the
+   reason ``range_fallback``. Then the SLO partition (``slo_policy``):
+   ``disabled`` keeps the order; ``best_effort`` moves buckets that meet the
+   request's targets (``ttft_p95_ms <= ttft_slo_ms``, ``tps_p05 >= tps_slo``)
+   before the others; ``slo_first`` keeps only those that meet them, unless
+   none has a healthy worker. Members are intersected with healthy workers;
+   empty domains drop out.
+2. **Pass 1.** In each domain in order, the admitted workers (reported load
+   within the bucket's limits; a missing or stale report admits) compete on
+   :mod:`router_client.cost`; the first domain with an admitted worker wins.
+3. **Pass 2**, only when no worker of any domain is admitted: power of two
+   choices on load across the workers of all those domains (reason
+   ``capacity_fallback_p2c``).
+4. No domain with a healthy worker: :class:`NoHealthyWorker`.
+
+Reasons: prefill pass 1 is ``cache_candidate`` when the admitted candidates
+hold different amounts of the prompt (the cache had a say),
+``no_cache_candidate`` when they all hold the same (often nothing), and
+``indexer_unavailable`` when the indexer did not answer (load alone decided).
+Decode pass 1 is ``least_load``. ``range_fallback`` replaces any pass-1
+reason of a fallback domain.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from kvmesh.blockkeys import block_keys as compute_block_keys
+from router_client import cost as costmod
+from router_client.config import Bucket, Limits, RouterConfig, Stage
+from router_client.errors import NoHealthyWorker
+from router_client.indexer_client import IndexerClient, MatchOutcome, MatchStatus
+from router_client.load import LoadTracker
+from router_client.metrics import RouterMetrics, default_metrics, tracer
+
+CACHE_CANDIDATE = "cache_candidate"
+NO_CACHE_CANDIDATE = "no_cache_candidate"
+INDEXER_UNAVAILABLE = "indexer_unavailable"
+LEAST_LOAD = "least_load"
+RANGE_FALLBACK = "range_fallback"
+CAPACITY_FALLBACK_P2C = "capacity_fallback_p2c"
+
+#: Every reason a decision can carry.
+REASONS = (
+    CACHE_CANDIDATE,
+    NO_CACHE_CANDIDATE,
+    INDEXER_UNAVAILABLE,
+    LEAST_LOAD,
+    RANGE_FALLBACK,
+    CAPACITY_FALLBACK_P2C,
+)
+
+GLOBAL_DOMAIN = "global"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router knows of a request.
+
+    Give ``block_keys`` (precomputed) or ``token_ids`` (keyed here with the
+    config's model and the router's block size); with neither, no Match is made.
+    SLO targets are optional.
+    """
+
+    request_id: object
+    input_tokens: int
+    max_output_tokens: int = 0
+    block_keys: Sequence[int] | None = None
+    token_ids: Sequence[int] | None = None
+    ttft_slo_ms: float | None = None
+    tps_slo: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Domain:
+    """A set of workers competing in one pass-1 step."""
+
+    id: str
+    workers: tuple[str, ...]
+    limits: Limits
+    range_fallback: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The worker chosen for one stage, and why."""
+
+    stage: Stage
+    worker: str
+    reason: str
+    domain: str
+    #: 1 or 2: the pass that chose.
+    pass_no: int
+    #: Tier-weighted blocks of the prompt the worker holds (prefill only).
+    cached_blocks: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A request's prefill choice and, when asked, its decode choice."""
+
+    prefill: Choice
+    decode: Choice | None
+
+
+class Router:
+    """Chooses prefill and decode workers; one per router process.
+
+    ``workers`` names the fleet when the config does not (a config with
+    buckets lists them itself); all start healthy. ``indexer`` is optional:
+    without it prefill routes on load alone (reason ``indexer_unavailable``).
+    ``block_size`` is the indexer's tokens per block for the model. ``seed``
+    fixes the tie-breaks; ``clock`` drives load staleness; ``registry`` takes
+    the Prometheus counters (the process default when omitted).
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        *,
+        workers: Iterable[str] = (),
+        indexer: IndexerClient | None = None,
+        block_size: int = 16,
+        seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config or RouterConfig()
+        names = list(self.config.workers) or list(workers)
+        self._workers: list[str] = names
+        self._known = set(names)
+        self._healthy = set(names)
+        self.indexer = indexer
+        self.block_size = block_size
+        self.rng = random.Random(seed)
+        self.load = LoadTracker(stale_after_s=self.config.load_stale_s, clock=clock)
+        self.metrics = default_metrics() if registry is None else RouterMetrics(registry)
+        #: Decisions by (stage, reason), mirrored from the Prometheus counter.
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.unknown_instances = 0
+        self._balance = self.config.balance
+
+    # -- fleet ---------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[str]:
+        """Every known worker, in configuration order."""
+        return list(self._workers)
+
+    def set_healthy(self, worker: str, healthy: bool) -> None:
+        """Mark a known worker healthy or not (unknown names raise KeyError)."""
+        if worker not in self._known:
+            raise KeyError(worker)
+        if healthy:
+            self._healthy.add(worker)
+        else:
+            self._healthy.discard(worker)
+
+    def healthy(self) -> set[str]:
+        """The healthy workers."""
+        return set(self._healthy)
+
+    # -- domains -------------------------------------------------------------
+
+    def domains(self, stage: Stage, req: RouteRequest) -> list[Domain]:
+        """Ordered domains of ``stage`` for ``req``, healthy members only (module docstring)."""
+        cfg = self.config
+        if not cfg.buckets:
+            members = tuple(w for w in self._workers if w in self._healthy)
+            return [Domain(GLOBAL_DOMAIN, members, cfg.limits)] if members else []
+        context = req.input_tokens + req.max_output_tokens
+        tokens = req.input_tokens if stage == "prefill" else context
+        staged = [b for b in cfg.buckets if b.stage == stage]
+        fits = [
+            b
+            for b in staged
+            if b.min_tokens <= tokens < b.max_tokens
+            and (b.max_context is None or context <= b.max_context)
+        ]
+        fallback = not fits
+        if fallback:
+            # Nearest range: distance 0 inside, else to the nearer end.
+            def distance(b: Bucket) -> int:
+                if tokens >= b.max_tokens:
+                    return tokens - b.max_tokens + 1
+                return max(0, b.min_tokens - tokens)
+
+            best = min(distance(b) for b in staged)
+            fits = [b for b in staged if distance(b) == best]
+        fits.sort(key=lambda b: (b.rank, b.id))
+        ordered = self._slo_order(fits, req)
+        out = []
+        for b in ordered:
+            members = tuple(w for w in b.workers if w in self._healthy)
+            if members:
+                out.append(Domain(b.id, members, b.limits, fallback))
+        if not out and cfg.slo_policy == "slo_first" and len(ordered) < len(fits):
+            for b in fits:
+                members = tuple(w for w in b.workers if w in self._healthy)
+                if members:
+                    out.append(Domain(b.id, members, b.limits, fallback))
+        return out
+
+    def _slo_order(self, buckets: list[Bucket], req: RouteRequest) -> list[Bucket]:
+        policy = self.config.slo_policy
+        if policy == "disabled" or (req.ttft_slo_ms is None and req.tps_slo is None):
+            return buckets
+
+        def meets(b: Bucket) -> bool:
+            if req.ttft_slo_ms is not None and (
+                b.ttft_p95_ms is None or b.ttft_p95_ms > req.ttft_slo_ms
+            ):
+                return False
+            return req.tps_slo is None or (b.tps_p05 is not None and b.tps_p05 >= req.tps_slo)
+
+        good = [b for b in buckets if meets(b)]
+        if policy == "slo_first":
+            return good
+        return good + [b for b in buckets if not meets(b)]
+
+    # -- decisions -----------------------------------------------------------
+
+    def keys_for(self, req: RouteRequest) -> Sequence[int]:
+        """The request's block keys: given, or computed from its token ids."""
+        if req.block_keys is not None:
+            return req.block_keys
+        if req.token_ids is not None:
+            return compute_block_keys(
+                req.token_ids, self.block_size, self.config.model, self.config.lora_name
+            )
+        return ()
+
+    async def route(self, req: RouteRequest, *, decode: bool = True) -> Decision:
+        """Ask the indexer (if any), then :meth:`decide`. Never waits past the Match deadline."""
+        keys = self.keys_for(req)
+        if self.indexer is None:
+            outcome = MatchOutcome(MatchStatus.UNAVAILABLE)
+        elif not keys:
+            outcome = MatchOutcome(MatchStatus.OK)
+        else:
+            outcome = await self.indexer.match(keys)
+        return self.decide(req, outcome, n_blocks=len(keys), decode=decode)
+
+    def decide(
+        self,
+        req: RouteRequest,
+        outcome: MatchOutcome,
+        *,
+        n_blocks: int | None = None,
+        decode: bool = True,
+    ) -> Decision:
+        """Choose workers given a Match outcome (see the module docstring).
+
+        ``n_blocks``: the prompt's full blocks (defaults to the key count).
+        Raises :class:`NoHealthyWorker`.
+        """
+        if n_blocks is None:
+            n_blocks = len(self.keys_for(req))
+        matches = outcome.matches
+        if matches:
+            unknown = [w for w in matches if w not in self._known]
+            if unknown:
+                self.unknown_instances += len(unknown)
+                self.metrics.unknown_instances.inc(len(unknown))
+        prefill = self._choose("prefill", req, outcome, n_blocks)
+        dec = self._choose("decode", req, None, n_blocks) if decode else None
+        return Decision(prefill, dec)
+
+    def _choose(
+        self, stage: Stage, req: RouteRequest, outcome: MatchOutcome | None, n_blocks: int
+    ) -> Choice:
+        with tracer.start_as_current_span("kvmesh.router.choose") as span:
+            domains = self.domains(stage, req)
+            if not domains:
+                self._count(stage, "no_healthy_worker")
+                raise NoHealthyWorker(stage)
+            choice = self._pass1(stage, req, domains, outcome, n_blocks)
+            if choice is None:
+                choice = self._pass2(stage, domains)
+            self._count(stage, choice.reason)
+            if span.is_recording():
+                span.set_attribute("kvmesh.stage", stage)
+                span.set_attribute("kvmesh.worker", choice.worker)
+                span.set_attribute("kvmesh.reason", choice.reason)
+                span.set_attribute("kvmesh.domain", choice.domain)
+                span.set_attribute("kvmesh.pass", choice.pass_no)
+            return choice
+
+    def _count(self, stage: str, reason: str) -> None:
+        self.decisions[(stage, reason)] += 1
+        self.metrics.decisions.labels(stage, reason).inc()
+
+    def _pass1(
+        self,
+        stage: Stage,
+        req: RouteRequest,
+        domains: list[Domain],
+        outcome: MatchOutcome | None,
+        n_blocks: int,
+    ) -> Choice | None:
+        bs = self.block_size
+        balance = self._balance
+        matches = outcome.matches if outcome is not None else {}
+        load = self.load
+        for dom in domains:
+            best: list[str] = []
+            best_cost = 0.0
+            best_cached = 0.0
+            cached_seen: set[float] = set()
+            for w in dom.workers:
+                cached = costmod.cached_blocks(matches.get(w)) if stage == "prefill" else 0.0
+                uncached = max(0.0, n_blocks - cached)
+                if not load.admits(w, dom.limits, int(uncached * bs)):
+                    continue
+                cached_seen.add(cached)
+                wl = load.load(w)
+                if stage == "prefill":
+                    c = costmod.cost(uncached, costmod.load_blocks(wl, bs), balance)
+                else:
+                    c = costmod.load_blocks(wl, bs)
+                if not best or c < best_cost:
+                    best, best_cost, best_cached = [w], c, cached
+                elif c == best_cost:
+                    best.append(w)
+            if not best:
+                continue
+            worker = best[0] if len(best) == 1 else self.rng.choice(best)
+            if worker != best[0]:
+                best_cached = (
+                    costmod.cached_blocks(matches.get(worker)) if stage == "prefill" else 0
+                )
+            if dom.range_fallback:
+                reason = RANGE_FALLBACK
+            elif stage == "decode":
+                reason = LEAST_LOAD
+            elif outcome is None or not outcome.ok:
+                reason = INDEXER_UNAVAILABLE
+            elif len(cached_seen) > 1:
+                reason = CACHE_CANDIDATE
+            else:
+                reason = NO_CACHE_CANDIDATE
+            return Choice(stage, worker, reason, dom.id, 1, best_cached)
+        return None
+
+    def _pass2(self, stage: Stage, domains: list[Domain]) -> Choice:
+        seen: dict[str, str] = {}
+        for dom in domains:
+            for w in dom.workers:
+                seen.setdefault(w, dom.id)
+        pool = list(seen)
+        picks = self.rng.sample(pool, 2) if len(pool) >= 2 else pool
+        loads = [costmod.load_blocks(self.load.load(w), self.block_size) for w in picks]
+        if len(picks) == 2 and loads[1] < loads[0]:
+            worker = picks[1]
+        elif len(picks) == 2 and loads[1] == loads[0]:
+            worker = self.rng.choice(picks)
+        else:
+            worker = picks[0]
+        return Choice(stage, worker, CAPACITY_FALLBACK_P2C, seen[worker], 2)
+
+    # -- load ----------------------------------------------------------------
+
+    def started(self, req: RouteRequest, choice: Choice) -> None:
+        """Record that ``req`` went to ``choice.worker`` (once per request and stage)."""
+        tokens = req.input_tokens + req.max_output_tokens
+        uncached = 0
+        if choice.stage == "prefill":
+            uncached = max(0, req.input_tokens - int(choice.cached_blocks * self.block_size))
+        self.load.start((req.request_id, choice.stage), choice.worker, tokens, uncached)
+
+    def finished(self, req: RouteRequest) -> None:
+        """Record that ``req`` finished on every stage (idempotent)."""
+        self.load.finish((req.request_id, "prefill"))
+        self.load.finish((req.request_id, "decode"))

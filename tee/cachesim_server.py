@@ -1,0 +1,327 @@
+"""Transports of the cache simulator (``kvmesh cachesim serve``).
+
+HTTP (aiohttp), SGLang's cache-sim wire: ``POST /ingest_ids``,
+``POST /extend_ids`` (JSON body, worker in ``x-kvmesh-worker``), plus
+``GET /report[?model=M]`` (JSON), ``GET /metrics`` (Prometheus),
+``GET /healthz``. Errors answer JSON ``{"error": ..., "field": ...}`` with 400
+(malformed), 413 (over a cap) or 404 (unknown model).
+
+gRPC: ``kvmesh.tee.v1.TeeService`` (OfferEvents, StreamEvents: a tee's gRPC
+sink points here) and ``kvmesh.tee.v1.CacheSimService.GetReport``, with
+health and reflection. Both transports feed one :class:`CacheSimulator` on one
+event loop, so no locking is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvmesh.tee.v1 import tee_pb2 as pb
+from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
+from tee.cachesim import CacheSimulator, SimSettings
+from tee.config import CacheSimConfig
+from tee.errors import InvalidEvent, TeeError, TooLarge
+from tee.events import REQUEST_ID_HEADER, WORKER_HEADER, EventKind, from_body
+from tee.grpc_common import events_from_pb, guard
+from tee.runtime import new_event_loop, setup_logging
+
+log = logging.getLogger(__name__)
+
+TEE_SERVICE = pb.DESCRIPTOR.services_by_name["TeeService"].full_name
+CACHESIM_SERVICE = pb.DESCRIPTOR.services_by_name["CacheSimService"].full_name
+
+
+class _SimCollector(Collector):
+    def __init__(self, sim: CacheSimulator) -> None:
+        self.sim = sim
+
+    def collect(self) -> Any:
+        fams = {
+            name: GaugeMetricFamily(f"kvmesh_cachesim_{name}", doc, labels=["model"])
+            for name, doc in (
+                ("hit_rate", "Routed hit rate since start."),
+                ("pooled_bound_hit_rate", "Hit rate of the pooled (global oracle) cache."),
+                ("infinite_bound_hit_rate", "Hit rate of an unbounded cache."),
+                ("worker_cv", "Coefficient of variation of requests per worker."),
+                ("requests", "Requests (ingest events) seen."),
+                ("blocks", "Blocks of those requests."),
+            )
+        }
+        for model, fleet in self.sim.models.items():
+            fams["hit_rate"].add_metric([model], fleet.routed_stats.hit_rate)
+            fams["pooled_bound_hit_rate"].add_metric([model], fleet.pooled_stats.hit_rate)
+            fams["infinite_bound_hit_rate"].add_metric([model], fleet.infinite_stats.hit_rate)
+            fams["worker_cv"].add_metric([model], fleet.worker_cv())
+            fams["requests"].add_metric([model], fleet.pooled_stats.requests)
+            fams["blocks"].add_metric([model], fleet.pooled_stats.blocks)
+        yield from fams.values()
+
+
+def _figures_pb(d: dict[str, Any]) -> pb.CacheFigures:
+    def hs(x: dict[str, Any]) -> pb.HitStats:
+        return pb.HitStats(**x)
+
+    return pb.CacheFigures(
+        requests=d["requests"],
+        blocks=d["blocks"],
+        routed=hs(d["routed"]),
+        pooled_bound=hs(d["pooled_bound"]),
+        infinite_bound=hs(d["infinite_bound"]),
+        worker_cv=d["worker_cv"],
+        workers=[pb.WorkerHitStats(worker=w, stats=hs(s)) for w, s in d["per_worker"].items()],
+    )
+
+
+def report_to_pb(report: dict[str, dict[str, Any]]) -> pb.GetReportResponse:
+    """The gRPC form of :meth:`CacheSimulator.report`."""
+    return pb.GetReportResponse(
+        models=[
+            pb.ModelReport(
+                model=model,
+                workers=r["workers"],
+                total=_figures_pb(r["total"]),
+                window=_figures_pb(r["window"]),
+                window_seconds=r["window"]["seconds"],
+            )
+            for model, r in report.items()
+        ]
+    )
+
+
+class CacheSimServicer(pb_grpc.TeeServiceServicer, pb_grpc.CacheSimServiceServicer):
+    """Both gRPC services of the simulator."""
+
+    def __init__(self, server: CacheSimServer) -> None:
+        self.server = server
+
+    def _apply(self, msgs: Any) -> int:
+        c = self.server.config
+        events = events_from_pb(msgs, c.max_input_ids, c.max_events_per_call)
+        for e in events:
+            self.server.apply(e)
+        return len(events)
+
+    async def OfferEvents(
+        self, request: pb.OfferEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.OfferEventsResponse:
+        """Apply a batch (all or nothing: validated before any is applied)."""
+
+        async def body() -> pb.OfferEventsResponse:
+            return pb.OfferEventsResponse(accepted=self._apply(request.events))
+
+        return await guard(context, "OfferEvents", body)
+
+    async def StreamEvents(
+        self,
+        request_iterator: AsyncIterator[pb.StreamEventsRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.StreamEventsResponse:
+        """Apply every message's events."""
+
+        async def body() -> pb.StreamEventsResponse:
+            n = 0
+            async for request in request_iterator:
+                n += self._apply(request.events)
+            return pb.StreamEventsResponse(accepted=n)
+
+        return await guard(context, "StreamEvents", body)
+
+    async def GetTeeStats(
+        self, request: pb.GetTeeStatsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetTeeStatsResponse:
+        """A simulator has no sinks."""
+        return pb.GetTeeStatsResponse()
+
+    async def GetReport(
+        self, request: pb.GetReportRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetReportResponse:
+        """Report one model or all."""
+
+        async def body() -> pb.GetReportResponse:
+            return report_to_pb(self.server.sim.report(request.model))
+
+        return await guard(context, "GetReport", body)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class CacheSimServer:
+    """A running cache simulator: HTTP and gRPC transports over one :class:`CacheSimulator`."""
+
+    def __init__(self, config: CacheSimConfig) -> None:
+        self.config = config
+        self.sim = CacheSimulator(
+            SimSettings(
+                block_size=config.block_size,
+                worker_capacity_blocks=config.worker_capacity_blocks,
+                pooled_capacity_blocks=config.pooled_capacity_blocks,
+                eviction=config.eviction,
+                window_s=config.window_s,
+            )
+        )
+        self.registry = CollectorRegistry()
+        self.registry.register(_SimCollector(self.sim))
+        self.events_total = Counter(
+            "kvmesh_cachesim_events",
+            "Events received, by transport and outcome.",
+            ["transport", "outcome"],
+            registry=self.registry,
+        )
+        self.http_port = 0
+        self.grpc_port = 0
+        self._runner: web.AppRunner | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+
+    def apply(self, event: Any) -> None:
+        """Apply one validated event (both transports end here)."""
+        self.sim.apply(event)
+
+    # -- HTTP -------------------------------------------------------------------
+
+    def _app(self) -> web.Application:
+        # JSON of max_input_ids ids of up to 10 digits each, plus slack; larger is 413.
+        app = web.Application(client_max_size=self.config.max_input_ids * 11 + 65536)
+        app.router.add_post("/ingest_ids", self._ingest)
+        app.router.add_post("/extend_ids", self._extend)
+        app.router.add_get("/report", self._report)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        return app
+
+    async def _ingest(self, request: web.Request) -> web.Response:
+        return await self._event(EventKind.INGEST, request)
+
+    async def _extend(self, request: web.Request) -> web.Response:
+        return await self._event(EventKind.EXTEND, request)
+
+    async def _event(self, kind: EventKind, request: web.Request) -> web.Response:
+        try:
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge as e:
+                raise TooLarge("request body too large", field="body") from e
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InvalidEvent(f"not JSON: {e}", field="body") from e
+            event = from_body(
+                kind,
+                body,
+                worker=request.headers.get(WORKER_HEADER, ""),
+                request_id_header=request.headers.get(REQUEST_ID_HEADER, ""),
+                max_input_ids=self.config.max_input_ids,
+            )
+            blocks = self.sim.apply(event)
+        except TeeError as e:
+            self.events_total.labels("http", "rejected").inc()
+            return web.json_response({"error": str(e), "field": e.field}, status=e.http_status)
+        self.events_total.labels("http", "applied").inc()
+        return web.json_response({"ok": True, "blocks": blocks})
+
+    async def _report(self, request: web.Request) -> web.Response:
+        try:
+            report = self.sim.report(request.query.get("model", ""))
+        except TeeError as e:
+            return web.json_response({"error": str(e), "field": e.field}, status=e.http_status)
+        return web.json_response({"models": report})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "SERVING"})
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP transport."""
+        return f"http://{_host_port(self.config.host, self.http_port)}"
+
+    @property
+    def grpc_address(self) -> str:
+        """host:port of the gRPC transport."""
+        return _host_port(self.config.host, self.grpc_port)
+
+    async def start(self) -> CacheSimServer:
+        """Listen on both transports."""
+        c = self.config
+        self._runner = web.AppRunner(self._app(), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, c.host, c.http_port).start()
+        self.http_port = int(self._runner.addresses[0][1])
+        if c.grpc_enabled:
+            server = grpc.aio.server(
+                options=[
+                    ("grpc.max_receive_message_length", c.max_message_bytes),
+                    ("grpc.so_reuseport", 0),
+                ]
+            )
+            servicer = CacheSimServicer(self)
+            pb_grpc.add_TeeServiceServicer_to_server(servicer, server)
+            pb_grpc.add_CacheSimServiceServicer_to_server(servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            reflection.enable_server_reflection(
+                [TEE_SERVICE, CACHESIM_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                server,
+            )
+            self.grpc_port = server.add_insecure_port(_host_port(c.host, c.grpc_port))
+            await server.start()
+            self._grpc = server
+            for name in ("", TEE_SERVICE, CACHESIM_SERVICE):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("cachesim serving HTTP on %s, gRPC on %s", self.http_url, self.grpc_address)
+        return self
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop both transports, letting in-flight calls finish within the grace period."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        if self._grpc is not None:
+            await self.health.enter_graceful_shutdown()
+            await self._grpc.stop(grace)
+            self._grpc = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+async def serve_until_signal(config: CacheSimConfig) -> int:
+    """Serve until SIGTERM or SIGINT; return an exit code."""
+    try:
+        server = await CacheSimServer(config).start()
+    except (OSError, RuntimeError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    await server.stop()
+    return 0
+
+
+def run(config: CacheSimConfig) -> int:
+    """Run a cache simulator in the foreground; return an exit code."""
+    setup_logging(config.log_level, config.log_format)
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(serve_until_signal(config))

@@ -1,0 +1,72 @@
+"""Prometheus metrics of the tee, in one registry.
+
+The lane counters are plain ints (the serving path pays nothing for
+metrics); a collector reads them at scrape time. Only the send latency
+histogram is observed as sends complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tee.client import LaneStats
+
+#: Send latency buckets: a healthy local sink answers in 1-20 ms; the top
+#: buckets catch sends that approach the 2 s default timeout.
+SEND_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+class _LaneCollector(Collector):
+    def __init__(self) -> None:
+        self.sources: list[Callable[[], Sequence[LaneStats]]] = []
+
+    def collect(self) -> Iterator[Any]:
+        offered = CounterMetricFamily("kvmesh_tee_offered", "Events offered.", labels=["sink"])
+        sent = CounterMetricFamily("kvmesh_tee_sent", "Events delivered.", labels=["sink"])
+        dropped = CounterMetricFamily(
+            "kvmesh_tee_dropped", "Events dropped at offer or close.", labels=["sink", "reason"]
+        )
+        failed = CounterMetricFamily(
+            "kvmesh_tee_failed", "Sends that failed.", labels=["sink", "reason"]
+        )
+        queued = GaugeMetricFamily("kvmesh_tee_queued", "Events in the queue.", labels=["sink"])
+        in_flight = GaugeMetricFamily("kvmesh_tee_in_flight", "Sends in flight.", labels=["sink"])
+        for source in self.sources:
+            for s in source():
+                offered.add_metric([s.sink], s.offered)
+                sent.add_metric([s.sink], s.sent)
+                dropped.add_metric([s.sink, "full"], s.dropped_full)
+                dropped.add_metric([s.sink, "closed"], s.dropped_closed)
+                dropped.add_metric([s.sink, "invalid"], s.dropped_invalid)
+                failed.add_metric([s.sink, "http"], s.failed_http)
+                failed.add_metric([s.sink, "error"], s.failed_error)
+                failed.add_metric([s.sink, "timeout"], s.failed_timeout)
+                queued.add_metric([s.sink], s.queued)
+                in_flight.add_metric([s.sink], s.in_flight)
+        yield from (offered, sent, dropped, failed, queued, in_flight)
+
+
+class TeeMetrics:
+    """The tee's metrics: lane counters (collected at scrape) and the send latency histogram."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._lanes = _LaneCollector()
+        self.registry.register(self._lanes)
+        self.send_seconds = Histogram(
+            "kvmesh_tee_send_seconds",
+            "Latency of successful sends.",
+            ["sink"],
+            buckets=SEND_BUCKETS,
+            registry=self.registry,
+        )
+
+    def watch(self, source: Callable[[], Sequence[LaneStats]]) -> None:
+        """Report the lanes ``source`` returns at every scrape."""
+        self._lanes.sources.append(source)

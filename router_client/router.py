@@ -33,6 +33,7 @@ reason of a fallback domain.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import Counter
@@ -48,6 +49,8 @@ from router_client.errors import NoHealthyWorker
 from router_client.indexer_client import IndexerClient, MatchOutcome, MatchStatus
 from router_client.load import LoadTracker
 from router_client.metrics import RouterMetrics, default_metrics, tracer
+
+log = logging.getLogger(__name__)
 
 CACHE_CANDIDATE = "cache_candidate"
 NO_CACHE_CANDIDATE = "no_cache_candidate"
@@ -128,6 +131,10 @@ class Router:
     ``block_size`` is the indexer's tokens per block for the model. ``seed``
     fixes the tie-breaks; ``clock`` drives load staleness; ``registry`` takes
     the Prometheus counters (the process default when omitted).
+    ``on_decision`` is called with each request and its decision, e.g.
+    :func:`tee.hooks.routed_request_hook` to tee routed prompts to the cache
+    simulator; it must not block, and an exception it raises is counted
+    (``hook_errors``) and swallowed: the hook never fails a routing decision.
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class Router:
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
+        on_decision: Callable[[RouteRequest, Decision], object] | None = None,
     ) -> None:
         self.config = config or RouterConfig()
         names = list(self.config.workers) or list(workers)
@@ -155,6 +163,9 @@ class Router:
         self.decisions: Counter[tuple[str, str]] = Counter()
         self.unknown_instances = 0
         self._balance = self.config.balance
+        self.on_decision = on_decision
+        #: Exceptions raised by ``on_decision`` (swallowed).
+        self.hook_errors = 0
 
     # -- fleet ---------------------------------------------------------------
 
@@ -280,7 +291,14 @@ class Router:
                 self.metrics.unknown_instances.inc(len(unknown))
         prefill = self._choose("prefill", req, outcome, n_blocks)
         dec = self._choose("decode", req, None, n_blocks) if decode else None
-        return Decision(prefill, dec)
+        decision = Decision(prefill, dec)
+        if self.on_decision is not None:
+            try:
+                self.on_decision(req, decision)
+            except Exception:  # the hook is advice-grade: never fail a decision
+                self.hook_errors += 1
+                log.debug("on_decision hook failed", exc_info=True)
+        return decision
 
     def _choose(
         self, stage: Stage, req: RouteRequest, outcome: MatchOutcome | None, n_blocks: int

@@ -178,6 +178,7 @@ def match_query_from_pb(req: pb.MatchRequest) -> MatchQuery:
         block_keys=req.block_keys,
         max_blocks=req.max_blocks,
         include_stale=req.include_stale,
+        max_instances=req.max_instances,
     )
 
 

@@ -55,6 +55,8 @@ class MatchQuery:
     block_keys: Sequence[int] = ()
     max_blocks: int = 0
     include_stale: bool = False
+    #: Keep only the deepest this many hits (0: all).
+    max_instances: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +439,8 @@ class IndexerLogic:
         self.counters.matches += 1
         if hits:
             self.counters.matched_blocks += hits[0].depth
+        if query.max_instances and len(hits) > query.max_instances:
+            hits = hits[: query.max_instances]
         return MatchResult(hits, len(keys), bs)
 
     # -- stats ---------------------------------------------------------------

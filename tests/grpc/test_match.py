@@ -143,3 +143,22 @@ async def test_per_model_block_size_override() -> None:
         assert ack.blocks_stored == 1
     finally:
         await close_harness(h)
+
+
+async def test_max_instances_keeps_the_deepest(stub: Any) -> None:
+    for i, depth in enumerate([1, 3, 2, 3]):
+        await register(stub, f"w{i}")
+        await publish(
+            stub, batch(1, stored([11, 12, 13][:depth], TOKENS[: depth * BLOCK]), worker=f"w{i}")
+        )
+    every = await match(stub, TOKENS)
+    assert [(m.instance.worker_id, m.depth) for m in every.matches] == [
+        ("w1", 3),
+        ("w3", 3),
+        ("w2", 2),
+        ("w0", 1),
+    ]
+    top = await match(stub, TOKENS, max_instances=2)
+    assert [(m.instance.worker_id, m.depth) for m in top.matches] == [("w1", 3), ("w3", 3)]
+    assert top.total_blocks == 3
+    assert len((await match(stub, TOKENS, max_instances=10)).matches) == 4

@@ -234,20 +234,22 @@ class PublishEventsStreamResponse(_message.Message):
     def __init__(self, ack: _Optional[_Union[BatchAck, _Mapping]] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale")
+    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale", "max_instances")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STALE_FIELD_NUMBER: _ClassVar[int]
+    MAX_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     max_blocks: int
     include_stale: bool
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ...) -> None: ...
+    max_instances: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ..., max_instances: _Optional[int] = ...) -> None: ...
 
 class InstanceMatch(_message.Message):
     __slots__ = ("instance", "address", "depth", "gpu_blocks", "cpu_blocks", "disk_blocks", "stale")

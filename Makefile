@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# NIXL (DRAM<->DRAM over UCX on CPU hosts) without its torch dependency.
+	$(BIN)/pip install --quiet --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
 
 node_modules/.bin/buf: package.json

@@ -1,0 +1,147 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoomStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROOM_STATUS_FAILED: _ClassVar[RoomStatus]
+    ROOM_STATUS_BOOTSTRAPPING: _ClassVar[RoomStatus]
+    ROOM_STATUS_WAITING_FOR_INPUT: _ClassVar[RoomStatus]
+    ROOM_STATUS_TRANSFERRING: _ClassVar[RoomStatus]
+    ROOM_STATUS_SUCCESS: _ClassVar[RoomStatus]
+ROOM_STATUS_FAILED: RoomStatus
+ROOM_STATUS_BOOTSTRAPPING: RoomStatus
+ROOM_STATUS_WAITING_FOR_INPUT: RoomStatus
+ROOM_STATUS_TRANSFERRING: RoomStatus
+ROOM_STATUS_SUCCESS: RoomStatus
+
+class RegisterRoomRequest(_message.Message):
+    __slots__ = ("room", "prefill_address", "dst_page_indices", "aux_index")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    AUX_INDEX_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    prefill_address: str
+    dst_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    aux_index: int
+    def __init__(self, room: _Optional[int] = ..., prefill_address: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux_index: _Optional[int] = ...) -> None: ...
+
+class RegisterRoomResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class AddTransferRequestRequest(_message.Message):
+    __slots__ = ("room", "page_indices", "index_slice_start", "index_slice_end", "is_last", "aux_index", "chunk_id")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SLICE_START_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SLICE_END_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    AUX_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    index_slice_start: int
+    index_slice_end: int
+    is_last: bool
+    aux_index: int
+    chunk_id: int
+    def __init__(self, room: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., index_slice_start: _Optional[int] = ..., index_slice_end: _Optional[int] = ..., is_last: _Optional[bool] = ..., aux_index: _Optional[int] = ..., chunk_id: _Optional[int] = ...) -> None: ...
+
+class AddTransferRequestResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PollRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
+
+class PollResponse(_message.Message):
+    __slots__ = ("status", "failure_reason", "bytes")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    status: RoomStatus
+    failure_reason: str
+    bytes: int
+    def __init__(self, status: _Optional[_Union[RoomStatus, str]] = ..., failure_reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BootstrapRequest(_message.Message):
+    __slots__ = ("room", "generation", "dst_page_indices", "aux_index", "peer_name", "agent_metadata", "peer_address", "page_size", "page_count", "aux_size", "aux_count", "transport")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    AUX_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PEER_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    AUX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AUX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    generation: int
+    dst_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    aux_index: int
+    peer_name: str
+    agent_metadata: bytes
+    peer_address: str
+    page_size: int
+    page_count: int
+    aux_size: int
+    aux_count: int
+    transport: str
+    def __init__(self, room: _Optional[int] = ..., generation: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux_index: _Optional[int] = ..., peer_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., peer_address: _Optional[str] = ..., page_size: _Optional[int] = ..., page_count: _Optional[int] = ..., aux_size: _Optional[int] = ..., aux_count: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class BootstrapResponse(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("room", "generation", "reason")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    generation: int
+    reason: str
+    def __init__(self, room: _Optional[int] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("peer_name",)
+    PEER_NAME_FIELD_NUMBER: _ClassVar[int]
+    peer_name: str
+    def __init__(self, peer_name: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,96 @@
+"""``kvmesh xfer serve``: run a transfer sidecar (``main(argv)`` gets the words after it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from indexer.config import ConfigError
+from xfer.config import load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``kvmesh xfer serve``."""
+    p = argparse.ArgumentParser(
+        prog="kvmesh xfer serve",
+        description="Run a KV transfer sidecar. Flags override KVMESH_XFER_* variables, "
+        "which override --config; see xfer/config.py for every setting.",
+    )
+    p.add_argument("--config", help="YAML, TOML or JSON config file")
+    p.add_argument("--role", choices=["prefill", "decode"])
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--transport", choices=["nixl", "tcp"])
+    p.add_argument("--pool-path")
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--page-count", type=int)
+    p.add_argument("--aux-size", type=int)
+    p.add_argument("--aux-count", type=int)
+    p.add_argument("--create-pool", action="store_true", default=None)
+    p.add_argument("--queues", type=int)
+    p.add_argument("--max-inflight-per-queue", type=int)
+    p.add_argument("--nixl-threads", type=int)
+    p.add_argument("--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--bootstrap-timeout-s", type=float)
+    p.add_argument("--waiting-timeout-s", type=float)
+    p.add_argument("--heartbeat-interval-s", type=float)
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    p.add_argument(
+        "--ready-file", help="write host:port here once serving (for supervisors and tests)"
+    )
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``kvmesh xfer serve``; returns an exit code."""
+    args = list(argv)
+    if args[:1] == ["serve"]:
+        args = args[1:]
+    ns = build_parser().parse_args(args)
+    cli: dict[str, Any] = {
+        "role": ns.role,
+        "host": ns.host,
+        "port": ns.port,
+        "metrics_port": ns.metrics_port,
+        "transport": ns.transport,
+        "queues": ns.queues,
+        "max_inflight_per_queue": ns.max_inflight_per_queue,
+        "nixl_threads": ns.nixl_threads,
+        "nixl_progress_thread": ns.nixl_progress_thread,
+        "bootstrap_timeout_s": ns.bootstrap_timeout_s,
+        "waiting_timeout_s": ns.waiting_timeout_s,
+        "heartbeat_interval_s": ns.heartbeat_interval_s,
+        "log_level": ns.log_level,
+        "pool": {
+            "path": ns.pool_path,
+            "page_size": ns.page_size,
+            "page_count": ns.page_count,
+            "aux_size": ns.aux_size,
+            "aux_count": ns.aux_count,
+            "create": ns.create_pool,
+        },
+    }
+    try:
+        config = load_config(ns.config, cli=cli)
+    except ConfigError as e:
+        print(f"kvmesh xfer serve: {e}", file=sys.stderr)
+        return 2
+    if ns.print_config:
+        print(json.dumps(config.model_dump(), indent=2))
+        return 0
+    from xfer.server import XferServer, run
+
+    def ready(server: XferServer) -> None:
+        if ns.ready_file:
+            tmp = ns.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(server.address)
+            os.replace(tmp, ns.ready_file)
+
+    return run(config, ready)

@@ -1,0 +1,727 @@
+"""The transfer logic of a sidecar: rooms, their status machine, queues and workers.
+
+No grpc here (xfer/server.py is the transport). One :class:`XferLogic` serves
+one role:
+
+- **prefill**: :meth:`XferLogic.bootstrap` learns a room's destination (and,
+  once per peer, the peer's transport metadata); :meth:`XferLogic.add_transfer_request`
+  checks a chunk and queues it, returning at once. ``queues`` worker threads,
+  each owning the rooms of the peers hashed to it, merge the chunk's pages
+  into runs contiguous on both sides, post one write (one descriptor per run,
+  the last chunk also carries the aux slot) and keep up to
+  ``max_inflight_per_queue`` writes in flight. A room succeeds when every chunk
+  up to the last is written.
+- **decode**: :meth:`XferLogic.register_room` assigns the room a generation;
+  :meth:`XferLogic.on_notification` counts the chunks whose tags carry the
+  current generation. Success needs every chunk and the aux slot.
+
+Status: ``Failed=0, Bootstrapping=1, WaitingForInput=2, Transferring=3,
+Success=4``; forward-only, Failed reachable from any non-terminal state and
+carrying a reason. Thread-safety: every method may be called from any thread
+(one lock guards the rooms; transfers run outside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from indexer.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound
+from xfer.config import XferConfig
+from xfer.pool import KVPool, PoolGeometry
+from xfer.transport import Transport
+from xfer.wire import FLAG_AUX, FLAG_LAST, Tag, byte_runs, decode_tags, encode_tags, merge_runs
+
+log = logging.getLogger(__name__)
+
+
+class AlreadyExists(KvmeshError):
+    """The room (or bootstrap) already exists."""
+
+    code = "ALREADY_EXISTS"
+
+
+class RoomStatus(enum.IntEnum):
+    """Status of a room (values are the engines' and the proto's)."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+_TERMINAL = (RoomStatus.FAILED, RoomStatus.SUCCESS)
+
+
+class XferMetrics:
+    """Prometheus metrics of one sidecar (its own registry)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.rooms = Gauge("kvmesh_xfer_rooms", "Rooms by state", ["state"], registry=r)
+        self.rooms_finished = Counter(
+            "kvmesh_xfer_rooms_finished", "Rooms reaching a terminal state", ["state"], registry=r
+        )
+        # Buckets from 100 us (one small page run on loopback) to 30 s (the default timeouts).
+        self.transfer_seconds = Histogram(
+            "kvmesh_xfer_transfer_seconds",
+            "First send (prefill) or first arrival (decode) to Success",
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30),
+            registry=r,
+        )
+        self.bytes = Counter("kvmesh_xfer_bytes", "Bytes written or received", registry=r)
+        # Descriptors per write: 1 for a fully contiguous chunk, up to one per page.
+        self.descriptors = Histogram(
+            "kvmesh_xfer_descriptors_per_transfer",
+            "Descriptors (runs) per posted write",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+            registry=r,
+        )
+        self.stale_notifications = Counter(
+            "kvmesh_xfer_stale_notifications",
+            "Notifications ignored (unknown room, older generation, finished room)",
+            registry=r,
+        )
+        self.worker_errors = Counter(
+            "kvmesh_xfer_worker_errors", "Exceptions caught by worker threads", registry=r
+        )
+        self.add_request_seconds = Histogram(
+            "kvmesh_xfer_add_request_seconds",
+            "Time add_transfer_request takes to check and queue a chunk",
+            buckets=(1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2),
+            registry=r,
+        )
+        for s in RoomStatus:
+            self.rooms.labels(s.name.lower()).set(0)
+
+
+@dataclasses.dataclass(eq=False)
+class Room:
+    """One room's state on this side."""
+
+    room: int
+    generation: int
+    status: RoomStatus
+    created: float
+    progress_at: float
+    reason: str = ""
+    dst_pages: list[int] = dataclasses.field(default_factory=list)
+    aux_index: int = 0
+    peer: str = ""  # prefill: decode's peer name; decode: prefill's address
+    peer_geometry: PoolGeometry | None = None
+    bootstrapped: bool = False
+    pending: list[Chunk] = dataclasses.field(default_factory=list)
+    chunk_ids: set[int] = dataclasses.field(default_factory=set)
+    last_chunk: int | None = None
+    chunks_done: int = 0
+    aux_done: bool = False
+    bytes: int = 0
+    first_send: float | None = None
+    span: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One queued chunk of a room."""
+
+    room: int
+    generation: int
+    src_pages: tuple[int, ...]
+    slice_start: int
+    is_last: bool
+    aux_index: int
+    chunk_id: int
+
+
+_STOP = object()
+
+#: Most chunks one write may carry. Coalescing amortises the per-write cost;
+#: the cap bounds the notification size (29 bytes a chunk) and keeps one
+#: write from holding a worker for long.
+_MAX_COALESCE = 64
+
+
+@dataclasses.dataclass(eq=False)
+class _Inflight:
+    handle: Any
+    chunks: list[tuple[Chunk, int]]
+    posted: float
+
+
+class XferLogic:
+    """Rooms and transfers of one sidecar (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: XferConfig,
+        pool: KVPool,
+        transport: Transport,
+        metrics: XferMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.role = config.role
+        self.pool = pool
+        self.transport = transport
+        self.metrics = metrics or XferMetrics()
+        self._rooms: dict[int, Room] = {}
+        self._lock = threading.Lock()
+        self._gen = itertools.count(int(time.time() * 1000) << 16)
+        self._peer_addresses: dict[str, str] = {}  # prefill: peer name -> gRPC address
+        self._queues: list[queue.SimpleQueue[Any]] = [
+            queue.SimpleQueue() for _ in range(config.queues)
+        ]
+        self._workers: list[threading.Thread] = []
+        self._tracer = trace.get_tracer("kvmesh.xfer")
+        transport.set_notif_handler(self.on_notification)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the transport and (prefill) the worker threads."""
+        self.transport.start()
+        if self.role == "prefill":
+            for i, q in enumerate(self._queues):
+                t = threading.Thread(target=self._worker, args=(q,), name=f"xfer-q{i}", daemon=True)
+                t.start()
+                self._workers.append(t)
+
+    def stop(self) -> None:
+        """Stop workers and the transport. Idempotent."""
+        for q in self._queues:
+            q.put(_STOP)
+        for t in self._workers:
+            t.join(timeout=2)
+        self._workers.clear()
+        self.transport.close()
+
+    # -- status machine -----------------------------------------------------------------
+
+    def _new_room(self, room: int, generation: int, status: RoomStatus, now: float) -> Room:
+        if len(self._rooms) >= self.config.max_rooms:
+            raise FailedPrecondition(
+                f"{len(self._rooms)} rooms tracked (max_rooms); clear finished rooms", field="room"
+            )
+        r = Room(room, generation, status, created=now, progress_at=now)
+        r.span = self._tracer.start_span(
+            "xfer.room", attributes={"kvmesh.room": room, "kvmesh.xfer.role": self.role}
+        )
+        self._rooms[room] = r
+        self.metrics.rooms.labels(status.name.lower()).inc()
+        return r
+
+    def _set(self, r: Room, status: RoomStatus, reason: str = "") -> bool:
+        """Move ``r`` to ``status`` if that is forward (or Failed from non-terminal)."""
+        if r.status in _TERMINAL or (status != RoomStatus.FAILED and status <= r.status):
+            return False
+        m = self.metrics
+        m.rooms.labels(r.status.name.lower()).dec()
+        m.rooms.labels(status.name.lower()).inc()
+        r.status = status
+        r.progress_at = time.monotonic()
+        if status == RoomStatus.FAILED:
+            r.reason = reason
+            log.info("room %d failed: %s", r.room, reason)
+        if status in _TERMINAL:
+            m.rooms_finished.labels(status.name.lower()).inc()
+            if status == RoomStatus.SUCCESS and r.first_send is not None:
+                m.transfer_seconds.observe(time.monotonic() - r.first_send)
+            if r.span is not None:
+                r.span.set_attribute("kvmesh.xfer.status", status.name)
+                r.span.set_attribute("kvmesh.xfer.bytes", r.bytes)
+                if reason:
+                    r.span.set_attribute("kvmesh.xfer.reason", reason)
+                r.span.end()
+                r.span = None
+        return True
+
+    def fail(self, room: int, reason: str, generation: int | None = None) -> bool:
+        """Fail ``room`` (only the given generation, when one is given)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or (generation is not None and r.generation != generation):
+                return False
+            return self._set(r, RoomStatus.FAILED, reason)
+
+    def poll(self, room: int) -> tuple[RoomStatus, str, int]:
+        """``(status, failure reason, bytes)`` of a room; :class:`NotFound` if unknown."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise NotFound(f"unknown room {room}", field="room")
+            return r.status, r.reason, r.bytes
+
+    def clear(self, room: int) -> Room | None:
+        """Forget a room. Returns it when it was not finished (decode aborts it on prefill)."""
+        with self._lock:
+            r = self._rooms.pop(room, None)
+            if r is None:
+                raise NotFound(f"unknown room {room}", field="room")
+            self.metrics.rooms.labels(r.status.name.lower()).dec()
+            unfinished = r.status not in _TERMINAL
+            if r.span is not None:
+                r.span.set_attribute("kvmesh.xfer.status", "CLEARED")
+                r.span.end()
+                r.span = None
+        return r if unfinished else None
+
+    def room_generation(self, room: int) -> int | None:
+        """Generation of a tracked room (``None`` if unknown)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return None if r is None else r.generation
+
+    def tick(self, now: float | None = None) -> list[Room]:
+        """Fail rooms past their bootstrap or waiting timeout; return them."""
+        now = time.monotonic() if now is None else now
+        cfg = self.config
+        failed = []
+        with self._lock:
+            for r in self._rooms.values():
+                if r.status == RoomStatus.BOOTSTRAPPING:
+                    if now - r.created > cfg.bootstrap_timeout_s:
+                        self._set(r, RoomStatus.FAILED, "bootstrap timed out")
+                        failed.append(r)
+                elif (
+                    r.status in (RoomStatus.WAITING_FOR_INPUT, RoomStatus.TRANSFERRING)
+                    and now - r.progress_at > cfg.waiting_timeout_s
+                ):
+                    self._set(r, RoomStatus.FAILED, "timed out waiting for input")
+                    failed.append(r)
+        return failed
+
+    def active_peers(self) -> dict[str, str]:
+        """Peers with unfinished rooms: key -> gRPC address (for heartbeats)."""
+        with self._lock:
+            keys = {r.peer for r in self._rooms.values() if r.peer and r.status not in _TERMINAL}
+        if self.role == "decode":
+            return {k: k for k in keys}
+        return {k: self._peer_addresses[k] for k in keys if k in self._peer_addresses}
+
+    def peer_failed(self, peer: str, reason: str) -> list[Room]:
+        """Fail every unfinished room of ``peer``; return them."""
+        out = []
+        with self._lock:
+            for r in self._rooms.values():
+                if r.peer == peer and self._set(r, RoomStatus.FAILED, reason):
+                    out.append(r)
+        if self.role == "prefill" and out:
+            self.transport.remove_peer(peer)
+        return out
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def bootstrap(
+        self,
+        *,
+        room: int,
+        generation: int,
+        dst_pages: Sequence[int],
+        aux_index: int,
+        peer_name: str,
+        peer_address: str,
+        metadata: bytes,
+        geometry: PoolGeometry,
+        transport_kind: str,
+    ) -> None:
+        """Prefill: record a room's destination from the decode sidecar."""
+        self._require("prefill")
+        mine = self.pool.geometry
+        if transport_kind != self.transport.kind:
+            raise FailedPrecondition(
+                f"decode uses transport {transport_kind!r}, this sidecar {self.transport.kind!r}",
+                field="transport",
+            )
+        if geometry.page_size != mine.page_size:
+            raise InvalidArgument(
+                f"decode page size {geometry.page_size} != prefill page size {mine.page_size}",
+                field="page_size",
+            )
+        if geometry.aux_count and (not mine.aux_count or geometry.aux_size != mine.aux_size):
+            raise InvalidArgument("aux slots differ between decode and prefill", field="aux_size")
+        if not peer_name:
+            raise InvalidArgument("peer_name is required", field="peer_name")
+        if not dst_pages:
+            raise InvalidArgument("no destination pages", field="dst_page_indices")
+        n = geometry.page_count
+        for i in dst_pages:
+            if not 0 <= i < n:
+                raise InvalidArgument(f"page index {i} outside [0, {n})", field="dst_page_indices")
+        if geometry.aux_count and not 0 <= aux_index < geometry.aux_count:
+            raise InvalidArgument(
+                f"aux index {aux_index} outside [0, {geometry.aux_count})", field="aux_index"
+            )
+        if metadata:
+            if not self.transport.has_peer(peer_name):
+                self.transport.add_peer(peer_name, metadata)
+        elif not self.transport.has_peer(peer_name):
+            raise FailedPrecondition(
+                f"unknown peer {peer_name}: its first bootstrap must carry agent metadata",
+                field="agent_metadata",
+            )
+        now = time.monotonic()
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.bootstrapped:
+                if r.status not in _TERMINAL or r.generation == generation:
+                    raise AlreadyExists(f"room {room} is already bootstrapped", field="room")
+                self.metrics.rooms.labels(r.status.name.lower()).dec()
+                del self._rooms[room]
+                r = None
+            if r is None:
+                r = self._new_room(room, generation, RoomStatus.BOOTSTRAPPING, now)
+            elif r.status == RoomStatus.FAILED:
+                raise FailedPrecondition(f"room {room} failed: {r.reason}", field="room")
+            for c in r.pending:
+                self._check_slice(c, len(dst_pages))
+            r.generation = generation
+            r.dst_pages = list(dst_pages)
+            r.aux_index = aux_index
+            r.peer = peer_name
+            r.peer_geometry = geometry
+            r.bootstrapped = True
+            self._peer_addresses[peer_name] = peer_address
+            self._set(r, RoomStatus.WAITING_FOR_INPUT)
+            pending, r.pending = r.pending, []
+            for c in pending:
+                self._enqueue(r, dataclasses.replace(c, generation=generation))
+
+    @staticmethod
+    def _check_slice(c: Chunk, n_dst: int) -> None:
+        end = c.slice_start + len(c.src_pages)
+        if end > n_dst:
+            raise InvalidArgument(
+                f"chunk {c.chunk_id} fills destination pages [{c.slice_start}, {end}) but the "
+                f"room has {n_dst}",
+                field="index_slice_end",
+            )
+
+    def add_transfer_request(
+        self,
+        room: int,
+        page_indices: Sequence[int],
+        index_slice: tuple[int, int],
+        is_last: bool,
+        aux_index: int,
+        chunk_id: int,
+    ) -> None:
+        """Prefill: check one chunk and queue it; returns at once (never waits on I/O)."""
+        t0 = time.perf_counter()
+        self._require("prefill")
+        start, end = index_slice
+        if start < 0 or end < start:
+            raise InvalidArgument(f"bad index slice [{start}, {end})", field="index_slice")
+        if end - start != len(page_indices):
+            raise InvalidArgument(
+                f"{len(page_indices)} source pages for {end - start} destination pages",
+                field="page_indices",
+            )
+        if not page_indices and not is_last:
+            raise InvalidArgument("empty chunk", field="page_indices")
+        self.pool.check_pages(page_indices, "page_indices")
+        if is_last and self.pool.geometry.aux_count:
+            self.pool.check_aux(aux_index, "aux_index")
+        chunk = Chunk(room, 0, tuple(page_indices), start, is_last, aux_index, chunk_id)
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                r = self._new_room(room, 0, RoomStatus.BOOTSTRAPPING, time.monotonic())
+            if r.status in _TERMINAL:
+                what = f"failed: {r.reason}" if r.status == RoomStatus.FAILED else "finished"
+                raise FailedPrecondition(f"room {room} {what}", field="room")
+            if chunk_id in r.chunk_ids:
+                raise InvalidArgument(f"chunk {chunk_id} already added", field="chunk_id")
+            # Chunks may arrive in any order (pipelined calls); ids must fit under the last.
+            if r.last_chunk is not None and (is_last or chunk_id > r.last_chunk):
+                raise InvalidArgument(
+                    f"chunk {chunk_id} after the last chunk {r.last_chunk}", field="chunk_id"
+                )
+            if is_last and r.chunk_ids and max(r.chunk_ids) > chunk_id:
+                raise InvalidArgument(
+                    f"last chunk {chunk_id} below chunk {max(r.chunk_ids)}", field="chunk_id"
+                )
+            if r.bootstrapped:
+                self._check_slice(chunk, len(r.dst_pages))
+            r.chunk_ids.add(chunk_id)
+            if is_last:
+                r.last_chunk = chunk_id
+            r.progress_at = time.monotonic()
+            if r.bootstrapped:
+                self._enqueue(r, dataclasses.replace(chunk, generation=r.generation))
+            else:
+                r.pending.append(chunk)
+        self.metrics.add_request_seconds.observe(time.perf_counter() - t0)
+
+    def _enqueue(self, r: Room, chunk: Chunk) -> None:
+        # Sharded by destination: one peer's chunks stay in order on one worker,
+        # and a stuck peer delays only the rooms hashed with it.
+        q = self._queues[zlib.crc32(r.peer.encode()) % len(self._queues)]
+        q.put(chunk)
+
+    def abort(self, room: int, generation: int, reason: str) -> bool:
+        """Prefill: the decode side gave up on a room."""
+        return self.fail(room, f"aborted by decode: {reason}", generation)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _worker(self, q: queue.SimpleQueue[Any]) -> None:
+        limit = self.config.max_inflight_per_queue
+        inflight: list[_Inflight] = []
+        idle = 0.00005
+        while True:
+            batch: list[Any] = []
+            if len(inflight) < limit:
+                try:
+                    if inflight:
+                        batch.append(q.get_nowait())
+                    else:
+                        batch.append(q.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+                # Coalesce what is already queued (each write has a fixed cost
+                # of about half a millisecond in NIXL on this class of host);
+                # serial mode (one in flight) keeps one chunk per write.
+                while batch and limit > 1 and len(batch) < _MAX_COALESCE:
+                    try:
+                        batch.append(q.get_nowait())
+                    except queue.Empty:
+                        break
+            if any(item is _STOP for item in batch):
+                for f in inflight:
+                    self.transport.release(f.handle)
+                return
+            if batch:
+                try:
+                    self._post(batch, inflight)
+                except Exception as e:  # the worker survives; only these rooms fail
+                    self.metrics.worker_errors.inc()
+                    log.warning("posting a write failed: %s", e, exc_info=True)
+                    for c in batch:
+                        self.fail(c.room, f"transfer failed: {e}", c.generation)
+                idle = 0.00005
+                if len(inflight) < limit:
+                    continue
+            if inflight:
+                if not self._reap(inflight):
+                    # Nothing finished: back off from 50 us to 1 ms so waiting
+                    # workers leave the CPU to the transport's progress thread.
+                    time.sleep(idle)
+                    idle = min(idle * 2, 0.001)
+                else:
+                    idle = 0.00005
+
+    def _chunk_runs(self, chunk: Chunk) -> tuple[str, list[tuple[int, int, int]], Tag] | None:
+        """The peer, byte runs and tag of a chunk (``None`` if its room is gone)."""
+        with self._lock:
+            r = self._rooms.get(chunk.room)
+            if r is None or r.generation != chunk.generation or r.status in _TERMINAL:
+                return None
+            dst = r.dst_pages[chunk.slice_start : chunk.slice_start + len(chunk.src_pages)]
+            peer, geo, aux_dst = r.peer, r.peer_geometry, r.aux_index
+        assert geo is not None
+        page_size = self.pool.geometry.page_size
+        runs = byte_runs(merge_runs(chunk.src_pages, dst), page_size)
+        flags = 0
+        if chunk.is_last:
+            flags |= FLAG_LAST
+            if geo.aux_count:
+                flags |= FLAG_AUX
+                size = geo.aux_size
+                runs.append(
+                    (self.pool.aux_offset(chunk.aux_index), geo.kv_bytes + aux_dst * size, size)
+                )
+        return (
+            peer,
+            runs,
+            Tag(chunk.room, chunk.generation, chunk.chunk_id, flags, chunk.chunk_id + 1),
+        )
+
+    def _post(self, batch: list[Chunk], inflight: list[_Inflight]) -> None:
+        """Post one write per peer for ``batch`` (one descriptor per run, all tags in one
+        notification). A chunk whose runs cannot be built fails only its own room."""
+        groups: dict[
+            str, tuple[list[tuple[int, int, int]], list[Tag], list[tuple[Chunk, int]]]
+        ] = {}
+        for chunk in batch:
+            try:
+                built = self._chunk_runs(chunk)
+            except Exception as e:
+                self.metrics.worker_errors.inc()
+                log.warning("room %d chunk %d: %s", chunk.room, chunk.chunk_id, e, exc_info=True)
+                self.fail(chunk.room, f"transfer failed: {e}", chunk.generation)
+                continue
+            if built is None:
+                continue
+            peer, runs, tag = built
+            if not runs:  # an empty last chunk without aux: nothing to move
+                self._chunk_done(chunk, 0)
+                continue
+            g = groups.setdefault(peer, ([], [], []))
+            g[0].extend(runs)
+            g[1].append(tag)
+            g[2].append((chunk, sum(n for _, _, n in runs)))
+        for peer, (runs, tags, chunks) in groups.items():
+            try:
+                handle = self.transport.post(peer, runs, encode_tags(tags))
+            except Exception as e:
+                self.metrics.worker_errors.inc()
+                log.warning("write to %s failed: %s", peer, e, exc_info=True)
+                for c, _ in chunks:
+                    self.fail(c.room, f"transfer failed: {e}", c.generation)
+                continue
+            self.metrics.descriptors.observe(len(runs))
+            now = time.monotonic()
+            with self._lock:
+                for c, _ in chunks:
+                    r = self._rooms.get(c.room)
+                    if r is None or r.generation != c.generation:
+                        continue
+                    if r.first_send is None:
+                        r.first_send = now
+                    self._set(r, RoomStatus.TRANSFERRING)
+            inflight.append(_Inflight(handle, chunks, now))
+
+    def _reap(self, inflight: list[_Inflight]) -> bool:
+        progressed = False
+        now = time.monotonic()
+        for item in list(inflight):
+            try:
+                state = self.transport.check(item.handle)
+            except Exception as e:
+                state = "ERR"
+                log.warning("checking a transfer failed: %s", e)
+            if state == "PROC" and now - item.posted <= self.config.transfer_timeout_s:
+                continue
+            inflight.remove(item)
+            progressed = True
+            self.transport.release(item.handle)
+            for chunk, nbytes in item.chunks:
+                if state == "DONE":
+                    try:
+                        self._chunk_done(chunk, nbytes)
+                    except Exception as e:
+                        self.metrics.worker_errors.inc()
+                        self.fail(chunk.room, f"completing a chunk failed: {e}", chunk.generation)
+                elif state == "ERR":
+                    self.fail(
+                        chunk.room, "transfer error reported by the transport", chunk.generation
+                    )
+                else:
+                    self.fail(chunk.room, "transfer timed out", chunk.generation)
+        return progressed
+
+    def _chunk_done(self, chunk: Chunk, nbytes: int) -> None:
+        self.metrics.bytes.inc(nbytes)
+        with self._lock:
+            r = self._rooms.get(chunk.room)
+            if r is None or r.generation != chunk.generation:
+                return
+            r.chunks_done += 1
+            r.bytes += nbytes
+            r.progress_at = time.monotonic()
+            if r.last_chunk is not None and r.chunks_done == r.last_chunk + 1:
+                self._set(r, RoomStatus.SUCCESS)
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def register_room(
+        self, room: int, prefill_address: str, dst_pages: Sequence[int], aux_index: int
+    ) -> Room:
+        """Decode: expect a room; returns it (Bootstrapping) with its new generation."""
+        self._require("decode")
+        if not prefill_address:
+            raise InvalidArgument("prefill_address is required", field="prefill_address")
+        if not dst_pages:
+            raise InvalidArgument("no destination pages", field="dst_page_indices")
+        self.pool.check_pages(dst_pages, "dst_page_indices")
+        if self.pool.geometry.aux_count:
+            self.pool.check_aux(aux_index, "aux_index")
+        with self._lock:
+            old = self._rooms.get(room)
+            if old is not None:
+                if old.status not in _TERMINAL:
+                    raise AlreadyExists(f"room {room} is in use; clear it first", field="room")
+                self.metrics.rooms.labels(old.status.name.lower()).dec()
+                del self._rooms[room]
+            r = self._new_room(room, next(self._gen), RoomStatus.BOOTSTRAPPING, time.monotonic())
+            r.dst_pages = list(dst_pages)
+            r.aux_index = aux_index
+            r.peer = prefill_address
+            return dataclasses.replace(r, span=None)
+
+    def bootstrap_done(self, room: int, generation: int, error: str = "") -> None:
+        """Decode: the prefill side accepted (``error`` empty) or refused the bootstrap."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.generation != generation:
+                return
+            if error:
+                self._set(r, RoomStatus.FAILED, f"bootstrap failed: {error}")
+            else:
+                r.bootstrapped = True
+                self._set(r, RoomStatus.WAITING_FOR_INPUT)
+
+    def on_notification(self, peer: str, data: bytes) -> None:
+        """Decode: a write landed. Tags of another generation are ignored."""
+        tags = decode_tags(data)
+        if tags is None:
+            self.metrics.stale_notifications.inc()
+            return
+        with self._lock:
+            for tag in tags:
+                self._arrived(tag)
+
+    def _arrived(self, tag: Tag) -> None:
+        m = self.metrics
+        r = self._rooms.get(tag.room)
+        if r is None or r.generation != tag.generation or r.status in _TERMINAL:
+            m.stale_notifications.inc()
+            return
+        if tag.chunk in r.chunk_ids:
+            m.stale_notifications.inc()
+            return
+        now = time.monotonic()
+        if r.first_send is None:
+            r.first_send = now
+        r.chunk_ids.add(tag.chunk)
+        r.progress_at = now
+        if tag.flags & FLAG_LAST:
+            r.last_chunk = tag.n_chunks - 1
+        if tag.flags & FLAG_AUX:
+            r.aux_done = True
+        if r.status < RoomStatus.TRANSFERRING:
+            r.bootstrapped = True
+            self._set(r, RoomStatus.TRANSFERRING)
+        need_aux = self.pool.geometry.aux_count > 0
+        if (
+            r.last_chunk is not None
+            and len(r.chunk_ids) == r.last_chunk + 1
+            and all(i in r.chunk_ids for i in range(r.last_chunk + 1))
+            and (r.aux_done or not need_aux)
+        ):
+            g = self.pool.geometry
+            r.bytes = len(r.dst_pages) * g.page_size + (g.aux_size if need_aux else 0)
+            m.bytes.inc(r.bytes)
+            self._set(r, RoomStatus.SUCCESS)
+
+    def _require(self, role: str) -> None:
+        if self.role != role:
+            raise FailedPrecondition(f"this is a {self.role} sidecar; the call needs {role}")
+
+    def room_snapshot(self, room: int) -> Room | None:
+        """A copy of a room's record (tests, debugging)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return None if r is None else dataclasses.replace(r, span=None)

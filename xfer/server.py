@@ -1,0 +1,407 @@
+"""gRPC transport of ``kvmesh.xfer.v1.XferService`` (grpc.aio) and the sidecar's loops.
+
+Transport only: rooms and transfers are xfer/engine.py. Every method goes
+through :func:`_rpc`, which maps a :class:`~indexer.errors.KvmeshError` to the
+status its ``code`` names and anything else to INTERNAL, so no call ends
+UNKNOWN. Beside the service the server runs
+
+- the bootstrap of each registered room (decode → prefill, metadata once per
+  peer, resent when the prefill side does not know it);
+- a timeout sweep (bootstrap and waiting timeouts);
+- heartbeats to every peer with unfinished rooms: each ping times out after
+  one interval, so a dead peer's rooms fail within two intervals;
+- aborts: a decode room that is cleared unfinished or times out is failed on
+  the prefill side too.
+
+It serves ``grpc.health.v1`` and reflection, Prometheus metrics on
+``metrics_port`` and stops gracefully on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from indexer.errors import KvmeshError
+from indexer.instrumented import configure_tracing
+from indexer.server import ERROR_FIELD_METADATA, new_event_loop, status_code
+from kvmesh.xfer.v1 import xfer_pb2 as pb
+from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
+from xfer.config import XferConfig
+from xfer.engine import Room, XferLogic, XferMetrics
+from xfer.pool import KVPool, PoolGeometry
+from xfer.transport import Transport, make_transport
+
+log = logging.getLogger(__name__)
+
+#: Full name of the service, as health checks and reflection know it.
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["XferService"].full_name
+
+_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+
+#: Deadline of a Bootstrap or Abort call to a peer: long enough for a loaded
+#: peer on a small host, short next to the bootstrap timeout.
+_PEER_CALL_TIMEOUT_S = 5.0
+
+
+def _rpc(fn: _F) -> _F:
+    """Map errors to status codes (never UNKNOWN)."""
+
+    @functools.wraps(fn)
+    async def wrapper(
+        self: XferServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        try:
+            return await fn(self, request, context)
+        except KvmeshError as e:
+            if e.field:
+                context.set_trailing_metadata(((ERROR_FIELD_METADATA, e.field),))
+            await context.abort(status_code(e.code), str(e))
+        except Exception as e:
+            if type(e).__name__ == "AbortError":
+                raise
+            log.exception("%s failed", fn.__name__)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+            )
+
+    return wrapper  # type: ignore[return-value]
+
+
+class XferServicer(pb_grpc.XferServiceServicer):
+    """XferService over one :class:`XferLogic`."""
+
+    def __init__(self, server: XferServer) -> None:
+        self.server = server
+        self.logic = server.logic
+
+    @_rpc
+    async def RegisterRoom(
+        self, request: pb.RegisterRoomRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RegisterRoomResponse:
+        room = self.logic.register_room(
+            request.room, request.prefill_address, list(request.dst_page_indices), request.aux_index
+        )
+        self.server.spawn(self.server.bootstrap(room))
+        return pb.RegisterRoomResponse(generation=room.generation)
+
+    @_rpc
+    async def AddTransferRequest(
+        self, request: pb.AddTransferRequestRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AddTransferRequestResponse:
+        self.logic.add_transfer_request(
+            request.room,
+            request.page_indices,
+            (request.index_slice_start, request.index_slice_end),
+            request.is_last,
+            request.aux_index,
+            request.chunk_id,
+        )
+        return pb.AddTransferRequestResponse()
+
+    @_rpc
+    async def Poll(
+        self, request: pb.PollRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PollResponse:
+        status, reason, nbytes = self.logic.poll(request.room)
+        return pb.PollResponse(status=int(status), failure_reason=reason, bytes=nbytes)  # type: ignore[arg-type]
+
+    @_rpc
+    async def Clear(
+        self, request: pb.ClearRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClearResponse:
+        unfinished = self.logic.clear(request.room)
+        if unfinished is not None and self.logic.role == "decode":
+            self.server.spawn(self.server.send_abort(unfinished, "cleared by the decode engine"))
+        return pb.ClearResponse()
+
+    @_rpc
+    async def Bootstrap(
+        self, request: pb.BootstrapRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BootstrapResponse:
+        self.logic.bootstrap(
+            room=request.room,
+            generation=request.generation,
+            dst_pages=list(request.dst_page_indices),
+            aux_index=request.aux_index,
+            peer_name=request.peer_name,
+            peer_address=request.peer_address,
+            metadata=request.agent_metadata,
+            geometry=PoolGeometry(
+                request.page_size, request.page_count, request.aux_size, request.aux_count
+            ),
+            transport_kind=request.transport,
+        )
+        return pb.BootstrapResponse(instance_id=self.server.instance_id)
+
+    @_rpc
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AbortResponse:
+        if self.logic.role == "prefill":
+            self.logic.abort(request.room, request.generation, request.reason)
+        else:
+            self.logic.fail(
+                request.room, f"aborted by prefill: {request.reason}", request.generation
+            )
+        return pb.AbortResponse()
+
+    @_rpc
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(instance_id=self.server.instance_id)
+
+
+class XferServer:
+    """One sidecar: pool, transport, logic, gRPC server and background loops."""
+
+    def __init__(self, config: XferConfig, transport: Transport | None = None) -> None:
+        self.config = config
+        geo = config.pool.geometry()
+        if config.pool.create:
+            self.pool = KVPool.create(config.pool.path, geo)
+        else:
+            self.pool = KVPool.attach(config.pool.path, geo)
+        self.transport = transport or make_transport(
+            config.transport,
+            self.pool,
+            host=config.host,
+            nixl_threads=config.nixl_threads,
+            nixl_progress_thread=config.nixl_progress_thread,
+        )
+        self.metrics = XferMetrics()
+        self.logic = XferLogic(config, self.pool, self.transport, self.metrics)
+        #: Changes on every start, so peers notice a restart.
+        self.instance_id = uuid.uuid4().hex
+        self._server = grpc.aio.server()
+        pb_grpc.add_XferServiceServicer_to_server(XferServicer(self), self._server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self._server,
+        )
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_http: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.XferServiceAsyncStub]] = {}
+        self._md_sent: set[str] = set()
+        self._peer_instance: dict[str, str] = {}
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        """host:port of the gRPC endpoint."""
+        return f"{self.config.host}:{self.port}"
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        """Run ``coro`` in the background (kept referenced until done)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _stub(self, address: str) -> pb_grpc.XferServiceAsyncStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            ch = grpc.aio.insecure_channel(address)
+            entry = (ch, pb_grpc.XferServiceStub(ch))
+            self._channels[address] = entry
+        return entry[1]
+
+    # -- decode → prefill calls -----------------------------------------------------------------
+
+    async def bootstrap(self, room: Room) -> None:
+        """Send a registered room's destination to its prefill sidecar."""
+        addr = room.peer
+        geo = self.pool.geometry
+        stub = self._stub(addr)
+        error = ""
+        for attempt in range(2):
+            send_md = addr not in self._md_sent or attempt > 0
+            req = pb.BootstrapRequest(
+                room=room.room,
+                generation=room.generation,
+                dst_page_indices=room.dst_pages,
+                aux_index=room.aux_index,
+                peer_name=self.transport.name,
+                agent_metadata=self.transport.metadata() if send_md else b"",
+                peer_address=self.address,
+                page_size=geo.page_size,
+                page_count=geo.page_count,
+                aux_size=geo.aux_size,
+                aux_count=geo.aux_count,
+                transport=self.transport.kind,
+            )
+            try:
+                resp = await stub.Bootstrap(req, timeout=_PEER_CALL_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                error = f"{e.code().name}: {e.details()}"
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not send_md:
+                    self._md_sent.discard(addr)
+                    continue  # the prefill side restarted or forgot us: resend metadata
+                break
+            if send_md:
+                self._md_sent.add(addr)
+            self._peer_instance.setdefault(addr, resp.instance_id)
+            error = ""
+            break
+        self.logic.bootstrap_done(room.room, room.generation, error)
+        if error:
+            log.info("room %d: bootstrap with %s failed: %s", room.room, addr, error)
+
+    async def send_abort(self, room: Room, reason: str) -> None:
+        """Tell the prefill side to fail ``room`` (best effort)."""
+        if not room.peer:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub(room.peer).Abort(
+                pb.AbortRequest(room=room.room, generation=room.generation, reason=reason),
+                timeout=_PEER_CALL_TIMEOUT_S,
+            )
+
+    # -- loops --------------------------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        # A quarter of the shortest timeout scale keeps failures prompt at a
+        # negligible cost (the sweep is one pass over the rooms).
+        period = min(0.25, self.config.heartbeat_interval_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for r in self.logic.tick():
+                    if self.logic.role == "decode":
+                        self.spawn(self.send_abort(r, r.reason or "timed out"))
+            except Exception:
+                log.exception("timeout sweep failed")
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while True:
+            t0 = time.monotonic()
+            peers = self.logic.active_peers()
+            if peers:
+                await asyncio.gather(*(self._ping(k, a, interval) for k, a in peers.items()))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+
+    async def _ping(self, key: str, address: str, deadline_s: float) -> None:
+        try:
+            resp = await self._stub(address).Heartbeat(
+                pb.HeartbeatRequest(peer_name=self.transport.name), timeout=deadline_s
+            )
+        except grpc.aio.AioRpcError as e:
+            failed = self.logic.peer_failed(key, f"peer {address} is unreachable ({e.code().name})")
+            if failed:
+                log.warning("peer %s unreachable: failed %d rooms", address, len(failed))
+            self._md_sent.discard(address)
+            return
+        known = self._peer_instance.get(address)
+        if known is not None and known != resp.instance_id:
+            self.logic.peer_failed(key, f"peer {address} restarted")
+            self._md_sent.discard(address)
+        self._peer_instance[address] = resp.instance_id
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind, start serving and start the loops."""
+        cfg = self.config
+        target = f"{cfg.host}:{cfg.port}"
+        try:
+            self.port = self._server.add_insecure_port(target)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {target}: {e}") from e
+        self.logic.start()
+        await self._server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.spawn(self._sweep_loop())
+        self.spawn(self._heartbeat_loop())
+        if cfg.metrics_port:
+            from prometheus_client import start_http_server
+
+            self._metrics_http, _ = start_http_server(
+                cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry
+            )
+            self.metrics_port = self._metrics_http.server_port
+        log.info(
+            "kvmesh xfer %s sidecar serving on %s (transport %s, agent %s, %d queues)",
+            cfg.role,
+            self.address,
+            self.transport.kind,
+            self.transport.name,
+            cfg.queues,
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving, stop the loops and workers, unmap the pool. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        for t in list(self._tasks):
+            t.cancel()
+        for ch, _ in self._channels.values():
+            await ch.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.logic.stop)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        log.info("kvmesh xfer stopped")
+
+
+async def start_server(config: XferConfig) -> XferServer:
+    """Start a sidecar for ``config`` (port 0 picks a free one: see ``server.port``)."""
+    configure_tracing()
+    server = XferServer(config)
+    await server.start()
+    return server
+
+
+async def serve_until_signal(
+    config: XferConfig, ready: Callable[[XferServer], None] | None = None
+) -> int:
+    """Serve until SIGTERM or SIGINT, then shut down; return an exit code."""
+    try:
+        server = await start_server(config)
+    except (OSError, KvmeshError, RuntimeError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    if ready is not None:
+        ready(server)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+def run(config: XferConfig, ready: Callable[[XferServer], None] | None = None) -> int:
+    """Run a sidecar in the foreground (``kvmesh xfer serve``); return an exit code."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(serve_until_signal(config, ready))

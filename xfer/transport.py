@@ -1,0 +1,550 @@
+"""Transports: how bytes move from a prefill pool into a decode pool.
+
+:class:`Transport` is the one interface; :class:`NixlTransport` (NIXL over
+UCX, one-sided WRITE into the registered remote pool) and
+:class:`TcpTransport` (a plain socket per peer, for hosts without NIXL) sit
+beside it. Both deliver the same thing: after :meth:`Transport.post`, the
+bytes of every run land in the peer's pool and then the peer's notification
+handler receives the tag. Both check every run against the pools before any
+byte moves.
+
+Thread-safety: ``post``/``check``/``release`` may be called from several
+worker threads at once (one peer is only ever used by one queue, see
+xfer/engine.py); the notification handler is called from one transport
+thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import importlib
+import itertools
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from indexer.errors import FailedPrecondition, InvalidArgument
+from xfer.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+#: Outcome of a posted transfer.
+XferState = Literal["DONE", "PROC", "ERR"]
+
+#: Called with (peer name, tag bytes) when a transfer from a peer has landed.
+NotifHandler = Callable[[str, bytes], None]
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL cannot be used here; the message says why and names the fallback."""
+
+
+class Transport(abc.ABC):
+    """Moves byte runs from the local pool into a peer's pool, then notifies the peer."""
+
+    #: "nixl" or "tcp"; both sides of a room must use the same kind.
+    kind: str = ""
+
+    def __init__(self, pool: KVPool, name: str | None = None) -> None:
+        self.pool = pool
+        #: This side's agent name, unique per sidecar instance.
+        self.name = name or f"kvx-{uuid.uuid4().hex[:12]}"
+        self._handler: NotifHandler | None = None
+
+    def set_notif_handler(self, handler: NotifHandler) -> None:
+        """Route incoming notifications to ``handler`` (call before :meth:`start`)."""
+        self._handler = handler
+
+    def _notify(self, peer: str, tag: bytes) -> None:
+        if self._handler is not None:
+            try:
+                self._handler(peer, tag)
+            except Exception:
+                log.exception("notification handler failed")
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start listening / progress threads."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs (once) to write into this side's pool."""
+
+    @abc.abstractmethod
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """Learn a peer from its :meth:`metadata`; replaces an older entry of that name."""
+
+    @abc.abstractmethod
+    def has_peer(self, name: str) -> bool:
+        """Whether :meth:`add_peer` was called for ``name`` (and not removed since)."""
+
+    @abc.abstractmethod
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (e.g. it died or restarted)."""
+
+    @abc.abstractmethod
+    def post(self, peer: str, runs: Sequence[tuple[int, int, int]], tag: bytes) -> Any:
+        """Start writing ``runs`` ``(src_offset, dst_offset, length)`` to ``peer``; the
+        peer is notified with ``tag`` once all of them landed. Returns a handle for
+        :meth:`check`. Raises on a transfer that cannot start."""
+
+    @abc.abstractmethod
+    def check(self, handle: Any) -> XferState:
+        """State of a posted transfer."""
+
+    def release(self, handle: Any) -> None:  # noqa: B027 - optional hook
+        """Free a handle once it is DONE or ERR (or abandoned)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads and free resources. Idempotent."""
+
+
+# -- NIXL -----------------------------------------------------------------------------
+
+_NIXL_MD = struct.Struct("<QQ")  # remote pool base address, remote pool size
+
+
+def import_nixl() -> Any:
+    """The NIXL Python module, or :class:`NixlUnavailable` with the reason and the fix."""
+    try:
+        nixl_mod = importlib.import_module("nixl_cu12")
+    except ImportError as e:
+        try:
+            nixl_mod = importlib.import_module("nixl")
+        except ImportError:
+            raise NixlUnavailable(
+                f"NIXL is not installed ({e}); install it with "
+                "`pip install --no-deps nixl-cu12 numpy`, or use --transport tcp"
+            ) from e
+    return nixl_mod
+
+
+class NixlTransport(Transport):
+    """NIXL agent over UCX with the whole pool registered as one DRAM segment.
+
+    ``num_threads`` is passed to the UCX backend (its worker thread count; 0
+    keeps NIXL's default). Notifications are drained by one poller thread.
+    """
+
+    kind = "nixl"
+
+    #: Poller sleep bounds: it spins briefly after activity (a room's chunks
+    #: arrive in bursts) and backs off to 2 ms when idle so an idle sidecar
+    #: costs almost no CPU on a small host.
+    _POLL_MIN_S = 0.0001
+    _POLL_MAX_S = 0.002
+
+    def __init__(
+        self,
+        pool: KVPool,
+        name: str | None = None,
+        *,
+        num_threads: int = 0,
+        progress_thread: bool = False,
+    ) -> None:
+        super().__init__(pool, name)
+        nixl_mod = import_nixl()
+        # NIXL's progress thread polls UCX with no delay: it keeps one core
+        # busy even when idle (measured: 100% of a core per sidecar). Our own
+        # calls drive progress instead (check_xfer_state on the sender,
+        # get_new_notifs in the poller on the receiver), so it is off by default.
+        # RW sync: worker threads post concurrently while the poller reads notifications.
+        cfg = nixl_mod.nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            num_threads=num_threads,
+            backends=["UCX"],
+            sync_mode=nixl_mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        )
+        try:
+            self._agent = nixl_mod.nixl_agent(self.name, cfg)
+        except Exception as e:
+            raise NixlUnavailable(f"cannot create a NIXL agent: {e}") from e
+        if "UCX" not in self._agent.backends:
+            raise NixlUnavailable("NIXL has no UCX backend plugin here; use --transport tcp")
+        g = pool.geometry
+        self._reg = self._agent.register_memory([(pool.base_address, g.total_bytes, 0, "")], "DRAM")
+        self._peers: dict[str, tuple[str, int, int]] = {}  # name -> (agent, base, size)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the notification poller."""
+        self._poller = threading.Thread(target=self._poll_loop, name="nixl-notifs", daemon=True)
+        self._poller.start()
+
+    def _poll_loop(self) -> None:
+        delay = self._POLL_MIN_S
+        while not self._stop.is_set():
+            try:
+                notifs = self._agent.get_new_notifs()
+            except Exception:
+                log.exception("reading NIXL notifications failed")
+                notifs = {}
+            got = False
+            for peer, msgs in notifs.items():
+                for m in msgs:
+                    got = True
+                    self._notify(peer, bytes(m))
+            delay = self._POLL_MIN_S if got else min(delay * 2, self._POLL_MAX_S)
+            self._stop.wait(delay)
+
+    def metadata(self) -> bytes:
+        """Pool base address and size, then NIXL's agent metadata."""
+        g = self.pool.geometry
+        md: bytes = self._agent.get_agent_metadata()
+        return _NIXL_MD.pack(self.pool.base_address, g.total_bytes) + md
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """Load the peer's NIXL agent metadata."""
+        if len(metadata) <= _NIXL_MD.size:
+            raise InvalidArgument("NIXL metadata too short", field="agent_metadata")
+        base, size = _NIXL_MD.unpack_from(metadata)
+        with self._lock:
+            old = self._peers.pop(name, None)
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(old[0])
+            try:
+                agent = self._agent.add_remote_agent(metadata[_NIXL_MD.size :])
+            except Exception as e:
+                raise InvalidArgument(
+                    f"bad NIXL agent metadata: {e}", field="agent_metadata"
+                ) from e
+            agent_name = agent.decode() if isinstance(agent, bytes) else str(agent)
+            self._peers[name] = (agent_name, base, size)
+
+    def has_peer(self, name: str) -> bool:
+        """Whether the peer's metadata is loaded."""
+        return name in self._peers
+
+    def remove_peer(self, name: str) -> None:
+        """Invalidate the peer's metadata (disconnects)."""
+        with self._lock:
+            old = self._peers.pop(name, None)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(old[0])
+
+    def post(self, peer: str, runs: Sequence[tuple[int, int, int]], tag: bytes) -> Any:
+        """One NIXL WRITE of all runs (one descriptor per run) with ``tag`` as notification."""
+        import numpy as np
+
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise FailedPrecondition(f"unknown peer {peer}", field="peer")
+        agent, rbase, rsize = entry
+        lbase = self.pool.base_address
+        lsize = self.pool.geometry.total_bytes
+        local = np.empty((len(runs), 3), dtype=np.uint64)
+        remote = np.empty((len(runs), 3), dtype=np.uint64)
+        for i, (src, dst, n) in enumerate(runs):
+            if src < 0 or n <= 0 or src + n > lsize or dst < 0 or dst + n > rsize:
+                raise InvalidArgument(f"run {src}->{dst} ({n} bytes) outside a pool", field="run")
+            local[i] = (lbase + src, n, 0)
+            remote[i] = (rbase + dst, n, 0)
+        ldesc = self._agent.get_xfer_descs(local, "DRAM")
+        rdesc = self._agent.get_xfer_descs(remote, "DRAM")
+        handle = self._agent.initialize_xfer("WRITE", ldesc, rdesc, agent, tag)
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            handle.release()
+            raise ConnectionError(f"NIXL refused the transfer to {peer}")
+        return handle
+
+    def check(self, handle: Any) -> XferState:
+        """NIXL's state of the transfer."""
+        state: XferState = self._agent.check_xfer_state(handle)
+        return state
+
+    def release(self, handle: Any) -> None:
+        """Release the NIXL handle (aborting it if still running)."""
+        with contextlib.suppress(Exception):
+            handle.release()
+
+    def close(self) -> None:
+        """Stop the poller and deregister the pool."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=2)
+        for name in list(self._peers):
+            self.remove_peer(name)
+        with contextlib.suppress(Exception):
+            self._agent.deregister_memory(self._reg)
+
+
+# -- TCP --------------------------------------------------------------------------------
+
+_HELLO = struct.Struct("<4sH")  # magic, sender name length
+_FRAME = struct.Struct("<QIH")  # request id, run count, tag length
+_RUN = struct.Struct("<QQ")  # destination offset, length
+_ACK = struct.Struct("<QB")  # request id, status (0 ok, 1 rejected)
+_TCP_MAGIC = b"kvxt"
+
+#: Largest run count of one frame; a frame claiming more is malformed and the
+#: connection is dropped (a real chunk has at most one run per page).
+_MAX_RUNS = 1 << 20
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+class _TcpPeer:
+    """Sender side of one peer connection: frames out, acks in."""
+
+    def __init__(self, name: str, host: str, port: int, my_name: str) -> None:
+        self.name = name
+        self.sock = socket.create_connection((host, port), timeout=5)
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nb = my_name.encode()
+        self.sock.sendall(_HELLO.pack(_TCP_MAGIC, len(nb)) + nb)
+        self.send_lock = threading.Lock()
+        self.state: dict[int, XferState] = {}
+        self.dead = False
+        self.reader = threading.Thread(target=self._read_acks, name=f"tcp-acks-{name}", daemon=True)
+        self.reader.start()
+
+    def _read_acks(self) -> None:
+        try:
+            while True:
+                rid, status = _ACK.unpack(_recv_exact(self.sock, _ACK.size))
+                self.state[rid] = "DONE" if status == 0 else "ERR"
+        except (OSError, ConnectionError):
+            pass
+        self.dead = True
+        for rid, st in list(self.state.items()):
+            if st == "PROC":
+                self.state[rid] = "ERR"
+
+    def close(self) -> None:
+        self.dead = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class TcpTransport(Transport):
+    """Plain TCP: each frame carries its runs, tag and bytes; the receiver writes
+    them straight into its pool (after checking every run) and acknowledges."""
+
+    kind = "tcp"
+
+    def __init__(self, pool: KVPool, name: str | None = None, *, host: str = "127.0.0.1") -> None:
+        super().__init__(pool, name)
+        self._lsock = socket.create_server((host, 0))
+        self.host = host
+        self.port: int = self._lsock.getsockname()[1]
+        self._peers: dict[str, _TcpPeer] = {}
+        self._peer_md: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+
+    def start(self) -> None:
+        """Start accepting peer connections."""
+        threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._lsock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns.add(conn)
+            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        pool = self.pool
+        total = pool.geometry.total_bytes
+        try:
+            magic, nlen = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            if magic != _TCP_MAGIC:
+                return
+            peer = _recv_exact(conn, nlen).decode()
+            while True:
+                rid, nruns, tlen = _FRAME.unpack(_recv_exact(conn, _FRAME.size))
+                if nruns > _MAX_RUNS:
+                    return
+                runs = [_RUN.unpack_from(b, 0) for b in _chunks(conn, nruns)]
+                tag = _recv_exact(conn, tlen)
+                ok = all(off >= 0 and n > 0 and off + n <= total for off, n in runs)
+                for off, n in runs:
+                    if ok:
+                        _recv_into(conn, pool.view[off : off + n])
+                    else:  # drain into scratch: nothing outside the pool is ever written
+                        _recv_into(conn, memoryview(bytearray(n)))
+                conn.sendall(_ACK.pack(rid, 0 if ok else 1))
+                if ok:
+                    self._notify(peer, tag)
+                else:
+                    log.warning("rejected a frame from %s with a run outside the pool", peer)
+        except (OSError, ConnectionError, struct.error, UnicodeDecodeError):
+            pass
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    def metadata(self) -> bytes:
+        """The listening endpoint and pool size, as JSON."""
+        md = {"host": self.host, "port": self.port, "size": self.pool.geometry.total_bytes}
+        return json.dumps(md).encode()
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """Remember the peer's endpoint; the connection opens on first use."""
+        try:
+            md = json.loads(metadata)
+            _ = (str(md["host"]), int(md["port"]), int(md["size"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument(f"bad TCP metadata: {e}", field="agent_metadata") from e
+        with self._lock:
+            old = self._peers.pop(name, None)
+            self._peer_md[name] = metadata
+        if old is not None:
+            old.close()
+
+    def has_peer(self, name: str) -> bool:
+        """Whether the peer's endpoint is known."""
+        return name in self._peer_md
+
+    def remove_peer(self, name: str) -> None:
+        """Forget the peer and close its connection."""
+        with self._lock:
+            old = self._peers.pop(name, None)
+            self._peer_md.pop(name, None)
+        if old is not None:
+            old.close()
+
+    def _connection(self, name: str) -> _TcpPeer:
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is not None and not peer.dead:
+                return peer
+            md = self._peer_md.get(name)
+        if md is None:
+            raise FailedPrecondition(f"unknown peer {name}", field="peer")
+        info = json.loads(md)
+        peer = _TcpPeer(name, info["host"], info["port"], self.name)
+        with self._lock:
+            self._peers[name] = peer
+        return peer
+
+    def post(self, peer: str, runs: Sequence[tuple[int, int, int]], tag: bytes) -> Any:
+        """Send one frame with every run's bytes (blocking until handed to the kernel)."""
+        md = self._peer_md.get(peer)
+        if md is None:
+            raise FailedPrecondition(f"unknown peer {peer}", field="peer")
+        rsize = int(json.loads(md)["size"])
+        lsize = self.pool.geometry.total_bytes
+        for src, dst, n in runs:
+            if src < 0 or n <= 0 or src + n > lsize or dst < 0 or dst + n > rsize:
+                raise InvalidArgument(f"run {src}->{dst} ({n} bytes) outside a pool", field="run")
+        conn = self._connection(peer)
+        rid = next(self._ids)
+        header = _FRAME.pack(rid, len(runs), len(tag)) + b"".join(
+            _RUN.pack(dst, n) for _, dst, n in runs
+        )
+        view = self.pool.view
+        conn.state[rid] = "PROC"
+        try:
+            with conn.send_lock:
+                conn.sock.sendall(header + tag)
+                for src, _, n in runs:
+                    conn.sock.sendall(view[src : src + n])
+        except OSError as e:
+            conn.state.pop(rid, None)
+            conn.close()
+            raise ConnectionError(f"sending to {peer} failed: {e}") from e
+        return (conn, rid)
+
+    def check(self, handle: Any) -> XferState:
+        """DONE once the peer acknowledged the frame; ERR when it refused or the link died."""
+        conn, rid = handle
+        state: XferState = conn.state.get(rid, "ERR")
+        if state == "PROC" and conn.dead:
+            return "ERR"
+        return state
+
+    def release(self, handle: Any) -> None:
+        """Forget the frame's state."""
+        conn, rid = handle
+        conn.state.pop(rid, None)
+
+    def close(self) -> None:
+        """Close the listener and every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._lsock.close()
+        for name in list(self._peers):
+            self.remove_peer(name)
+        for c in list(self._conns):
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
+
+def _chunks(conn: socket.socket, nruns: int) -> list[bytes]:
+    data = _recv_exact(conn, nruns * _RUN.size)
+    return [data[i * _RUN.size : (i + 1) * _RUN.size] for i in range(nruns)]
+
+
+def make_transport(
+    kind: str,
+    pool: KVPool,
+    *,
+    host: str = "127.0.0.1",
+    nixl_threads: int = 0,
+    nixl_progress_thread: bool = False,
+) -> Transport:
+    """The transport ``kind`` ("nixl" or "tcp") over ``pool``."""
+    if kind == "nixl":
+        return NixlTransport(pool, num_threads=nixl_threads, progress_thread=nixl_progress_thread)
+    if kind == "tcp":
+        return TcpTransport(pool, host=host)
+    raise ValueError(f"unknown transport {kind!r}")
+
+
+def nixl_available() -> bool:
+    """Whether NIXL can be imported here."""
+    try:
+        import_nixl()
+    except NixlUnavailable:
+        return False
+    return True
+
+
+def wait_state(transport: Transport, handle: Any, timeout_s: float) -> XferState:
+    """Block until a posted transfer is DONE or ERR (or ``timeout_s`` passes: PROC)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.00005
+    while True:
+        st = transport.check(handle)
+        if st != "PROC" or time.monotonic() > deadline:
+            return st
+        time.sleep(delay)
+        delay = min(delay * 2, 0.001)

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,helm]'
 	# NIXL (DRAM<->DRAM over UCX on CPU hosts) without its torch dependency.
 	$(BIN)/pip install --quiet --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
@@ -19,7 +19,11 @@ node_modules/.bin/buf: package.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch node_modules/.bin/buf
 
-setup: $(STAMP) node_modules/.bin/buf
+clients/node/node_modules/.installed: clients/node/package-lock.json
+	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+setup: $(STAMP) node_modules/.bin/buf clients/node/node_modules/.installed
 
 ## The main job on embedded defaults: indexer + trace publish + matches.
 run: $(STAMP)
@@ -29,12 +33,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-## Lint + format check + type check + buf lint + stub freshness.
+## Lint + format check + type check + buf lint + buf breaking + stub freshness.
 check: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	cd proto && ../node_modules/.bin/buf lint
+	tools/buf_breaking.sh
 	$(BIN)/python tools/gen_protos.py --check
 
 fmt: $(STAMP)

@@ -29,6 +29,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("cachesim", "serve"): ("tee.cachesim_cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim_cli:report", "print a cache simulator's report"),
     ("replay",): ("kvmesh.sim.replay", "replay a trace through routing policies"),
+    ("up",): ("kvmesh.up", "run the whole cluster on this machine and drive it with the trace"),
     ("xfer", "serve"): ("xfer.cli", "run a KV transfer sidecar"),
 }
 

@@ -14,6 +14,11 @@ returns up to 64 instances). The trace's longest request has 247 blocks, so
 256-block prompts are its longest requests extended with keys nobody holds:
 the walk covers every held block and stops at the first unknown one.
 
+With ``--cluster`` the redis backend also runs against a private 3-master
+Redis Cluster (:class:`kvmesh.redisproc.RedisClusterProcess`): ``cluster_*``
+figures, with round trips counted over every master and the largest master's
+share of all keys after the build.
+
 Every latency figure has its floor measured in the same run: ``Ping`` on the
 same server, which does no work. Figures are printed as one table with
 targets, and written with ``--json FILE`` as ``{"figures": ..., "params": ...}``.
@@ -96,7 +101,11 @@ def server_config(backend: str, redis_url: str = "") -> IndexerConfig:
         port=0,
         metrics_port=0,
         backend="memory" if backend == "memory" else "redis",
-        redis=RedisSettings(url=redis_url) if redis_url else RedisSettings(),
+        redis=(
+            RedisSettings(url=redis_url, cluster=backend == "cluster")
+            if redis_url
+            else RedisSettings()
+        ),
         model_block_sizes={TRACE_MODEL: MOONCAKE_BLOCK_SIZE},
         limits=Limits(max_match_blocks=4096, max_concurrent_rpcs=0),
         reap_interval_s=3600.0,
@@ -329,7 +338,9 @@ def bench_backend(
         extra[f"{backend}_block_instances"] = stats.block_instances
         if redis_client is not None:
             used = int(redis_client.info("memory")["used_memory"]) - mem_before
-            figures["redis_bytes_per_block_instance"] = used / max(1, stats.block_instances)
+            figures[f"{backend}_bytes_per_block_instance"] = used / max(1, stats.block_instances)
+            if backend == "cluster":
+                figures["cluster_shard_key_share_max"] = redis_client.key_share_max()
 
         with grpc.insecure_channel(srv.target) as channel:
             stub = pb_grpc.IndexerServiceStub(channel)
@@ -341,9 +352,9 @@ def bench_backend(
                 rt, cmds, per_cmd = count_roundtrips(
                     redis_client, stub, reqs32, params.roundtrip_calls
                 )
-                figures["redis_roundtrips_per_match"] = rt
-                figures["redis_commands_per_match"] = cmds
-                extra["redis_commands_during_matches"] = per_cmd
+                figures[f"{backend}_roundtrips_per_match"] = rt
+                figures[f"{backend}_commands_per_match"] = cmds
+                extra[f"{backend}_commands_during_matches"] = per_cmd
         figures[f"{backend}_grpc_match_p50_us"] = percentile(m32, 0.5)
         figures[f"{backend}_grpc_match_p99_us"] = percentile(m32, 0.99)
         figures[f"{backend}_grpc_match_256_p50_us"] = percentile(m256, 0.5)
@@ -385,6 +396,79 @@ _ROWS: tuple[_Row, ...] = (
     ("Redis commands / Match", None, "redis_commands_per_match", "", "incl. inside the script"),
     ("Redis bytes / (block, inst)", None, "redis_bytes_per_block_instance", "B", ""),
 )  # fmt: skip
+
+
+class ClusterClient:
+    """The few calls the benchmark makes on Redis, summed over a cluster's masters."""
+
+    def __init__(self, ports: Sequence[int]) -> None:
+        import redis
+
+        self._nodes = [redis.Redis(host="127.0.0.1", port=p) for p in ports]
+
+    def info(self, section: str) -> dict[str, Any]:
+        """``INFO section`` of every master, numbers summed field by field."""
+        out: dict[str, Any] = {}
+        for node in self._nodes:
+            for k, v in node.info(section).items():
+                if k == "cmdstat_info":
+                    continue  # our own INFO calls, one per master, are no Match's
+                if isinstance(v, dict):
+                    acc = out.setdefault(k, {})
+                    for f, x in v.items():
+                        if isinstance(x, (int, float)):
+                            acc[f] = acc.get(f, 0) + x
+                elif isinstance(v, (int, float)):
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    def key_share_max(self) -> float:
+        """Largest master's share of all keys (DBSIZE)."""
+        sizes = [int(node.dbsize()) for node in self._nodes]
+        return max(sizes) / max(1, sum(sizes))
+
+    def close(self) -> None:
+        """Close every connection."""
+        for node in self._nodes:
+            node.close()
+
+
+def root_tag_share_max(trace: Sequence[TraceRequest], masters: int = 3) -> float:
+    """Largest master's share of block keys if chains were tagged by their root
+    block (anchor depth 0), with slots split evenly as ``--cluster create`` does."""
+    from redis.crc import key_slot
+
+    from indexer.keys import anchor_tag
+    from kvmesh.traces import trace_block_key
+
+    counts = [0] * masters
+    for key in {
+        trace_block_key(h): trace_block_key(r.hash_ids[0]) for r in trace for h in r.hash_ids
+    }.items():
+        counts[key_slot(b"{" + anchor_tag(key[1]) + b"}") * masters // 16384] += 1
+    return max(counts) / max(1, sum(counts))
+
+
+def format_cluster(f: dict[str, float]) -> str:
+    """The Redis Cluster rows of a ``--cluster`` run."""
+    rows = (
+        ("Match p50, 32 blocks", "cluster_grpc_match_p50_us", "µs", "", True),
+        ("Match p99, 32 blocks", "cluster_grpc_match_p99_us", "µs", "", True),
+        ("Matches/s, concurrent", "cluster_grpc_matches_per_s", "1/s", "", True),
+        ("ingest, stream publish", "cluster_ingest_blocks_per_s", "blocks/s", "", True),
+        ("round trips / Match", "cluster_roundtrips_per_match", "", "== 1",
+         f.get("cluster_roundtrips_per_match") == 1.0),
+        ("largest shard's key share", "cluster_shard_key_share_max", "", "<= 0.5 (3 shards)",
+         f.get("cluster_shard_key_share_max", 1.0) <= 0.5),
+        ("  same, root-block tags", "cluster_shard_key_share_root_tag", "", "for comparison", True),
+        ("bytes / (block, inst)", "cluster_bytes_per_block_instance", "B", "", True),
+    )  # fmt: skip
+    head = f"{'redis cluster, 3 masters':<28} {'value':>11} {'unit':<9} {'target':<20} {'':<5}"
+    lines = [head, "-" * len(head)]
+    for label, name, unit, target, ok in rows:
+        verdict = ("pass" if ok else "SHORT") if target and target[0] in "=<" else ""
+        lines.append(f"{label:<28} {_fmt(f.get(name)):>11} {unit:<9} {target:<20} {verdict:<5}")
+    return "\n".join(lines)
 
 
 def _checks(f: dict[str, float]) -> dict[str, list[bool]]:
@@ -437,7 +521,7 @@ def format_table(figures: dict[str, float]) -> str:
 
 
 def run_bench(
-    params: BenchParams, backends: Sequence[str]
+    params: BenchParams, backends: Sequence[str], cluster: bool = False
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Run the benchmark; return ``(figures, params)`` as written to JSON."""
     trace: list[TraceRequest] = load_mooncake(limit=params.requests)
@@ -467,6 +551,19 @@ def run_bench(
             finally:
                 client.close()
         figures.setdefault("grpc_empty_rpc_p50_us", figures["redis_grpc_empty_rpc_p50_us"])
+    if cluster:
+        from kvmesh.redisproc import RedisClusterProcess
+
+        with RedisClusterProcess() as rc:
+            cc = ClusterClient(rc.ports)
+            try:
+                bench_backend(
+                    "cluster", plan, prompts32, prompts256, params, figures, extra, rc.url, cc
+                )
+            finally:
+                cc.close()
+        figures["cluster_shard_key_share_root_tag"] = root_tag_share_max(trace)
+        extra["cluster"] = "3 masters, no replicas, anchor depth 1 (RedisSettings default)"
     run_params: dict[str, Any] = {
         "trace": "mooncake_conversation_trace",
         "requests": len(trace),
@@ -509,6 +606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--backend", choices=("memory", "redis", "both"), default="both", help="default both"
     )
     p.add_argument(
+        "--cluster", action="store_true", help="also run redis against a local 3-master cluster"
+    )
+    p.add_argument(
         "--floor", action="store_true", help="instead: the empty-RPC floor under gRPC variants"
     )
     p.add_argument("--serve", help=argparse.SUPPRESS)
@@ -529,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = BenchParams(**{**_asdict(params), "requests": args.requests})
     backends = ("memory", "redis") if args.backend == "both" else (args.backend,)
     t0 = time.perf_counter()
-    figures, run_params = run_bench(params, backends)
+    figures, run_params = run_bench(params, backends, args.cluster)
     bad = [k for k, v in figures.items() if not math.isfinite(v)]
     print(
         f"kvmesh bench indexer: {run_params['requests']:,} requests, "
@@ -537,6 +637,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.cpu_count()} cpus, {time.perf_counter() - t0:.0f} s"
     )
     print(format_table(figures))
+    if args.cluster:
+        print(format_cluster(figures))
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as fh:
             json.dump({"figures": figures, "params": run_params}, fh, indent=2, sort_keys=True)

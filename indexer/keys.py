@@ -7,9 +7,12 @@ block key name is ``<prefix>:b:`` + 16 bytes. The Lua scripts receive
 same layout; :func:`block_key`, :func:`emap_key` and the constants below are
 the single definition, mirrored by ``indexer/lua/lib.lua``.
 
-Redis Cluster (not implemented): the hash tag will be the chain root block, so
-:func:`block_key` gains a ``root`` argument and every name in the scripts is
-built through the matching Lua helper; nothing else changes shape.
+Redis Cluster (KEYS.md, "Redis Cluster"): every name above moves under the
+control tag, ``{<prefix>}:`` (:func:`cluster_base`), except block keys, which
+are ``<prefix>:b:{<tag>}`` + 16 bytes: ``<tag>`` is the anchor's 4 hex digits
+(:func:`anchor_tag`) for a deep block, a node tag (:func:`node_tag`) for the
+copy of a shallow block on that node. Per node, ``<prefix>:g:{<node tag>}``
+copies the generation and ``<prefix>:c:{<node tag>}`` counts block hashes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ NS_PAIRS = b"nsbi"  # hash: ns id -> number of (block key, instance) entries
 SCHEMA = b"schema"  # string: SCHEMA_VERSION
 INSTANCE = b"i:"  # + instance name -> hash of instance metadata
 EMAP = b"e:"  # + decimal int id -> hash engine hash (8 bytes) -> ns id + block key
+KMAP = b"k:"  # cluster: + decimal int id -> hash ns id + block key -> mask digit + location
+NODE_GEN = b"g:"  # cluster: + {node tag} -> copy of GEN on that node
+NODE_COUNTS = b"c:"  # cluster: + {node tag} -> hash 'd'/'s' + ns id -> block hashes on the node
 BLOCK = b"b:"  # + ns id + block key -> hash int id -> tier mask
 
 #: Field order of an instance hash as the scripts return it (HMGET order).
@@ -94,3 +100,35 @@ def key(prefix: str, suffix: bytes) -> bytes:
 def schema_key(prefix: str) -> bytes:
     """Name of the schema-version string."""
     return base(prefix) + SCHEMA
+
+
+# -- Redis Cluster ---------------------------------------------------------------
+
+
+def cluster_base(prefix: str) -> bytes:
+    """Start ``{<prefix>}:`` of every control name in cluster mode (one slot)."""
+    return b"{" + prefix.encode("utf-8") + b"}:"
+
+
+def anchor_tag(key: int) -> bytes:
+    """Hash tag of a chain's anchor block: its top 16 bits as 4 hex digits.
+
+    16 bits are plenty to spread anchors over the 16,384 slots, keep names
+    short, and hex can not contain a brace.
+    """
+    return b"%04x" % (key >> 48)
+
+
+def node_tag(n: int) -> bytes:
+    """Candidate node tag number ``n`` (the backend picks one per master)."""
+    return b"n%d" % n
+
+
+def tagged_block_prefix(prefix: str, tag: bytes, ns: bytes) -> bytes:
+    """Cluster: start of the block names under hash tag ``tag`` (append the u64 key)."""
+    return base(prefix) + BLOCK + b"{" + tag + b"}" + ns
+
+
+def node_key(prefix: str, what: bytes, tag: bytes) -> bytes:
+    """Cluster: per-node key :data:`NODE_GEN` or :data:`NODE_COUNTS` of node tag ``tag``."""
+    return base(prefix) + what + b"{" + tag + b"}"

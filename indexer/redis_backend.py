@@ -18,6 +18,12 @@ indexer/keys.py. Scripts: indexer/lua/ (``lib.lua`` is prepended to each).
   int id in O(1); its entries are then purged in chunks (``purge.lua``) so a
   huge instance never blocks Redis for long.
 
+With ``cluster=True`` the same index lives in a Redis Cluster (KEYS.md,
+"Redis Cluster"): control keys share one slot, block keys carry their chain's
+anchor (the block at depth ``anchor_depth``) as hash tag, and the shallower
+blocks are copied on every master, so a Match is still one EVALSHA on one
+node. An apply is one control script plus one script per data node touched.
+
 Every method raises :class:`~indexer.errors.Unavailable` when Redis cannot be
 reached (after at most ``socket_timeout_s`` per round trip) and recovers by
 itself once Redis is back, reloading scripts after NOSCRIPT.
@@ -25,6 +31,7 @@ itself once Redis is back, reloading scripts after NOSCRIPT.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import struct
 import time
@@ -84,6 +91,18 @@ _DUMP_BATCH = 1000
 
 _LUA_DIR = Path(__file__).with_name("lua")
 _SCRIPTS = ("match", "apply", "register", "heartbeat", "remove", "purge", "snapshot")
+#: Cluster mode: scripts on the control slot (they report a bumped generation).
+_CLUSTER_CONTROL = ("register", "heartbeat", "remove", "snapshot", "capply", "cpurge")
+#: Cluster mode: scripts on a data node.
+_CLUSTER_DATA = ("match", "cblocks", "cgen")
+
+#: Cluster mode: every script may touch several slots of the node it runs on
+#: (a Match reads the node's copies of the shallow blocks and the anchor's slot).
+_CLUSTER_SHEBANG = "#!lua flags=allow-cross-slot-keys\n"
+
+#: Cluster mode: node tags tried per master. Each slot is hit by about one in
+#: 16,384 tags, so a few hundred thousand cover every layout with certainty.
+_NODE_TAG_SEARCH = 1 << 20
 
 # Redis replies that mean "not serving right now" rather than "bad request".
 _TRANSIENT = (b"LOADING", b"BUSY", b"MASTERDOWN", b"READONLY", b"TRYAGAIN", b"CLUSTERDOWN")
@@ -98,18 +117,26 @@ class _Script:
 
     __slots__ = ("name", "sha", "text")
 
-    def __init__(self, name: str, lib: str) -> None:
+    def __init__(self, name: str, lib: str, cluster: bool = False) -> None:
         import hashlib
 
         body = (_LUA_DIR / f"{name}.lua").read_text("utf-8")
         self.name = name
-        self.text = lib + "\n" + body
+        if not cluster:
+            self.text = lib + "\n" + body
+        else:
+            lib = lib.replace("local CLUSTER = false", "local CLUSTER = true")
+            if name in _CLUSTER_CONTROL:
+                # Report a bumped generation: {reply, new generation or nil}.
+                body = f"local reply = (function()\n{body}\nend)()\nreturn {{reply, bumped}}\n"
+            self.text = _CLUSTER_SHEBANG + lib + "\n" + body
         self.sha = hashlib.sha1(self.text.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
-def _load_scripts() -> dict[str, _Script]:
+def _load_scripts(cluster: bool = False) -> dict[str, _Script]:
     lib = (_LUA_DIR / "lib.lua").read_text("utf-8")
-    return {name: _Script(name, lib) for name in _SCRIPTS}
+    names = _CLUSTER_CONTROL + _CLUSTER_DATA if cluster else _SCRIPTS
+    return {name: _Script(name, lib, cluster) for name in names}
 
 
 @dataclass(slots=True)
@@ -196,6 +223,9 @@ class RedisIndex(Index):
     (lease expiry stamps in Redis are absolute ``clock()`` values).
     ``instance_cache_ttl_s`` bounds how often the cached instance table is
     refreshed; ``parent_cache_size`` caps the local engine-hash LRU.
+    ``cluster`` talks to a Redis Cluster through ``url`` (any node);
+    ``anchor_depth`` is then the depth of the block whose tag places a chain
+    (blocks above it are copied on every master; 0 tags chains by their root).
     """
 
     name = "redis"
@@ -209,30 +239,62 @@ class RedisIndex(Index):
         instance_cache_ttl_s: float = 0.25,
         socket_timeout_s: float = 1.0,
         parent_cache_size: int = 200_000,
+        cluster: bool = False,
+        anchor_depth: int = 1,
     ) -> None:
+        if anchor_depth < 0 or anchor_depth > 255:
+            raise ValueError("anchor_depth must be in 0..255")
         self._clock = clock
         self._prefix = prefix
-        self._base = K.base(prefix)
+        self.cluster = cluster
+        self._anchor = anchor_depth if cluster else 0
+        # Control names: one slot in cluster mode. Block names keep the plain base.
+        self._base = K.cluster_base(prefix) if cluster else K.base(prefix)
+        self._ctl_prefix = self._base[:-1].decode("utf-8")
+        self._gen_key = self._base + K.GEN
+        # Scripts that need no key still name one, so that a cluster client
+        # routes them to the control slot.
+        self._ctl_keys: tuple[bytes, ...] = (self._gen_key,) if cluster else ()
         self._cache_ttl = instance_cache_ttl_s
         self._parent_cap = parent_cache_size
         # Connections open lazily on the first command. No client-side retries:
         # a down Redis must surface as Unavailable within one socket timeout.
-        self._r: aioredis.Redis = aioredis.Redis.from_url(
-            url,
-            decode_responses=False,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
+        self._r: Any
+        if cluster:
+            from redis.asyncio.cluster import RedisCluster
+
+            self._r = RedisCluster.from_url(
+                url,
+                decode_responses=False,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+                # A master may be down: the others keep serving their slots.
+                require_full_coverage=False,
+            )
+        else:
+            self._r = aioredis.Redis.from_url(
+                url,
+                decode_responses=False,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+            )
         # redis.asyncio leaves execute_command untyped; every call goes through this.
         self._exec = cast(Callable[..., Awaitable[Any]], self._r.execute_command)
-        self._scripts = _load_scripts()
+        self._scripts = _load_scripts(cluster)
+        # cluster topology: node name -> node tag, slot -> node tag (see _topology)
+        self._node_tags: dict[str, bytes] = {}
+        self._slot_tags: list[bytes] = []
+        self._tag_slots: dict[bytes, int] = {}
+        self._rr = 0
         #: Requests sent to Redis (a pipeline counts once): the cost figure that
         #: KEYS.md promises, exposed for tests and benchmarks.
         self.round_trips = 0
         self._s_match = self._scripts["match"]
-        self._s_apply = self._scripts["apply"]
+        self._s_apply = self._scripts["capply" if cluster else "apply"]
         # instance table cache
         self._by_name: dict[InstanceId, _Inst] = {}
         self._by_id: dict[bytes, _Inst] = {}
@@ -260,6 +322,9 @@ class RedisIndex(Index):
                 return Unavailable(f"redis: {msg}")
             if head == b"OOM":
                 return ResourceExhausted(f"redis: {msg}")
+            if "non local key" in msg or "hash slot" in msg:
+                # Cluster slots moved under us: the topology is reloaded on the next call.
+                return Unavailable(f"redis cluster: {msg}")
             return KvmeshError(f"redis: {msg}")
         return Unavailable(f"redis unreachable: {exc.__class__.__name__}: {exc}")
 
@@ -267,14 +332,106 @@ class RedisIndex(Index):
         self.round_trips += 1
         try:
             try:
-                return await self._exec("EVALSHA", script.sha, numkeys, *args)
+                res = await self._exec("EVALSHA", script.sha, numkeys, *args)
             except NoScriptError:
                 # Redis restarted or SCRIPT FLUSH: load and run again.
                 self.round_trips += 2
-                await self._exec("SCRIPT", "LOAD", script.text)
-                return await self._exec("EVALSHA", script.sha, numkeys, *args)
+                if self.cluster:
+                    node = self._r.get_node_from_key(args[0])
+                    await self._exec("SCRIPT", "LOAD", script.text, target_nodes=node)
+                else:
+                    await self._exec("SCRIPT", "LOAD", script.text)
+                res = await self._exec("EVALSHA", script.sha, numkeys, *args)
+        except (RedisError, OSError) as exc:
+            if self.cluster:
+                self._slot_tags = []  # reload the topology on the next call
+            raise self._map_error(exc) from exc
+        if self.cluster and script.name in _CLUSTER_CONTROL:
+            reply, bumped = res if len(res) == 2 else (res[0], None)
+            if bumped is not None:
+                await self._spread_gen(bumped)
+            return reply
+        return res
+
+    # -- cluster topology ----------------------------------------------------------
+
+    async def _topology(self) -> None:
+        """Load which master serves each slot and pick a node tag per master."""
+        from redis.crc import key_slot
+
+        self.round_trips += 1
+        try:
+            await self._r.initialize()
         except (RedisError, OSError) as exc:
             raise self._map_error(exc) from exc
+        owner: list[str] = [""] * 16384
+        for slot, nodes in self._r.nodes_manager.slots_cache.items():
+            if nodes:
+                owner[slot] = nodes[0].name
+        tags: dict[str, bytes] = {}
+        want = {n.name for n in self._r.get_primaries()}
+        for i in range(_NODE_TAG_SEARCH):
+            t = K.node_tag(i)
+            name = owner[key_slot(t)]
+            if name in want and name not in tags:
+                tags[name] = t
+                if len(tags) == len(want):
+                    break
+        self._node_tags = tags
+        self._slot_tags = [tags.get(name, b"") for name in owner]
+
+    async def _node_tag_list(self) -> list[bytes]:
+        if not self._slot_tags:
+            await self._topology()
+        return sorted(self._node_tags.values())
+
+    def _slot_of_tag(self, tag: bytes) -> int:
+        slot = self._tag_slots.get(tag)
+        if slot is None:
+            from redis.crc import key_slot
+
+            slot = self._tag_slots[tag] = key_slot(tag)
+        return slot
+
+    async def _spread_gen(self, gen: Any) -> None:
+        """Copy a new generation to every master (a Match reads its node's copy)."""
+        tags = await self._node_tag_list()
+        script = self._scripts["cgen"]
+        await asyncio.gather(
+            *(
+                self._eval(script, 1, K.node_key(self._prefix, K.NODE_GEN, t), self._base, gen)
+                for t in tags
+            ),
+            return_exceptions=True,  # a master that is down gets it from a later refresh
+        )
+
+    async def _write_blocks(self, ops: Sequence[Any]) -> None:
+        """Cluster: write block entries (location, suffix, id, mask quadruples), one
+        script per data node, all nodes at once."""
+        if not ops:
+            return
+        tags = await self._node_tag_list()
+        per_node: dict[bytes, list[Any]] = {}
+        plain = K.base(self._prefix) + K.BLOCK
+        for j in range(0, len(ops), 4):
+            loc, suf, int_id, mask = ops[j], ops[j + 1], ops[j + 2], ops[j + 3]
+            ns = suf[:8]
+            if loc[:1] == b"s":
+                for t in tags:
+                    name = plain + b"{" + t + b"}" + suf
+                    per_node.setdefault(t, []).extend((name, int_id, mask, b"s" + ns))
+            else:
+                tag = loc[1:]
+                t = self._slot_tags[self._slot_of_tag(b"{" + tag + b"}")]
+                name = plain + b"{" + tag + b"}" + suf
+                per_node.setdefault(t, []).extend((name, int_id, mask, b"d" + ns))
+        script = self._scripts["cblocks"]
+        await asyncio.gather(
+            *(
+                self._eval(script, 1, K.node_key(self._prefix, K.NODE_COUNTS, t), self._base, *a)
+                for t, a in per_node.items()
+            )
+        )
 
     async def _cmd(self, *args: Any) -> Any:
         self.round_trips += 1
@@ -305,7 +462,7 @@ class RedisIndex(Index):
 
     def _inst_key(self, instance: InstanceId) -> tuple[bytes, bytes]:
         name = K.instance_name(instance.worker_id, instance.dp_rank)
-        return name, K.instance_key(self._prefix, name)
+        return name, K.instance_key(self._ctl_prefix, name)
 
     # -- instance table cache --------------------------------------------------
 
@@ -327,7 +484,9 @@ class RedisIndex(Index):
         self._excl_dirty = True
 
     async def _refresh(self) -> None:
-        res = await self._eval(self._scripts["snapshot"], 0, self._base)
+        res = await self._eval(
+            self._scripts["snapshot"], len(self._ctl_keys), *self._ctl_keys, self._base
+        )
         gen, dead, *rows = res
         by_name: dict[InstanceId, _Inst] = {}
         by_id: dict[bytes, _Inst] = {}
@@ -439,10 +598,10 @@ class RedisIndex(Index):
     async def reap_expired(self) -> list[InstanceId]:
         """Drop every instance whose lease has expired; return their ids."""
         now = self._clock()
-        for dead in await self._cmd("SMEMBERS", K.key(self._prefix, K.DEAD)):
+        for dead in await self._cmd("SMEMBERS", K.key(self._ctl_prefix, K.DEAD)):
             await self._purge(dead)  # left over by an interrupted purge
         names = await self._cmd(
-            "ZRANGEBYSCORE", K.key(self._prefix, K.LEASES), "-inf", repr(float(now))
+            "ZRANGEBYSCORE", K.key(self._ctl_prefix, K.LEASES), "-inf", repr(float(now))
         )
         reaped: list[InstanceId] = []
         for name in names:
@@ -453,9 +612,31 @@ class RedisIndex(Index):
         return sorted(reaped)
 
     async def _purge(self, int_id: bytes) -> None:
+        if self.cluster:
+            await self._purge_cluster(int_id)
+            return
         script = self._scripts["purge"]
         while await self._eval(script, 0, self._base, int_id, PURGE_CHUNK):
             pass
+
+    async def _purge_cluster(self, int_id: bytes) -> None:
+        """Cluster: delete a chunk's data-node entries first, then its control
+        fields (next call), so an interrupted purge only ever leaves control
+        fields whose entries may be gone: the next purge repeats them."""
+        script = self._scripts["cpurge"]
+        done: list[bytes] = []
+        while True:
+            res = await self._eval(
+                script, 1, *self._ctl_keys, self._base, int_id, PURGE_CHUNK, *done
+            )
+            chunk = res[1:]
+            if not chunk:
+                return
+            ops: list[Any] = []
+            for j in range(0, len(chunk), 2):
+                ops += (chunk[j + 1][1:], chunk[j], int_id, b"0")
+            await self._write_blocks(ops)
+            done = chunk[0::2]
 
     # -- events ----------------------------------------------------------------
 
@@ -520,6 +701,11 @@ class RedisIndex(Index):
                 kb = _pack(ks, "block_keys")
                 hb = _pack(hashes, "block_hashes")
                 ops += (_OP_STORE, nid, ev.tier.bit, parent_arg, hb, kb)
+                if self.cluster:
+                    # The engine hash whose location the chain continues.
+                    ops.append(
+                        K.u64(parent) if parent is not None and 0 <= parent < 1 << 64 else b""
+                    )
                 if ks:
                     for i in range(min(len(hashes), len(ks))):
                         overlay[hashes[i]] = nid + kb[8 * i : 8 * i + 8]
@@ -574,7 +760,7 @@ class RedisIndex(Index):
         for _attempt in range(_APPLY_ATTEMPTS):
             args, missing, written = self._encode(inst, batch, fetched, use_lru)
             while missing:
-                emap = K.emap_key(self._prefix, inst.int_id)
+                emap = K.emap_key(self._ctl_prefix, inst.int_id)
                 order = sorted(missing)
                 vals = await self._cmd("HMGET", emap, *(K.u64(h) for h in order))
                 fetched.update(zip(order, vals, strict=True))
@@ -583,17 +769,22 @@ class RedisIndex(Index):
             res = await self._eval(
                 self._s_apply,
                 1,
-                K.instance_key(self._prefix, inst.name),
+                K.instance_key(self._ctl_prefix, inst.name),
                 self._base,
                 repr(float(now)),
                 str(batch.sequence),
                 inst.spec.model.encode(),
                 inst.name,
+                *((self._anchor,) if self.cluster else ()),
                 *args,
             )
             status = res[0]
             if status == b"ok":
-                _, gap, stale, exp, bits, stored, removed, orphaned, int_id, *retired = res
+                if self.cluster:
+                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, retired, ops = res
+                    await self._write_blocks(ops)
+                else:
+                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, *retired = res
                 if inst.exp <= now:
                     self._excl_dirty = True  # a lapsed lease was renewed
                 inst.exp = float(exp)
@@ -653,11 +844,18 @@ class RedisIndex(Index):
             if not self._excl_dirty and now < self._excl_until
             else await self._exclusions(now, include_stale)
         )
-        res = await self._eval(self._s_match, 0, self._base, ns[1], blob, *excl)
+        if self.cluster:
+            res = await self._match_cluster(ns[0], keys, blob, excl)
+        else:
+            res = await self._eval(
+                self._s_match, 0, self._base, self._gen_key, ns[1], ns[1], 0, blob, *excl
+            )
         refreshed = False
         if res[0] != self._gen and time.monotonic() - self._refreshed_at >= self._cache_ttl:
             await self._refresh()
             refreshed = True
+            if self.cluster and res[0] != self._gen and self._gen:
+                await self._spread_gen(self._gen)  # a restarted master lost its copy
         # (int id, gpu, cpu, disk): candidates the script walked past block 1,
         # then the other holders of block 0, which matched exactly one block.
         rows = [(res[j], res[j + 1], res[j + 2], res[j + 3]) for j in range(2, len(res), 4)]
@@ -689,17 +887,52 @@ class RedisIndex(Index):
         ranked.sort()
         return [r[2] for r in ranked]
 
+    async def _match_cluster(
+        self, nid: bytes, keys: Sequence[int], blob: bytes, excl: Sequence[bytes]
+    ) -> Any:
+        """Cluster: the one EVALSHA of a Match, on the node of the chain's anchor.
+
+        A prompt no deeper than the anchor reads only shallow blocks, which
+        every master holds: those Matches go round robin, spreading the hot
+        root's reads over all masters.
+        """
+        if not self._slot_tags:
+            await self._topology()
+        na = self._anchor
+        plain = K.base(self._prefix) + K.BLOCK
+        if len(keys) > na:
+            tag = K.anchor_tag(keys[na])
+            dp = plain + b"{" + tag + b"}" + nid
+            nt = self._slot_tags[self._slot_of_tag(b"{" + tag + b"}")]
+            declared = dp + blob[8 * na : 8 * na + 8]
+        else:
+            tags = self._node_tag_list_cached()
+            self._rr = (self._rr + 1) % len(tags)
+            nt = tags[self._rr]
+            dp = b""
+            declared = K.node_key(self._prefix, K.NODE_GEN, nt)
+        sp = plain + b"{" + nt + b"}" + nid
+        gen_copy = K.node_key(self._prefix, K.NODE_GEN, nt)
+        return await self._eval(
+            self._s_match, 1, declared, self._base, gen_copy, sp, dp, na, blob, *excl
+        )
+
+    def _node_tag_list_cached(self) -> list[bytes]:
+        return sorted(self._node_tags.values())
+
     async def stats(self) -> IndexStats:
         """Sizes of the whole index, from counters the scripts maintain (no SCAN)."""
         await self._refresh()
         now = self._clock()
         nsmap, blocks, pairs = await self._pipe(
             [
-                ("HGETALL", K.key(self._prefix, K.NAMESPACES)),
-                ("HGETALL", K.key(self._prefix, K.NS_BLOCKS)),
-                ("HGETALL", K.key(self._prefix, K.NS_PAIRS)),
+                ("HGETALL", K.key(self._ctl_prefix, K.NAMESPACES)),
+                ("HGETALL", K.key(self._ctl_prefix, K.NS_BLOCKS)),
+                ("HGETALL", K.key(self._ctl_prefix, K.NS_PAIRS)),
             ]
         )
+        if self.cluster:
+            blocks = await self._cluster_block_counts()
         st = IndexStats(backend=self.name, instances=len(self._by_name))
         for inst in self._by_name.values():
             st.instances_live += inst.exp > now
@@ -715,6 +948,25 @@ class RedisIndex(Index):
         st.blocks = sum(s.blocks for s in per_ns)
         st.block_instances = sum(s.block_instances for s in per_ns)
         return st
+
+    async def _cluster_block_counts(self) -> dict[bytes, int]:
+        """Cluster: block keys per namespace, from the per-node counters: every
+        node's deep blocks plus one node's copies of the shallow ones."""
+        tags = await self._node_tag_list()
+        got = await asyncio.gather(
+            *(self._cmd("HGETALL", K.node_key(self._prefix, K.NODE_COUNTS, t)) for t in tags)
+        )
+        out: dict[bytes, int] = {}
+        shallow: dict[bytes, int] = {}
+        for counts in got:
+            for field, v in counts.items():
+                if field[:1] == b"d":
+                    out[field[1:]] = out.get(field[1:], 0) + int(v)
+                else:
+                    shallow[field[1:]] = max(shallow.get(field[1:], 0), int(v))
+        for nid, v in shallow.items():
+            out[nid] = out.get(nid, 0) + v
+        return out
 
     def _namespace(self, nid: bytes, nsmap: dict[bytes, bytes]) -> Namespace:
         ns = self._ns_names.get(nid)
@@ -732,22 +984,35 @@ class RedisIndex(Index):
         await self._refresh()
         now = self._clock()
         by_id = dict(self._by_id)
-        nsmap = await self._cmd("HGETALL", K.key(self._prefix, K.NAMESPACES))
-        pattern = _glob_escape(self._base + K.BLOCK) + b"*"
-        start = len(self._base) + len(K.BLOCK)
+        nsmap = await self._cmd("HGETALL", K.key(self._ctl_prefix, K.NAMESPACES))
+        plain = K.base(self._prefix) + K.BLOCK
+        pattern = _glob_escape(plain) + b"*"
+        start = len(plain)
         names: list[bytes] = []
-        cursor: int = 0
-        while True:
-            cursor, chunk = await self._cmd("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
-            names.extend(chunk)
-            if int(cursor) == 0:
-                break
+        targets: list[Any] = self._r.get_primaries() if self.cluster else [None]
+        for node in targets:
+            kw = {"target_nodes": node} if node is not None else {}
+            cursor: int = 0
+            while True:
+                self.round_trips += 1
+                try:
+                    got = await self._exec("SCAN", cursor, "MATCH", pattern, "COUNT", 1000, **kw)
+                    cursor, chunk = got
+                    if isinstance(cursor, dict):  # a cluster client keys it by node
+                        (cursor,) = cursor.values()
+                except (RedisError, OSError) as exc:
+                    raise self._map_error(exc) from exc
+                names.extend(chunk)
+                if int(cursor) == 0:
+                    break
         blocks: dict[Namespace, dict[int, dict[InstanceId, int]]] = {}
         for i in range(0, len(names), _DUMP_BATCH):
             part = names[i : i + _DUMP_BATCH]
             got = await self._pipe([("HGETALL", n) for n in part])
             for n, holders in zip(part, got, strict=True):
                 suffix = n[start:]
+                if self.cluster:
+                    suffix = suffix[suffix.index(b"}") + 1 :]
                 ns = self._namespace(suffix[:8], nsmap)
                 key = int.from_bytes(suffix[8:16], "big")
                 for int_id, mask in holders.items():
@@ -756,7 +1021,7 @@ class RedisIndex(Index):
                         blocks.setdefault(ns, {}).setdefault(key, {})[inst.instance] = int(mask)
         insts = list(self._by_name.values())
         emaps = await self._pipe(
-            [("HGETALL", K.emap_key(self._prefix, inst.int_id)) for inst in insts]
+            [("HGETALL", K.emap_key(self._ctl_prefix, inst.int_id)) for inst in insts]
         )
         engine_hashes: dict[InstanceId, dict[int, tuple[Namespace, int]]] = {}
         for inst, emap in zip(insts, emaps, strict=True):

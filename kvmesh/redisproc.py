@@ -269,3 +269,161 @@ class RedisProcess:
             time.sleep(0.05)
         self.kill()
         raise RuntimeError("Redis container did not answer PING in time")
+
+
+#: Redis Cluster's bus port is the client port plus this offset.
+_BUS_OFFSET = 10000
+
+#: Node timeout of a test cluster (ms). Short, so that a killed master is
+#: marked failed (and the other masters keep serving their slots) within about
+#: a second rather than the 15 s default; local nodes never see real latency.
+_CLUSTER_NODE_TIMEOUT_MS = 1000
+
+#: Seconds to wait for ``cluster_state:ok`` after creating or restarting nodes.
+_CLUSTER_OK_TIMEOUT_S = 30.0
+
+
+def free_cluster_port(host: str = HOST, taken: set[int] | None = None) -> int:
+    """A free port whose cluster bus port (port + 10000) is free too (never 6379)."""
+    taken = taken or set()
+    while True:
+        port = free_port(host)
+        if port + _BUS_OFFSET > 65535 or port in taken or port + _BUS_OFFSET in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port + _BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+
+
+def _info_field(host: str, port: int, section: bytes, field: bytes) -> bytes | None:
+    """One ``field:value`` of ``CLUSTER INFO`` (raw RESP, no client library)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.settimeout(0.5)
+            s.sendall(
+                b"*2\r\n$7\r\nCLUSTER\r\n$"
+                + str(len(section)).encode()
+                + b"\r\n"
+                + section
+                + b"\r\n"
+            )
+            data = b""
+            while not data.endswith(b"\r\n") or data.count(b"\r\n") < 2:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    for line in data.split(b"\r\n"):
+        if line.startswith(field + b":"):
+            return line.split(b":", 1)[1]
+    return None
+
+
+class RedisClusterProcess:
+    """A private Redis Cluster of ``masters`` masters (no replicas) on 127.0.0.1.
+
+    Each node is a :class:`RedisProcess` started with ``cluster-enabled`` on a
+    free port whose bus port (port + 10000) is free too; the slots are spread
+    by ``redis-cli --cluster create``. ``cluster-require-full-coverage no``
+    lets the other masters keep serving while one is down. :meth:`kill` and
+    :meth:`restart` act on one master; a restarted master keeps its node id
+    and slots (its ``nodes.conf`` survives) but comes back empty.
+    """
+
+    def __init__(self, masters: int = 3) -> None:
+        if masters < 3:
+            raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        self.host = HOST
+        self.nodes: list[RedisProcess] = []
+        self._masters = masters
+
+    @property
+    def url(self) -> str:
+        """``redis://`` URL of the first node (a cluster client discovers the rest)."""
+        return self.nodes[0].url
+
+    @property
+    def ports(self) -> list[int]:
+        """Client ports of the nodes, in creation order."""
+        return [n.port for n in self.nodes]
+
+    def start(self) -> RedisClusterProcess:
+        """Start the nodes, create the cluster, wait for ``cluster_state:ok``."""
+        binary = find_redis_server()
+        cli = shutil.which("redis-cli")
+        if binary is None or cli is None:
+            raise RedisUnavailableError(
+                "Redis Cluster tests need redis-server and redis-cli on PATH"
+            )
+        taken: set[int] = set()
+        for _ in range(self._masters):
+            port = free_cluster_port(self.host, taken)
+            taken.update((port, port + _BUS_OFFSET))
+            node = RedisProcess(
+                port,
+                extra_args=(
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", str(_CLUSTER_NODE_TIMEOUT_MS),
+                    "--cluster-require-full-coverage", "no",
+                ),
+            )  # fmt: skip
+            node.binary = binary
+            self.nodes.append(node.start())
+        addrs = [f"{self.host}:{p}" for p in self.ports]
+        subprocess.run(
+            [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=60,
+        )
+        self.wait_ok()
+        return self
+
+    def wait_ok(self, timeout_s: float = _CLUSTER_OK_TIMEOUT_S) -> None:
+        """Wait until every running node reports ``cluster_state:ok``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            states = [
+                _info_field(self.host, n.port, b"INFO", b"cluster_state")
+                for n in self.nodes
+                if n.running
+            ]
+            if states and all(s == b"ok" for s in states):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"Redis Cluster not ok within {timeout_s} s")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL master ``i`` (its slots are down until :meth:`restart`)."""
+        self.nodes[i].kill()
+
+    def restart(self, i: int, *, wait: bool = True) -> None:
+        """Start master ``i`` again on its port (same node id and slots, no data)."""
+        self.nodes[i].start()
+        if wait:
+            self.wait_ok()
+
+    def close(self) -> None:
+        """Stop every node and delete their directories."""
+        for n in self.nodes:
+            n.close()
+        self.nodes = []
+
+    def __enter__(self) -> RedisClusterProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

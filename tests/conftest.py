@@ -36,7 +36,16 @@ def redis_server() -> Iterator[Any]:
         yield proc
 
 
-BACKENDS = ["memory", "redis"]
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Any]:
+    """A real local 3-master Redis Cluster, for the whole test session."""
+    from kvmesh.redisproc import RedisClusterProcess
+
+    with RedisClusterProcess() as proc:
+        yield proc
+
+
+BACKENDS = ["memory", "redis", "redis-cluster"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -57,5 +66,8 @@ def make_index(backend: str, clock: FakeClock, request: pytest.FixtureRequest) -
         return MemoryIndex(clock=clock)
     from indexer.redis_backend import RedisIndex
 
+    if backend == "redis-cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        return RedisIndex(cluster.url, prefix=f"t{uuid.uuid4().hex[:8]}", clock=clock, cluster=True)
     server = request.getfixturevalue("redis_server")
     return RedisIndex(server.url, prefix=f"t{uuid.uuid4().hex[:8]}", clock=clock)

@@ -7,6 +7,8 @@ local POP = {[0] = 0, 1, 1, 2, 1, 2, 2, 3}
 -- tier (1 gpu, 2 cpu, 3 disk) holding the fastest copy, for masks 1..7
 local FAST = {1, 2, 1, 3, 1, 2, 1}
 
+-- New generation when this script bumped it (reported to the caller in cluster mode).
+local bumped = false
 local function bump_gen()
   local k = B .. 'gen'
   if redis.call('EXISTS', k) == 0 then
@@ -15,14 +17,24 @@ local function bump_gen()
     local t = redis.call('TIME')
     redis.call('SET', k, t[1] .. string.format('%06d', tonumber(t[2])))
   end
-  return redis.call('INCR', k)
+  bumped = redis.call('INCR', k)
+  return bumped
 end
 
 local function state(meta)
   return redis.call('HMGET', meta, unpack(FIELDS))
 end
 
+-- Replaced by true in the scripts of cluster mode (indexer/redis_backend.py).
+local CLUSTER = false
+
 local function new_id()
+  if CLUSTER and redis.call('EXISTS', B .. 'ids') == 0 then
+    -- Cluster mode: a restarted control node must not hand out ids that block
+    -- entries left on the other nodes still carry, so start from the clock (ms).
+    local t = redis.call('TIME')
+    redis.call('SET', B .. 'ids', t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000)))
+  end
   return tostring(redis.call('INCR', B .. 'ids'))
 end
 

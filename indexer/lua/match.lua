@@ -1,26 +1,29 @@
 -- Match: walk the prefix, stop at the first block no candidate holds.
--- ARGV: base, block name prefix (base .. 'b:' .. ns id), keys packed as 8-byte
--- big-endian words, then the int ids to exclude (expired, stale, retired).
+-- ARGV: base, generation key, block name prefix of the first A blocks, block
+-- name prefix of the others, A, keys packed as 8-byte big-endian words, then
+-- the int ids to exclude (expired, stale, retired). Standalone: both prefixes
+-- are base .. 'b:' .. ns id and A = 0; cluster: see KEYS.md (shallow copies on
+-- this node, deep blocks under the anchor's tag).
 -- Returns {gen, holders of block 0 as HGETALL gives them (id, mask, ...), then
 -- id, gpu, cpu, disk of each candidate holding at least blocks 0 and 1}.
 -- Holders of block 0 that are neither excluded nor listed after it matched
 -- exactly one block: the caller derives those from the raw list, which is far
 -- cheaper than emitting them one by one here (most of a Match's cost on a
 -- shared first block).
-local bp = ARGV[2]
-local blob = ARGV[3]
+local sp, dp, na = ARGV[3], ARGV[4], tonumber(ARGV[5])
+local blob = ARGV[6]
 local n = #blob / 8
-local gen = redis.call('GET', B .. 'gen') or ''
+local gen = redis.call('GET', ARGV[2]) or ''
 if n == 0 then
   return {gen, {}}
 end
-local first = redis.call('HGETALL', bp .. string.sub(blob, 1, 8))
+local first = redis.call('HGETALL', (na > 0 and sp or dp) .. string.sub(blob, 1, 8))
 local out = {gen, first}
 if #first == 0 or n == 1 then
   return out
 end
 local ex = {}
-for i = 4, #ARGV do
+for i = 7, #ARGV do
   ex[ARGV[i]] = true
 end
 -- Candidates: holders of block 0 not excluded, with their tier mask there.
@@ -44,7 +47,7 @@ end
 -- one HGETALL of block 1 (usually small) beats an HMGET naming them all.
 local cnt, k = {}, 0
 if m > 0 then
-  local bk = bp .. string.sub(blob, 9, 16)
+  local bk = (na > 1 and sp or dp) .. string.sub(blob, 9, 16)
   local vals = {}
   if m > 8 then
     local all = redis.call('HGETALL', bk)
@@ -76,7 +79,7 @@ if m > 0 then
 end
 local i = 3
 while m > 0 and i <= n do
-  local bk = bp .. string.sub(blob, 8 * i - 7, 8 * i)
+  local bk = (i <= na and sp or dp) .. string.sub(blob, 8 * i - 7, 8 * i)
   local vals
   if m <= 256 then
     vals = redis.call('HMGET', bk, unpack(ids, 1, m))

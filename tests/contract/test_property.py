@@ -263,6 +263,29 @@ def test_redis_backend_matches_reference(case: Any, redis_server: Any) -> None:
     )
 
 
+@pytest.mark.parametrize("anchor_depth", [1, 2])
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=case_st)
+def test_redis_cluster_backend_matches_reference(
+    case: Any, anchor_depth: int, redis_cluster: Any
+) -> None:
+    """The cluster layout (shallow copies, anchor tags, split apply) keeps the contract."""
+    import uuid
+
+    from indexer.redis_backend import RedisIndex
+
+    run_case(
+        lambda clock: RedisIndex(
+            redis_cluster.url,
+            prefix=f"p{uuid.uuid4().hex[:8]}",
+            clock=clock,
+            cluster=True,
+            anchor_depth=anchor_depth,
+        ),
+        case,
+    )
+
+
 @pytest.mark.parametrize("bug", sorted(BROKEN))
 def test_broken_model_is_caught(bug: str) -> None:
     """The harness must tell a correct backend from each broken model."""

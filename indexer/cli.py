@@ -30,6 +30,23 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--backend", choices=["memory", "redis"], help="index backend (default memory)")
     s.add_argument("--redis-url", help="Redis URL for --backend redis")
     s.add_argument("--redis-prefix", help="prefix of every Redis key (default kvm)")
+    s.add_argument(
+        "--zmq-endpoint",
+        action="append",
+        metavar="SPEC",
+        help="subscribe to an engine's KV events (repeatable; replaces engine_events.endpoints): "
+        "comma-separated key=value pairs, e.g. worker_id=w0,model=M,"
+        "endpoint=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558,"
+        "address=http://10.0.0.5:8000 (also dp_rank, bind, topic, keys, lease_ttl_s)",
+    )
+    s.add_argument("--sglang-model", help="namespace of SGLang kv_indexer.v1 API workers")
+    s.add_argument(
+        "--no-sglang-api",
+        dest="sglang_api",
+        action="store_const",
+        const=False,
+        help="do not serve SGLang's kv_indexer.v1.KVIndexer",
+    )
     s.add_argument("--block-size", type=int, help="tokens per block (default 16)")
     s.add_argument("--max-match-blocks", type=int, help="most blocks one Match looks at")
     s.add_argument("--max-message-bytes", type=int, help="largest gRPC message")
@@ -51,6 +68,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "metrics_port": args.metrics_port,
         "backend": args.backend,
         "redis": {"url": args.redis_url, "prefix": args.redis_prefix},
+        "engine_events": {"endpoints": parse_zmq_endpoints(args.zmq_endpoint)},
+        "sglang": {"enabled": args.sglang_api, "model": args.sglang_model},
         "block_size": args.block_size,
         "limits": {
             "max_match_blocks": args.max_match_blocks,
@@ -62,6 +81,22 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": args.log_level,
         "log_format": args.log_format,
     }
+
+
+def parse_zmq_endpoints(specs: list[str] | None) -> list[dict[str, str]] | None:
+    """``--zmq-endpoint`` values (``key=value,...``) as endpoint dicts (None when not given)."""
+    if not specs:
+        return None
+    out: list[dict[str, str]] = []
+    for spec in specs:
+        entry: dict[str, str] = {}
+        for part in spec.split(","):
+            key, sep, value = part.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--zmq-endpoint {spec!r}: {part!r} is not key=value")
+            entry[key.strip()] = value.strip()
+        out.append(entry)
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> IndexerConfig:

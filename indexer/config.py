@@ -86,6 +86,19 @@ class RedisSettings(_Strict):
         "saves the extra round trip for a stored block's parent. About 200 bytes each; a "
         "miss costs one HMGET, never a wrong key (the apply script checks every belief).",
     )
+    cluster: bool = Field(
+        default=False,
+        description="Talk to a Redis Cluster (url names any node). Block keys are tagged by "
+        "their chain's anchor block so a Match stays one script on one node (KEYS.md).",
+    )
+    cluster_anchor_depth: int = Field(
+        default=1,
+        ge=0,
+        le=255,
+        description="Cluster only: depth of the block whose hash tag places a chain; the "
+        "shallower blocks are copied on every master. 0 tags by the root block, which puts "
+        "every chain behind one shared system prompt on one shard.",
+    )
 
 
 class Limits(_Strict):
@@ -117,6 +130,102 @@ class Limits(_Strict):
     )
     max_lease_ttl_s: float = Field(
         default=3600.0, gt=0, description="Longest lease a registration may ask for."
+    )
+
+
+class ZmqEndpointSettings(_Strict):
+    """One engine's KV-event stream (vLLM or SGLang ``ZmqEventPublisher``) and its instance.
+
+    One subscriber per engine endpoint, and each endpoint in the config of
+    exactly one replica: two replicas subscribed to one engine would race each
+    other's re-registrations after a publisher restart.
+    """
+
+    worker_id: str = Field(min_length=1, description="Instance worker id.")
+    dp_rank: int = Field(
+        default=0,
+        ge=0,
+        lt=1 << 32,
+        description="Instance data-parallel rank. vLLM and SGLang publish each rank on its own "
+        "port (base port + rank), so each rank is its own endpoint entry.",
+    )
+    model: str = Field(min_length=1, description="Model (namespace) the engine serves.")
+    address: str = Field(
+        default="", description="URL a router sends requests to, returned by Match."
+    )
+    endpoint: str = Field(
+        min_length=1, description="The engine's PUB endpoint, e.g. tcp://10.0.0.5:5557."
+    )
+    bind: bool = Field(
+        default=False,
+        description="Bind the SUB socket at endpoint (the engine connects) instead of "
+        "connecting to it (the engine binds, vLLM's default).",
+    )
+    replay_endpoint: str | None = Field(
+        default=None,
+        description="The engine's replay ROUTER endpoint; without it a sequence gap cannot be "
+        "filled (see engine_events.on_unrecoverable_gap).",
+    )
+    topic: str = Field(default="", description="ZMQ topic to subscribe to ('' = all).")
+    keys: Literal["tokens", "engine_hashes"] = Field(
+        default="tokens",
+        description="tokens: block keys are kvmesh content keys chained from token_ids (Match "
+        "by tokens works across engines); engine_hashes: the engine's block hashes are the "
+        "block keys (what an SGLang router sends to MatchExternalKvPrefix).",
+    )
+    lease_ttl_s: float = Field(
+        default=0, ge=0, description="Instance lease; 0 takes default_lease_ttl_s."
+    )
+
+
+class EngineEventSettings(_Strict):
+    """ZMQ subscribers to engine KV-event streams, run inside ``kvmesh indexer serve``."""
+
+    endpoints: list[ZmqEndpointSettings] = Field(
+        default_factory=list, description="Engine endpoints to subscribe to; empty: none."
+    )
+    on_unrecoverable_gap: Literal["reset", "stale"] = Field(
+        default="reset",
+        description="When replay cannot fill a gap (no replay endpoint, timeout, or batches "
+        "already out of the engine's buffer): reset drops the instance's blocks and goes on "
+        "from the next batch (Match sees a subset of the engine's cache at once); stale keeps "
+        "them and lets the index mark the instance stale (hidden from Match) until the engine "
+        "clears its cache.",
+    )
+    replay_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long to wait for each reply frame of a replay request before giving "
+        "the gap up as unrecoverable.",
+    )
+    receive_hwm: int = Field(
+        default=100_000,
+        ge=0,
+        description="ZMQ receive high-water mark (batches queued while the backend is slow). "
+        "Beyond it ZMQ drops batches and the subscriber replays them.",
+    )
+
+
+class SglangApiSettings(_Strict):
+    """SGLang's external KV indexer API (``kv_indexer.v1.KVIndexer``) on the same port."""
+
+    enabled: bool = Field(default=True, description="Serve kv_indexer.v1.KVIndexer.")
+    model: str = Field(
+        default="sglang",
+        min_length=1,
+        description="Namespace (model) of workers fed through this API; the API names no "
+        "model. ZMQ endpoints with keys=engine_hashes and this model share its index.",
+    )
+    lease_ttl_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Lease of a worker fed through this API, renewed by each batch and each "
+        "ConfigureExpectedWorkers naming it. Long because an idle worker sends nothing.",
+    )
+    max_hit_counters: int = Field(
+        default=1_000_000,
+        ge=0,
+        description="Hashes whose hit counts this replica keeps (oldest dropped first).",
     )
 
 
@@ -153,6 +262,8 @@ class IndexerConfig(_Strict):
         description="Per-model block size overrides, model name -> tokens per block.",
     )
     limits: Limits = Field(default_factory=Limits)
+    engine_events: EngineEventSettings = Field(default_factory=EngineEventSettings)
+    sglang: SglangApiSettings = Field(default_factory=SglangApiSettings)
     default_lease_ttl_s: float = Field(
         default=30.0, gt=0, description="Lease of a registration that asks for 0 seconds."
     )
@@ -202,6 +313,20 @@ class IndexerConfig(_Strict):
         for name in ("reap_interval_s", "health_check_interval_s", "shutdown_grace_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be finite")
+        seen: set[tuple[str, int]] = set()
+        for i, ep in enumerate(self.engine_events.endpoints):
+            if (ep.worker_id, ep.dp_rank) in seen:
+                raise ValueError(
+                    f"engine_events.endpoints[{i}]: instance {ep.worker_id}/dp{ep.dp_rank} "
+                    "is listed twice (one subscriber per engine endpoint)"
+                )
+            seen.add((ep.worker_id, ep.dp_rank))
+            if ep.lease_ttl_s > lim.max_lease_ttl_s:
+                raise ValueError(
+                    f"engine_events.endpoints[{i}].lease_ttl_s exceeds limits.max_lease_ttl_s"
+                )
+        if self.sglang.lease_ttl_s > lim.max_lease_ttl_s:
+            raise ValueError("sglang.lease_ttl_s exceeds limits.max_lease_ttl_s")
         return self
 
     @property
@@ -373,4 +498,6 @@ def build_index(config: IndexerConfig) -> Index:
         socket_timeout_s=r.socket_timeout_s,
         instance_cache_ttl_s=r.instance_cache_ttl_s,
         parent_cache_size=r.parent_cache_size,
+        cluster=r.cluster,
+        anchor_depth=r.cluster_anchor_depth,
     )

@@ -387,9 +387,29 @@ class IndexerServer:
         )
         self.servicer = IndexerServicer(self.logic, self.metrics)
         add_servicer(self.servicer, self._server)
+        #: Names whose health follows the backend ("" is the whole server).
+        self._health_names = ["", SERVICE_NAME]
+        if config.sglang.enabled:
+            # Imported here: indexer.sglang_server imports this module's _rpc.
+            from indexer.sglang_compat import SglangCompat
+            from indexer.sglang_server import (
+                SGLANG_SERVICE_NAME,
+                SglangServicer,
+                add_sglang_servicer,
+            )
+
+            self.sglang = SglangServicer(SglangCompat(self.logic, config.sglang), self.metrics)
+            add_sglang_servicer(self.sglang, self._server)
+            self._health_names.append(SGLANG_SERVICE_NAME)
+        #: ZMQ subscribers to engine KV events (imported only when configured).
+        self.subscribers: Any = None
+        if config.engine_events.endpoints:
+            from indexer.zmq_subscriber import EngineEventSubscribers
+
+            self.subscribers = EngineEventSubscribers(self.logic, config.engine_events)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+            [*self._health_names[1:], health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
         self.port = 0
         self.metrics_port = 0
@@ -429,7 +449,7 @@ class IndexerServer:
         task.add_done_callback(self._health_tasks.discard)
 
     async def _set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in self._health_names:
             await self.health.set(name, status)
 
     async def start(self) -> None:
@@ -445,6 +465,8 @@ class IndexerServer:
         await self._server.start()
         await self.logic.check_backend()
         self.logic.start()
+        if self.subscribers is not None:
+            self.subscribers.start()
         if cfg.metrics_port:
             from prometheus_client import start_http_server
 
@@ -478,6 +500,8 @@ class IndexerServer:
         try:
             await self.health.enter_graceful_shutdown()
             await self._server.stop(grace)
+            if self.subscribers is not None:
+                await self.subscribers.stop()
             await self.logic.stop()
             for t in list(self._health_tasks):
                 t.cancel()

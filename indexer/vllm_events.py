@@ -1,0 +1,219 @@
+"""Decoding of vLLM's and SGLang's ZMQ KV-event frames into kvmesh domain events.
+
+Wire layout (vLLM ``vllm/distributed/kv_events.py``, SGLang
+``sglang/srt/disaggregation/kv_events.py``):
+
+- A live message is three frames: ``[topic, seq, payload]``. ``seq`` is an
+  8-byte big-endian unsigned counter that starts at 0 when the publisher
+  starts; ``payload`` is one msgpack-encoded batch.
+- A batch is ``[ts, events]`` or ``[ts, events, data_parallel_rank]`` (older
+  vLLM and SGLang encode it as an array) or a map ``{"ts", "events",
+  "data_parallel_rank"}`` (current vLLM); SGLang names the rank
+  ``attn_dp_rank``.
+- An event is a tagged map ``{"type": "BlockStored", ...}`` (current vLLM) or a
+  tagged array ``["BlockStored", field1, field2, ...]`` with fields in
+  declaration order (older vLLM, SGLang). Trailing fields left at their
+  defaults may be missing in either form; unknown fields are ignored.
+
+  ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name (then extra_keys, group_idx, ..., ignored).
+  ``BlockRemoved``: block_hashes, medium. ``AllBlocksCleared``: nothing.
+
+Conversions, defined here once:
+
+- **Hashes** are ints or bytes. An int is taken modulo 2^64 (a signed 64-bit
+  hash becomes its two's-complement unsigned value). Bytes (vLLM's sha256
+  block hashes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is off) become
+  the big-endian integer of the bytes modulo 2^64, i.e. their **last** 8
+  bytes: the same value vLLM itself publishes when that flag is on, so a
+  fleet mixing both settings names each block identically.
+- **Medium** → tier: ``GPU`` (or absent) → GPU; ``CPU``, ``CPU_PINNED`` →
+  CPU; ``STORAGE``, ``DISK``, ``EXTERNAL`` and any medium this module does
+  not know → DISK (valuing an unknown tier as the slowest is the safe error).
+  Case-insensitive.
+- **LoRA**: ``lora_name`` when given, else ``lora_id`` as a decimal string
+  (older publishers send only the id), else the base model.
+
+A frame that cannot be a batch at all raises :class:`MalformedFrame`; an
+event that cannot be decoded is counted in ``malformed_events`` and skipped,
+the rest of its batch still applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from indexer.model import AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier
+
+_U64 = (1 << 64) - 1
+
+#: Medium names (upper-cased) -> tier; anything else is DISK.
+MEDIUM_TIERS: dict[str, Tier] = {
+    "GPU": Tier.GPU,
+    "CPU": Tier.CPU,
+    "CPU_PINNED": Tier.CPU,
+    "STORAGE": Tier.DISK,
+    "DISK": Tier.DISK,
+    "EXTERNAL": Tier.DISK,
+}
+
+#: Field order of the array encoding, after the tag.
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+class MalformedFrame(ValueError):
+    """A frame that is not a KV-event batch (or not a sequence number)."""
+
+
+class MalformedEvent(ValueError):
+    """One event of a batch that cannot be decoded."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBatch:
+    """One decoded batch: its events in order and what the publisher said about itself."""
+
+    timestamp: float
+    events: tuple[Event, ...]
+    dp_rank: int | None
+    malformed_events: int = 0
+
+
+def decode_seq(frame: bytes) -> int:
+    """The sequence number of a live message: 8 bytes, big-endian, unsigned."""
+    if len(frame) != 8:
+        raise MalformedFrame(f"sequence frame has {len(frame)} bytes, not 8")
+    return int.from_bytes(frame, "big")
+
+
+def engine_hash(value: object) -> int:
+    """An engine block hash (int or bytes) as an unsigned 64-bit int (see module doc)."""
+    if isinstance(value, bool):  # bool is an int subclass, never a hash
+        raise MalformedEvent("block hash is a bool")
+    if isinstance(value, int):
+        return value & _U64
+    if isinstance(value, bytes | bytearray | memoryview):
+        b = bytes(value)
+        if not b:
+            raise MalformedEvent("block hash is empty bytes")
+        return int.from_bytes(b[-8:], "big")
+    raise MalformedEvent(f"block hash of type {type(value).__name__}")
+
+
+def medium_tier(medium: object) -> Tier:
+    """The tier of a medium name (None: GPU, the publishers' default)."""
+    if medium is None:
+        return Tier.GPU
+    if not isinstance(medium, str):
+        raise MalformedEvent(f"medium of type {type(medium).__name__}")
+    return MEDIUM_TIERS.get(medium.upper(), Tier.DISK)
+
+
+def _fields(raw: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """(tag, fields by name) of a tagged map or a tagged array."""
+    if isinstance(raw, Mapping):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise MalformedEvent("event map has no string 'type'")
+        return tag, dict(raw)
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0], dict(zip(names, raw[1:], strict=False))
+    raise MalformedEvent(f"event is a {type(raw).__name__}, not a tagged map or array")
+
+
+def _hashes(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise MalformedEvent("block_hashes is not a list")
+    return tuple(engine_hash(h) for h in value)
+
+
+def _int(value: Any, name: str, default: int = 0) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedEvent(f"{name} is not an int")
+    return value
+
+
+def _lora_name(fields: Mapping[str, Any]) -> str:
+    name = fields.get("lora_name")
+    if isinstance(name, str) and name:
+        return name
+    lora_id = fields.get("lora_id")
+    if isinstance(lora_id, int) and not isinstance(lora_id, bool) and lora_id:
+        return str(lora_id)
+    return ""
+
+
+def decode_event(raw: Any, *, engine_hash_keys: bool = False) -> Event:
+    """One event (map or array form). ``engine_hash_keys``: use the engine's hashes as keys."""
+    tag, _ = _fields(raw, ())
+    if tag == "BlockStored":
+        _, f = _fields(raw, _STORED_FIELDS)
+        hashes = _hashes(f.get("block_hashes"))
+        parent_raw = f.get("parent_block_hash")
+        token_ids = f.get("token_ids") or []
+        if not isinstance(token_ids, list):
+            raise MalformedEvent("token_ids is not a list")
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None if parent_raw is None else engine_hash(parent_raw),
+            # Range and type of each id are checked by the service (naming the index).
+            token_ids=tuple(token_ids),
+            block_size=_int(f.get("block_size"), "block_size"),
+            lora_name=_lora_name(f),
+            tier=medium_tier(f.get("medium")),
+            block_keys=hashes if engine_hash_keys else None,
+        )
+    if tag == "BlockRemoved":
+        _, f = _fields(raw, _REMOVED_FIELDS)
+        medium = f.get("medium")
+        # No medium: the publisher predates tiers and means the GPU copy; the
+        # index then clears only that tier's bit.
+        return BlockRemoved(block_hashes=_hashes(f.get("block_hashes")), tier=medium_tier(medium))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise MalformedEvent(f"unknown event type {tag!r}")
+
+
+def decode_batch(payload: bytes, *, engine_hash_keys: bool = False) -> DecodedBatch:
+    """Decode one msgpack batch; raises :class:`MalformedFrame` when it is not one."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise MalformedFrame(f"not msgpack: {e}") from e
+    if isinstance(raw, Mapping):
+        ts, events = raw.get("ts"), raw.get("events")
+        rank = raw.get("data_parallel_rank", raw.get("attn_dp_rank"))
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    else:
+        raise MalformedFrame(f"batch is a {type(raw).__name__}, not [ts, events, ...]")
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise MalformedFrame("batch ts is not a number")
+    if not isinstance(events, list):
+        raise MalformedFrame("batch events is not a list")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        rank = None  # an unreadable rank is informational only
+    out: list[Event] = []
+    bad = 0
+    for ev in events:
+        try:
+            out.append(decode_event(ev, engine_hash_keys=engine_hash_keys))
+        except MalformedEvent:
+            bad += 1
+    return DecodedBatch(float(ts), tuple(out), rank, bad)

@@ -1,0 +1,1 @@
+"""Generated from proto/: do not edit. Regenerate with tools/gen_protos.py."""

@@ -25,6 +25,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "indexer"): ("indexer.bench", "indexer benchmark (memory and Redis)"),
     ("bench", "tee"): ("tee.bench", "tee benchmark (bounded fan-out vs serial)"),
     ("bench", "xfer"): ("xfer.bench", "KV transfer benchmark (NIXL and TCP)"),
+    ("bench", "soak"): ("indexer.soak", "mixed-load soak of indexer replicas on Redis"),
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
     ("cachesim", "serve"): ("tee.cachesim_cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim_cli:report", "print a cache simulator's report"),

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,helm]'
+	$(BIN)/pip install --quiet -e '.[dev,helm,local]'
 	# NIXL (DRAM<->DRAM over UCX on CPU hosts) without its torch dependency.
 	$(BIN)/pip install --quiet --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
@@ -25,9 +25,9 @@ clients/node/node_modules/.installed: clients/node/package-lock.json
 
 setup: $(STAMP) node_modules/.bin/buf clients/node/node_modules/.installed
 
-## The main job on embedded defaults: indexer + trace publish + matches.
+## The main job: the whole cluster on this machine, driven by the Mooncake trace.
 run: $(STAMP)
-	$(BIN)/kvmesh quickstart
+	$(BIN)/kvmesh up
 
 ## The whole test suite (what CI runs).
 test: $(STAMP)

@@ -128,22 +128,24 @@ async def test_burst_fills_queue_counts_drops_then_recovers() -> None:
 async def test_slow_sink_never_stalls_fast_sink() -> None:
     slow = await TestSink(latency_s=0.5, record=False).start()
     fast = await TestSink(record=False).start()
+    # Queues large enough that neither lane drops: what is checked is that the
+    # fast lane delivers everything while the slow one still holds most of it.
     tee = await Tee(
         [HttpSink(slow.url, name="slow"), HttpSink(fast.url, name="fast")],
         concurrency=2,
-        queue_size=50,
+        queue_size=500,
     ).start()
     try:
         for i in range(200):
             tee.offer(ingest("m", [i]))
             if i % 5 == 0:
                 assert all(s.balanced() for s in tee.stats())
-                await asyncio.sleep(0.005)  # ~1000 events/s: easy for the fast sink
-        await _until(lambda: tee.stats()[1].sent + tee.stats()[1].dropped == 200, within_s=5)
+                await asyncio.sleep(0.005)
+        await _until(lambda: tee.stats()[1].sent == 200, within_s=10)
         by = {s.sink: s for s in tee.stats()}
-        # The fast sink got everything; the slow one filled its own queue and dropped.
+        # The slow sink (2 sends of 0.5 s at a time) has delivered a handful.
         assert by["fast"].sent == 200 and by["fast"].dropped == 0
-        assert by["slow"].dropped_full > 0 and by["slow"].sent < 10
+        assert by["slow"].sent < 50 and by["slow"].queued + by["slow"].in_flight > 150
         assert all(s.balanced() for s in by.values())
     finally:
         report = await tee.close(0.2)

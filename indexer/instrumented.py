@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -34,6 +33,7 @@ from indexer.model import (
     InstanceState,
     Namespace,
 )
+from kvmesh import tracing as _tracing
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class Metrics:
         self.rpcs_in_flight = Gauge(
             "kvmesh_indexer_rpcs_in_flight", "IndexerService calls in progress.", registry=r
         )
+        # Span export counters (process-wide): a down collector shows here.
+        _tracing.register_metrics(r)
 
     def watch_counters(self, read: Callable[[], dict[str, int]]) -> None:
         """Export each ``name -> value`` of ``read()`` as ``kvmesh_indexer_<name>_total``."""
@@ -118,65 +120,15 @@ class _CallbackCounters(Collector):
 
 # -- tracing --------------------------------------------------------------------
 
-_tracing_on = False
-
 
 def tracing_enabled() -> bool:
-    """Whether :func:`configure_tracing` set up an SDK tracer provider."""
-    return _tracing_on
+    """Whether spans are recorded in this process (see :func:`kvmesh.tracing.tracing_enabled`)."""
+    return _tracing.tracing_enabled()
 
 
-def configure_tracing(environ: dict[str, str] | None = None) -> bool:
-    """Set up the OpenTelemetry SDK from ``OTEL_*`` variables, only if any asks for it.
-
-    Tracing is on when ``OTEL_TRACES_EXPORTER`` names an exporter other than
-    ``none`` or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its traces variant) is set,
-    and ``OTEL_SDK_DISABLED`` is not ``true``. ``console`` prints spans;
-    ``otlp`` needs the ``opentelemetry-exporter-otlp`` package. Returns
-    whether tracing is on.
-    """
-    global _tracing_on
-    env = dict(os.environ) if environ is None else environ
-    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return False
-    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    if exporter in ("", "none") and not (endpoint and exporter != "none"):
-        return False
-    if _tracing_on:
-        return True
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import (
-        BatchSpanProcessor,
-        ConsoleSpanExporter,
-        SimpleSpanProcessor,
-        SpanExporter,
-    )
-
-    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "kvmesh-indexer")})
-    provider = TracerProvider(resource=resource)
-    if exporter == "console":
-        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
-    else:
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
-                OTLPSpanExporter,
-            )
-        except ImportError:
-            log.warning(
-                "OTEL_* asks for OTLP traces but opentelemetry-exporter-otlp is not "
-                "installed; tracing stays off"
-            )
-            return False
-        otlp: SpanExporter = OTLPSpanExporter()
-        provider.add_span_processor(BatchSpanProcessor(otlp))
-    trace.set_tracer_provider(provider)
-    _tracing_on = True
-    log.info("OpenTelemetry tracing on (exporter %s)", exporter or "otlp")
-    return True
+def configure_tracing(environ: Mapping[str, str] | None = None) -> bool:
+    """Set up tracing for an indexer from ``OTEL_*`` variables (see :mod:`kvmesh.tracing`)."""
+    return _tracing.configure_tracing("kvmesh-indexer", environ)
 
 
 # -- the decorator --------------------------------------------------------------

@@ -36,14 +36,17 @@ import contextlib
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from indexer import keys as K
@@ -74,6 +77,7 @@ from indexer.model import (
     NamespaceStats,
 )
 from kvmesh.blockkeys import chain_keys, namespace_seed
+from kvmesh.tracing import tracing_enabled
 
 #: Entries dropped per purge script. Each costs ~4 Redis calls (~1-2 us), so a
 #: chunk holds Redis for about a millisecond: long enough to amortise the round
@@ -112,6 +116,10 @@ _OP_REMOVE = b"R"
 _OP_CLEAR = b"C"
 
 
+#: Retry policy of every Redis client: see RedisIndex.__init__.
+_RETRY_ONCE_ON_CONNECTION_ERROR = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
 class _Script:
     """A Lua script (lib.lua + body) and its SHA1, loaded on NOSCRIPT."""
 
@@ -131,6 +139,39 @@ class _Script:
                 body = f"local reply = (function()\n{body}\nend)()\nreturn {{reply, bumped}}\n"
             self.text = _CLUSTER_SHEBANG + lib + "\n" + body
         self.sha = hashlib.sha1(self.text.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+#: Tracer of Redis client spans (children of the ``index.*`` spans).
+TRACER_NAME = "kvmesh.indexer.redis"
+#: Attributes of every Redis client span (OpenTelemetry database conventions,
+#: old and new names). Never key names, arguments or values: block keys are
+#: derived from prompts.
+_DB_ATTRS: dict[str, str] = {"db.system": "redis", "db.system.name": "redis"}
+
+
+def _traced_exec(
+    exec_: Callable[..., Awaitable[Any]],
+    tracer: trace.Tracer,
+    url: str,
+    scripts: Iterable[_Script],
+) -> Callable[..., Awaitable[Any]]:
+    """``exec_`` with a CLIENT span per Redis command, named after the command."""
+    parts = urlsplit(url)
+    base: dict[str, Any] = {**_DB_ATTRS, "server.address": parts.hostname or ""}
+    with contextlib.suppress(ValueError):
+        base["server.port"] = parts.port or 6379
+    # EVALSHA names a script by its SHA1; the span says which of ours it is.
+    names = {s.sha: s.name for s in scripts}
+
+    async def traced(*args: Any, **kwargs: Any) -> Any:
+        op = str(args[0]) if args else "command"
+        attrs = {**base, "db.operation.name": op}
+        if op == "EVALSHA" and len(args) > 1:
+            attrs["kvmesh.redis.script"] = names.get(args[1], "unknown")
+        with tracer.start_as_current_span(op, kind=trace.SpanKind.CLIENT, attributes=attrs):
+            return await exec_(*args, **kwargs)
+
+    return traced
 
 
 def _load_scripts(cluster: bool = False) -> dict[str, _Script]:
@@ -257,8 +298,12 @@ class RedisIndex(Index):
         self._ctl_keys: tuple[bytes, ...] = (self._gen_key,) if cluster else ()
         self._cache_ttl = instance_cache_ttl_s
         self._parent_cap = parent_cache_size
-        # Connections open lazily on the first command. No client-side retries:
-        # a down Redis must surface as Unavailable within one socket timeout.
+        # Connections open lazily on the first command. One immediate retry on a
+        # connection error only: a pooled connection that died with a Redis
+        # restart reconnects instead of failing the first call after recovery
+        # (every script is idempotent: applies carry sequence numbers). No retry
+        # on timeouts: a hung Redis must surface as Unavailable within one
+        # socket timeout.
         self._r: Any
         if cluster:
             from redis.asyncio.cluster import RedisCluster
@@ -268,7 +313,7 @@ class RedisIndex(Index):
                 decode_responses=False,
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
-                retry=Retry(NoBackoff(), 0),
+                retry=_RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
                 # A master may be down: the others keep serving their slots.
                 require_full_coverage=False,
@@ -279,12 +324,16 @@ class RedisIndex(Index):
                 decode_responses=False,
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
-                retry=Retry(NoBackoff(), 0),
+                retry=_RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
             )
         # redis.asyncio leaves execute_command untyped; every call goes through this.
         self._exec = cast(Callable[..., Awaitable[Any]], self._r.execute_command)
         self._scripts = _load_scripts(cluster)
+        self._tracer = trace.get_tracer(TRACER_NAME) if tracing_enabled() else None
+        if self._tracer is not None:
+            # Bound once here, so that tracing off adds nothing to the call path.
+            self._exec = _traced_exec(self._exec, self._tracer, url, self._scripts.values())
         # cluster topology: node name -> node tag, slot -> node tag (see _topology)
         self._node_tags: dict[str, bytes] = {}
         self._slot_tags: list[bytes] = []
@@ -441,6 +490,20 @@ class RedisIndex(Index):
             raise self._map_error(exc) from exc
 
     async def _pipe(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        if self._tracer is not None:
+            with self._tracer.start_as_current_span(
+                "pipeline",
+                kind=trace.SpanKind.CLIENT,
+                attributes={
+                    **_DB_ATTRS,
+                    "db.operation.name": "pipeline",
+                    "db.operation.batch.size": len(commands),
+                },
+            ):
+                return await self._pipe_call(commands)
+        return await self._pipe_call(commands)
+
+    async def _pipe_call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         self.round_trips += 1
         try:
             async with self._r.pipeline(transaction=False) as p:

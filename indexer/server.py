@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -116,6 +117,8 @@ class _CallScope:
         if self._span_cm is not None:
             span = trace.get_current_span()
             span.set_attribute("rpc.grpc.status_code", self.code)
+            if self.code != "OK":
+                span.set_status(trace.StatusCode.ERROR, self.code)
             self._span_cm.__exit__(None, None, None)
 
 
@@ -407,6 +410,9 @@ class IndexerServer:
             from indexer.zmq_subscriber import EngineEventSubscribers
 
             self.subscribers = EngineEventSubscribers(self.logic, config.engine_events)
+            # Prefixed: several subscriber counters (batches_applied...) share
+            # their names with the replica counters above.
+            self.metrics.watch_counters(self._subscriber_counter_values)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             [*self._health_names[1:], health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
@@ -434,6 +440,11 @@ class IndexerServer:
             "instances_reaped": c.instances_reaped,
             "reap_errors": c.reap_errors,
         }
+
+    def _subscriber_counter_values(self) -> dict[str, int]:
+        """ZMQ subscriber counters summed over endpoints, as ``zmq_<name>``."""
+        c = self.subscribers.counters()
+        return {f"zmq_{f.name}": getattr(c, f.name) for f in dataclasses.fields(c)}
 
     def _on_backend_health(self, ok: bool) -> None:
         if self._stopped:

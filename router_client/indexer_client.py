@@ -21,10 +21,17 @@ from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
+from opentelemetry import trace
 
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.tracing import inject_context, tracing_enabled
 from router_client.config import IndexerClientSettings
+from router_client.metrics import tracer
+
+_SERVICE: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
+#: Name of the Match client span (the server span has the same name).
+_MATCH_METHOD = f"{_SERVICE}/Match"
 
 
 class MatchStatus(enum.Enum):
@@ -170,6 +177,8 @@ class IndexerClient:
         )
         self.in_flight = 0
         self.calls: dict[MatchStatus, int] = dict.fromkeys(MatchStatus, 0)
+        # Decided once: tracing off leaves the call path as it was.
+        self._tracing = tracing_enabled()
 
     async def match(self, keys: Sequence[int]) -> MatchOutcome:
         """Match ``keys``; never raises for indexer trouble (see the module docstring)."""
@@ -184,7 +193,10 @@ class IndexerClient:
         )
         self.in_flight += 1
         try:
-            resp = await self._stub.Match(req, timeout=self.settings.deadline_ms / 1000.0)
+            if self._tracing:
+                resp = await self._traced_match(req)
+            else:
+                resp = await self._stub.Match(req, timeout=self.settings.deadline_ms / 1000.0)
         except grpc.aio.AioRpcError as e:
             status = _FAILURE_CODES.get(e.code())
             if status is None:
@@ -196,6 +208,32 @@ class IndexerClient:
             self.in_flight -= 1
         self.breaker.success()
         return self._count(outcome_from_response(resp))
+
+    async def _traced_match(self, req: pb.MatchRequest) -> pb.MatchResponse:
+        """Match under a CLIENT span whose context travels in the call's metadata
+        (W3C ``traceparent``), so that the indexer's spans join the router's trace."""
+        with tracer.start_as_current_span(
+            _MATCH_METHOD,
+            kind=trace.SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": _SERVICE,
+                "rpc.method": "Match",
+                "kvmesh.blocks": len(req.block_keys),
+            },
+        ) as span:
+            try:
+                resp: pb.MatchResponse = await self._stub.Match(
+                    req,
+                    timeout=self.settings.deadline_ms / 1000.0,
+                    metadata=inject_context(),
+                )
+            except grpc.aio.AioRpcError as e:
+                span.set_attribute("rpc.grpc.status_code", e.code().name)
+                raise
+            span.set_attribute("rpc.grpc.status_code", "OK")
+            span.set_attribute("kvmesh.matches", len(resp.matches))
+            return resp
 
     def _count(self, outcome: MatchOutcome) -> MatchOutcome:
         self.calls[outcome.status] += 1

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from kvmesh.blockkeys import block_keys as compute_block_keys
+from kvmesh.tracing import tracing_enabled
 from router_client import cost as costmod
 from router_client.config import Bucket, Limits, RouterConfig, Stage
 from router_client.errors import NoHealthyWorker
@@ -166,6 +167,8 @@ class Router:
         self.on_decision = on_decision
         #: Exceptions raised by ``on_decision`` (swallowed).
         self.hook_errors = 0
+        # Decided once: with tracing off, route() builds no span at all.
+        self._tracing = tracing_enabled()
 
     # -- fleet ---------------------------------------------------------------
 
@@ -258,7 +261,20 @@ class Router:
         return ()
 
     async def route(self, req: RouteRequest, *, decode: bool = True) -> Decision:
-        """Ask the indexer (if any), then :meth:`decide`. Never waits past the Match deadline."""
+        """Ask the indexer (if any), then :meth:`decide`. Never waits past the Match deadline.
+
+        With tracing on, the whole decision is the span ``kvmesh.router.route``:
+        the indexer's Match and the ``kvmesh.router.choose`` spans are its children.
+        """
+        if not self._tracing:
+            return await self._route(req, decode)
+        with tracer.start_as_current_span("kvmesh.router.route") as span:
+            decision = await self._route(req, decode)
+            span.set_attribute("kvmesh.worker", decision.prefill.worker)
+            span.set_attribute("kvmesh.reason", decision.prefill.reason)
+            return decision
+
+    async def _route(self, req: RouteRequest, decode: bool) -> Decision:
         keys = self.keys_for(req)
         if self.indexer is None:
             outcome = MatchOutcome(MatchStatus.UNAVAILABLE)

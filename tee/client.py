@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from kvmesh.tracing import inject_context, tracing_enabled
 from tee.events import DEFAULT_MAX_INPUT_IDS, RoutedEvent
 from tee.metrics import TeeMetrics
 from tee.sinks import SendFailed, Sink
@@ -299,6 +301,15 @@ class SinkLane:
         return abandoned
 
 
+def _with_trace_context(event: RoutedEvent) -> RoutedEvent:
+    """``event`` carrying the current trace context (itself when no span is current)."""
+    try:
+        ctx = inject_context()
+        return dataclasses.replace(event, trace_context=ctx) if ctx else event
+    except Exception:  # not an event, or a broken propagator: never raise on the serving path
+        return event
+
+
 class Tee:
     """Offers events to every sink's lane; see the module docstring.
 
@@ -333,15 +344,26 @@ class Tee:
             raise ValueError(f"sink names must be unique: {names}")
         self.metrics.watch(self.stats)
         self._lane0 = self.lanes[0] if len(self.lanes) == 1 else None
+        #: Whether :meth:`offer` captures the caller's trace context (decided
+        #: at :meth:`start`; tracing off leaves offer() as cheap as before).
+        self._propagate = False
 
     async def start(self) -> Tee:
         """Start every lane's drain loop on the running loop; returns ``self``."""
+        self._propagate = tracing_enabled()
         for lane in self.lanes:
             lane.start()
         return self
 
     def offer(self, event: RoutedEvent) -> bool:
-        """Queue ``event`` for every sink without blocking; ``False`` if any lane dropped it."""
+        """Queue ``event`` for every sink without blocking; ``False`` if any lane dropped it.
+
+        With tracing on, the current trace context is captured into the event
+        here: the send happens later in another task, whose context is not
+        the caller's.
+        """
+        if self._propagate and not event.trace_context:
+            event = _with_trace_context(event)
         lane0 = self._lane0
         if lane0 is not None:  # the common single-sink case, one call cheaper
             return lane0.offer(event)

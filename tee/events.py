@@ -6,7 +6,9 @@ JSON body ``{model, input_ids, request_id, prompt_len?, choice_index?,
 choice_count?, output_tokens?}``; an absent optional field is omitted, never
 ``null``. The worker a request was routed to travels in the
 ``x-kvmesh-worker`` header and the request id also in ``x-request-id``, so the
-body stays exactly SGLang's. gRPC wire: ``kvmesh.tee.v1.RoutedEvent``.
+body stays exactly SGLang's; with tracing on, the W3C ``traceparent`` (and
+``tracestate``) headers carry the request's trace. gRPC wire:
+``kvmesh.tee.v1.RoutedEvent``, the trace context in the call's metadata.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ class RoutedEvent:
     choice_count: int | None = None
     output_tokens: int | None = None
     worker: str = ""
+    #: Trace context of the request (``traceparent``, ``tracestate`` pairs),
+    #: captured by :meth:`tee.client.Tee.offer` when tracing is on; sinks send
+    #: it as HTTP headers or gRPC metadata. Not part of the JSON body.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the HTTP wire (absent optional fields omitted)."""
@@ -86,6 +92,8 @@ class RoutedEvent:
             out[REQUEST_ID_HEADER] = self.request_id
         if self.worker:
             out[WORKER_HEADER] = self.worker
+        if self.trace_context:
+            out.update(self.trace_context)
         return out
 
 

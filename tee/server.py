@@ -18,9 +18,12 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
 
 from kvmesh.tee.v1 import tee_pb2 as pb
 from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
+from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
+from kvmesh.tracing import register_metrics as register_tracing_metrics
 from tee.client import CloseReport, Tee
 from tee.config import TeeConfig, build_tee
 from tee.grpc_common import events_from_pb, guard
@@ -39,10 +42,20 @@ class TeeServicer(pb_grpc.TeeServiceServicer):
         self.tee = tee
         self.max_input_ids = config.max_input_ids
         self.max_events = config.max_events_per_call
+        self.tracing = tracing_enabled()
 
-    def _offer(self, msgs: Any) -> tuple[int, int]:
+    def _offer(self, msgs: Any, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[int, int]:
         events = events_from_pb(msgs, self.max_input_ids, self.max_events)
-        accepted = sum(1 for e in events if self.tee.offer(e))
+        token = None
+        if self.tracing:
+            # The caller's trace context (call metadata) becomes current, so that
+            # Tee.offer captures it into each event and the sinks receive it.
+            token = otel_context.attach(extract_context(context.invocation_metadata()))
+        try:
+            accepted = sum(1 for e in events if self.tee.offer(e))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         return accepted, len(events) - accepted
 
     async def OfferEvents(
@@ -51,7 +64,7 @@ class TeeServicer(pb_grpc.TeeServiceServicer):
         """Offer a batch; malformed input is INVALID_ARGUMENT naming the field."""
 
         async def body() -> pb.OfferEventsResponse:
-            accepted, dropped = self._offer(request.events)
+            accepted, dropped = self._offer(request.events, context)
             return pb.OfferEventsResponse(accepted=accepted, dropped=dropped)
 
         return await guard(context, "OfferEvents", body)
@@ -66,7 +79,7 @@ class TeeServicer(pb_grpc.TeeServiceServicer):
         async def body() -> pb.StreamEventsResponse:
             accepted = dropped = 0
             async for request in request_iterator:
-                a, d = self._offer(request.events)
+                a, d = self._offer(request.events, context)
                 accepted += a
                 dropped += d
             return pb.StreamEventsResponse(accepted=accepted, dropped=dropped)
@@ -99,6 +112,7 @@ class TeeServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
+        register_tracing_metrics(self.tee.metrics.registry)
         pb_grpc.add_TeeServiceServicer_to_server(TeeServicer(self.tee, config), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -153,6 +167,7 @@ class TeeServer:
 
 async def serve_until_signal(config: TeeConfig) -> int:
     """Serve until SIGTERM or SIGINT, then drain; return an exit code."""
+    configure_tracing("kvmesh-tee")
     try:
         server = await TeeServer(config).start()
     except (OSError, RuntimeError) as e:

@@ -50,7 +50,8 @@ class HttpSink:
 
     Any 2xx answer is success (the body is read and ignored); another status
     is ``failed{http}``; a refused connection, a reset or an answer that is not
-    HTTP is ``failed{error}``. ``extra_headers`` are added to every request.
+    HTTP is ``failed{error}``. ``extra_headers`` are added to every request,
+    and the event's trace context (``traceparent``) as headers.
     Keeps up to ``max_connections`` keep-alive connections, which should be
     at least the tee's send concurrency or sends queue behind each other.
     """
@@ -120,7 +121,8 @@ def event_to_pb(event: RoutedEvent) -> pb.RoutedEvent:
 class GrpcSink:
     """Sends each event with ``kvmesh.tee.v1.TeeService/OfferEvents`` to ``target``.
 
-    Serves as the sink for another tee or a cache simulator. A gRPC error
+    Serves as the sink for another tee or a cache simulator. The event's
+    trace context (``traceparent``) travels as call metadata. A gRPC error
     status is ``failed{http}`` (the sink answered, and refused); a call that
     never reached it (UNAVAILABLE) is ``failed{error}``.
     """
@@ -137,7 +139,10 @@ class GrpcSink:
             self._channel = grpc.aio.insecure_channel(self.target)
             self._stub = pb_grpc.TeeServiceStub(self._channel)
         try:
-            resp = await self._stub.OfferEvents(pb.OfferEventsRequest(events=[event_to_pb(event)]))
+            resp = await self._stub.OfferEvents(
+                pb.OfferEventsRequest(events=[event_to_pb(event)]),
+                metadata=event.trace_context or None,
+            )
         except grpc.aio.AioRpcError as e:
             kind: FailureKind = "error" if e.code() == grpc.StatusCode.UNAVAILABLE else "http"
             raise SendFailed(kind, f"{e.code().name}: {e.details()}") from e

@@ -38,6 +38,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from indexer.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound
+from kvmesh.tracing import inject_context, tracing_enabled
 from xfer.config import XferConfig
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import Transport
@@ -131,6 +132,9 @@ class Room:
     bytes: int = 0
     first_send: float | None = None
     span: Any = None
+    #: The room span's context as ``traceparent`` pairs (decode: sent with
+    #: the Bootstrap call, so both sides of a transfer are one trace).
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +188,8 @@ class XferLogic:
             queue.SimpleQueue() for _ in range(config.queues)
         ]
         self._workers: list[threading.Thread] = []
-        self._tracer = trace.get_tracer("kvmesh.xfer")
+        # Decided once: with tracing off no room span is built at all.
+        self._tracer = trace.get_tracer("kvmesh.xfer") if tracing_enabled() else None
         transport.set_notif_handler(self.on_notification)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -215,9 +220,18 @@ class XferLogic:
                 f"{len(self._rooms)} rooms tracked (max_rooms); clear finished rooms", field="room"
             )
         r = Room(room, generation, status, created=now, progress_at=now)
-        r.span = self._tracer.start_span(
-            "xfer.room", attributes={"kvmesh.room": room, "kvmesh.xfer.role": self.role}
-        )
+        if self._tracer is not None:
+            # One span per room, from its creation (bootstrap) to Success or
+            # Failed (or Cleared); a child of the call that created the room.
+            r.span = self._tracer.start_span(
+                "xfer.room",
+                attributes={
+                    "kvmesh.room": room,
+                    "kvmesh.xfer.role": self.role,
+                    "kvmesh.xfer.generation": generation,
+                },
+            )
+            r.trace_context = inject_context(r.span)
         self._rooms[room] = r
         self.metrics.rooms.labels(status.name.lower()).inc()
         return r
@@ -243,6 +257,8 @@ class XferLogic:
                 r.span.set_attribute("kvmesh.xfer.bytes", r.bytes)
                 if reason:
                     r.span.set_attribute("kvmesh.xfer.reason", reason)
+                if status == RoomStatus.FAILED:
+                    r.span.set_status(trace.StatusCode.ERROR, reason)
                 r.span.end()
                 r.span = None
         return True
@@ -384,6 +400,12 @@ class XferLogic:
                 r = self._new_room(room, generation, RoomStatus.BOOTSTRAPPING, now)
             elif r.status == RoomStatus.FAILED:
                 raise FailedPrecondition(f"room {room} failed: {r.reason}", field="room")
+            elif r.span is not None:
+                # The engine's transfer request came first and started the span;
+                # link it to the decode room's trace, which Bootstrap carries.
+                caller = trace.get_current_span().get_span_context()
+                if caller.is_valid:
+                    r.span.add_link(caller)
             for c in r.pending:
                 self._check_slice(c, len(dst_pages))
             r.generation = generation

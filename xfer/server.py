@@ -33,10 +33,12 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
 
 from indexer.errors import KvmeshError
-from indexer.instrumented import configure_tracing
 from indexer.server import ERROR_FIELD_METADATA, new_event_loop, status_code
+from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
+from kvmesh.tracing import register_metrics as register_tracing_metrics
 from kvmesh.xfer.v1 import xfer_pb2 as pb
 from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from xfer.config import XferConfig
@@ -63,6 +65,12 @@ def _rpc(fn: _F) -> _F:
     async def wrapper(
         self: XferServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
+        token = None
+        if self.tracing:
+            # The caller's trace context (call metadata) becomes the parent of
+            # the room span a call creates (decode: the engine's RegisterRoom;
+            # prefill: the decode room, through Bootstrap).
+            token = otel_context.attach(extract_context(context.invocation_metadata()))
         try:
             return await fn(self, request, context)
         except KvmeshError as e:
@@ -76,6 +84,9 @@ def _rpc(fn: _F) -> _F:
             await context.abort(
                 grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
             )
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     return wrapper  # type: ignore[return-value]
 
@@ -86,6 +97,7 @@ class XferServicer(pb_grpc.XferServiceServicer):
     def __init__(self, server: XferServer) -> None:
         self.server = server
         self.logic = server.logic
+        self.tracing = tracing_enabled()
 
     @_rpc
     async def RegisterRoom(
@@ -183,6 +195,7 @@ class XferServer:
             nixl_progress_thread=config.nixl_progress_thread,
         )
         self.metrics = XferMetrics()
+        register_tracing_metrics(self.metrics.registry)
         self.logic = XferLogic(config, self.pool, self.transport, self.metrics)
         #: Changes on every start, so peers notice a restart.
         self.instance_id = uuid.uuid4().hex
@@ -251,7 +264,9 @@ class XferServer:
                 transport=self.transport.kind,
             )
             try:
-                resp = await stub.Bootstrap(req, timeout=_PEER_CALL_TIMEOUT_S)
+                resp = await stub.Bootstrap(
+                    req, timeout=_PEER_CALL_TIMEOUT_S, metadata=room.trace_context or None
+                )
             except grpc.aio.AioRpcError as e:
                 error = f"{e.code().name}: {e.details()}"
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not send_md:
@@ -370,7 +385,7 @@ class XferServer:
 
 async def start_server(config: XferConfig) -> XferServer:
     """Start a sidecar for ``config`` (port 0 picks a free one: see ``server.port``)."""
-    configure_tracing()
+    configure_tracing("kvmesh-xfer")
     server = XferServer(config)
     await server.start()
     return server

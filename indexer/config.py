@@ -22,32 +22,30 @@ Example file (YAML)::
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tomllib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from indexer.index import Index
+from kvmesh.configfile import (
+    ENV_NESTED_SEP,
+    ConfigError,
+    read_config_file,
+)
+from kvmesh.configfile import env_overrides as _env_overrides
+from kvmesh.configfile import format_validation_error as _format_validation_error
+
+__all__ = ["ConfigError", "IndexerConfig", "build_index", "load_config", "read_config_file"]
 
 #: Prefix of the environment variables read by :func:`load_config`.
 ENV_PREFIX = "KVMESH_INDEXER_"
 
-#: Nested-field separator inside environment variable names.
-ENV_NESTED_SEP = "__"
-
 #: Worst-case wire bytes of one token id in a packed ``repeated int64`` field
 #: (a varint of a value below 2^32 takes at most 5 bytes).
 _WIRE_BYTES_PER_TOKEN = 5
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message lists every problem."""
 
 
 class _Strict(BaseModel):
@@ -342,58 +340,9 @@ class IndexerConfig(_Strict):
 # -- loading ------------------------------------------------------------------
 
 
-def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) config file to a dict."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
-    suffix = p.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            data: Any = yaml.safe_load(text)
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {p}: unknown extension (use .yaml, .toml or .json)")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"config file {p}: cannot parse: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p}: top level must be a mapping")
-    return data
-
-
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The nested dict given by ``KVMESH_INDEXER_…`` variables of ``environ``.
-
-    Values stay strings (pydantic converts them), except that a value starting
-    with ``{`` or ``[`` is parsed as JSON (for maps such as model_block_sizes).
-    """
-    env = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
-        path = [part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTED_SEP)]
-        value: Any = raw
-        if raw.lstrip()[:1] in ("{", "["):
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"environment {name}: invalid JSON: {e}") from e
-        node = out
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"environment {name}: {part} is both a value and a section")
-            node = child
-        node[path[-1]] = value
-    return out
+    """The nested dict given by ``KVMESH_INDEXER_…`` variables of ``environ``."""
+    return _env_overrides(ENV_PREFIX, environ)
 
 
 def _unknown_keys(data: Mapping[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
@@ -472,11 +421,7 @@ def _drop_none(data: Mapping[str, Any]) -> dict[str, Any]:
 
 def format_validation_error(err: ValidationError) -> str:
     """One line per problem: ``field.path: message``."""
-    lines = []
-    for item in err.errors():
-        loc = ".".join(str(p) for p in item["loc"]) or "config"
-        lines.append(f"{loc}: {item['msg']}")
-    return "invalid indexer config: " + "; ".join(lines)
+    return _format_validation_error(err, "indexer")
 
 
 def build_index(config: IndexerConfig) -> Index:

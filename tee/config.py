@@ -19,27 +19,20 @@ Example tee file (YAML)::
 
 from __future__ import annotations
 
-import json
 import os
-import tomllib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvmesh.cachemodel import EvictionPolicy
+from kvmesh.configfile import ConfigError as ConfigError
+from kvmesh.configfile import env_overrides, read_config_file
 from tee.client import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_SEND_TIMEOUT_S, Tee
 from tee.events import DEFAULT_MAX_INPUT_IDS
 
 TEE_ENV_PREFIX = "KVMESH_TEE_"
 CACHESIM_ENV_PREFIX = "KVMESH_CACHESIM_"
-ENV_NESTED_SEP = "__"
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message lists every problem."""
 
 
 class _Strict(BaseModel):
@@ -142,56 +135,6 @@ class CacheSimConfig(_Strict):
 # -- loading ------------------------------------------------------------------
 
 _M = TypeVar("_M", bound=BaseModel)
-
-
-def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) config file to a dict."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
-    suffix = p.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            data: Any = yaml.safe_load(text)
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {p}: unknown extension (use .yaml, .toml or .json)")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"config file {p}: cannot parse: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p}: top level must be a mapping")
-    return data
-
-
-def env_overrides(prefix: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The nested dict given by ``{prefix}…`` variables of ``environ``."""
-    env = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    for name, raw in env.items():
-        if not name.startswith(prefix):
-            continue
-        path = [part.lower() for part in name[len(prefix) :].split(ENV_NESTED_SEP)]
-        value: Any = raw
-        if raw.lstrip()[:1] in ("{", "["):
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"environment {name}: invalid JSON: {e}") from e
-        node = out
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"environment {name}: {part} is both a value and a section")
-            node = child
-        node[path[-1]] = value
-    return out
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

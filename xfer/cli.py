@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from indexer.config import ConfigError
+from kvmesh.configfile import ConfigError
 from xfer.config import load_config
 
 

@@ -15,7 +15,6 @@ Example file (YAML)::
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -23,7 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from indexer.config import ConfigError, format_validation_error, read_config_file
+from kvmesh.configfile import ConfigError, format_validation_error, read_config_file
+from kvmesh.configfile import env_overrides as _env_overrides
 from xfer.pool import PoolGeometry
 
 #: Prefix of the environment variables read by :func:`load_config`.
@@ -119,25 +119,7 @@ class XferConfig(_Strict):
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The nested dict given by ``KVMESH_XFER_…`` variables."""
-    env = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
-        value: Any = raw
-        if raw.lstrip()[:1] in ("{", "["):
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"environment {name}: invalid JSON: {e}") from e
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"environment {name}: {part} is both a value and a section")
-        node[path[-1]] = value
-    return out
+    return _env_overrides(ENV_PREFIX, environ)
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -170,4 +152,4 @@ def load_config(
     try:
         return XferConfig.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e).replace("indexer", "xfer")) from e
+        raise ConfigError(format_validation_error(e, "xfer")) from e

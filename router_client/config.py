@@ -28,15 +28,14 @@ is the path of the offending value (``buckets[1].max_tokens``).
 
 from __future__ import annotations
 
-import json
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvmesh.configfile import ConfigError as FileConfigError
+from kvmesh.configfile import read_config_file
 from router_client.errors import ConfigError
 
 Stage = Literal["prefill", "decode"]
@@ -188,25 +187,8 @@ def parse_config(data: Mapping[str, Any]) -> RouterConfig:
 
 def load_config(path: str | Path) -> RouterConfig:
     """Read a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) bucket config file."""
-    p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p}: {e}") from None
-    suffix = p.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            data: Any = yaml.safe_load(text)
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {p}: unknown extension (use .yaml, .toml or .json)")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"config file {p}: {e}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config file {p}: top level must be a mapping")
+        data = read_config_file(path)
+    except FileConfigError as e:
+        raise ConfigError(str(e)) from None
     return parse_config(data)

@@ -738,9 +738,12 @@ async def _faults(
                 await asyncio.wait_for(stop.wait(), delay)
         if stop.is_set():
             return
+        # The window opens before the kill: clients see the failure while the
+        # kill call is still returning.
+        start = stats.now()
         if kind == "redis":
             what = await loop.run_in_executor(None, redis.kill)
-            outage = Outage("redis", what, stats.now())
+            outage = Outage("redis", what, start)
             stats.outages.append(outage)
             await asyncio.sleep(p.outage_s)
             stats.redis_restarts += 1
@@ -750,7 +753,7 @@ async def _faults(
             victim += 1
             rep = replicas[i]
             await loop.run_in_executor(None, rep.kill)
-            outage = Outage("replica", f"replica {i}", stats.now(), replica=i)
+            outage = Outage("replica", f"replica {i}", start, replica=i)
             stats.outages.append(outage)
             await asyncio.sleep(p.outage_s)
             rep.restarts += 1

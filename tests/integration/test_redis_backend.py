@@ -363,7 +363,7 @@ async def test_redis_down_at_start_is_unavailable(clock: FakeClock) -> None:
     proc.close()  # nothing listens on that port now
     idx = RedisIndex(url, clock=clock, socket_timeout_s=0.5)
     try:
-        await _every_method_unavailable(idx, budget_s=1.5)
+        await _every_method_unavailable(idx, budget_s=5.0)
     finally:
         await idx.close()
 
@@ -380,7 +380,7 @@ async def test_killed_redis_is_unavailable_then_recovers(clock: FakeClock) -> No
             assert len(await idx.match(NS, keys)) == 1
             proc.kill()
             assert not proc.ping()
-            await _every_method_unavailable(idx, budget_s=1.5)
+            await _every_method_unavailable(idx, budget_s=5.0)
             proc.restart()  # same port, empty dataset, no scripts loaded
             assert proc.ping()
             await idx.ping()

@@ -31,13 +31,16 @@ def _settled(s: LaneStats) -> bool:
 
 
 async def _offer_checked(tee: Tee, n: int, every: int = 50) -> list[bool]:
-    """Offer n events, checking that each offer returns at once and the books balance."""
+    """Offer n events from the loop, checking each answer and that the books balance.
+
+    ``offer`` is a plain function (no await inside), so it cannot wait on a
+    sink; its cost is measured by ``kvmesh bench tee``, not asserted here.
+    """
     results = []
     for i in range(n):
-        t0 = time.perf_counter()
-        results.append(tee.offer(ingest("m", list(range(32)), f"r{i}", worker=f"w{i % 3}")))
-        # A blocking offer would take at least a sink round trip; generous for CI noise.
-        assert time.perf_counter() - t0 < 0.05
+        ok = tee.offer(ingest("m", list(range(32)), f"r{i}", worker=f"w{i % 3}"))
+        assert isinstance(ok, bool)
+        results.append(ok)
         if i % every == 0:
             assert all(s.balanced() for s in tee.stats())
             await asyncio.sleep(0)

@@ -131,7 +131,7 @@ def test_up_runs_the_cluster_and_ends_with_its_summary(tmp_path: Path) -> None:
     assert _left_over(pids) == []
     assert not Path(s["log_dir"]).exists()  # removed after a clean run
     assert s["pool_paths"] and not any(Path(p).exists() for p in s["pool_paths"])
-    assert took < 60, f"took {took:.1f} s"
+    assert took < 120, f"took {took:.1f} s"
 
 
 def _start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int], Path]:

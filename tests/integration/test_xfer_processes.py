@@ -177,7 +177,7 @@ def test_killed_peer_fails_rooms_within_two_heartbeats(
             assert "unreachable" in reason or "transfer" in reason
             # Two heartbeat intervals, plus scheduling slack on a loaded host; the
             # waiting timeout (60 s) is far away, so only the heartbeat can do this.
-            assert took < 2 * HEARTBEAT_S + 1.5, took
+            assert took < 2 * HEARTBEAT_S + 5.0, took
     finally:
         ps.stop()
         ds.stop()

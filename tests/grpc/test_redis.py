@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer.server import SERVICE_NAME
+from kvmesh import redisproc
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from tests.grpc.conftest import (
     BLOCK,
@@ -31,9 +32,6 @@ from tests.grpc.conftest import (
     register,
     stored,
 )
-
-redisproc = pytest.importorskip("kvmesh.redisproc")
-pytest.importorskip("indexer.redis_backend")
 
 A = list(range(BLOCK))
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -1,8 +1,8 @@
 """The Helm chart, rendered by Helm's own engine and validated against Kubernetes schemas.
 
 Needs the ``helm`` extra (``helm-python-sdk``: Helm v4's Go engine as a library,
-``kubernetes-validate``: the Kubernetes OpenAPI schemas, bundled); without it
-the module is skipped. Nothing here contacts a cluster or the network.
+``kubernetes-validate``: the Kubernetes OpenAPI schemas, bundled), which
+``make setup`` installs. Nothing here contacts a cluster or the network.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helm_python
+import kubernetes_validate
 import pytest
 import yaml
-
-helm_python = pytest.importorskip("helm_python")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvmesh"

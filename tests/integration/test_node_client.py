@@ -31,12 +31,10 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def node_client() -> Path:
     """The client directory with its node_modules installed."""
-    if shutil.which("node") is None:
-        pytest.skip("node is not on PATH (the Node.js client test needs Node.js 18+)")
+    assert shutil.which("node") is not None, "node is not on PATH (the Node.js client needs 18+)"
     if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir():
         npm = shutil.which("npm")
-        if npm is None:
-            pytest.skip("npm is not on PATH and clients/node/node_modules is missing")
+        assert npm is not None, "npm is not on PATH and clients/node/node_modules is missing"
         subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
             cwd=CLIENT,

@@ -116,7 +116,8 @@ def server_config(backend: str, redis_url: str = "") -> IndexerConfig:
 
 def _serve_child(backend: str, redis_url: str) -> int:
     """Child process: serve, print ``PORT n``, stop when stdin closes."""
-    from indexer.server import new_event_loop, start_server
+    from indexer.server import start_server
+    from kvmesh.runtime import new_event_loop
 
     async def run() -> None:
         server = await start_server(server_config(backend, redis_url))

@@ -33,6 +33,7 @@ from indexer.index import Index
 from kvmesh.configfile import (
     ENV_NESTED_SEP,
     ConfigError,
+    merge,
     read_config_file,
 )
 from kvmesh.configfile import env_overrides as _env_overrides
@@ -358,16 +359,6 @@ def _unknown_keys(data: Mapping[str, Any], model: type[BaseModel], prefix: str) 
     return unknown
 
 
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def _describe(source: str, key: str) -> str:
     if source == "environment":
         env = ENV_PREFIX + key.replace(".", ENV_NESTED_SEP).upper()
@@ -397,7 +388,7 @@ def load_config(
     merged: dict[str, Any] = {}
     for source, data in layers:
         problems += [_describe(source, k) for k in _unknown_keys(data, IndexerConfig, "")]
-        merged = _merge(merged, data)
+        merged = merge(merged, data)
     if problems:
         valid = ", ".join(sorted(IndexerConfig.model_fields))
         raise ConfigError("; ".join(problems) + f". Valid top-level keys: {valid}")

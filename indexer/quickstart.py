@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import grpc.aio
 
 from indexer.config import IndexerConfig, Limits
-from indexer.server import new_event_loop, start_server
+from indexer.server import start_server
 from indexer.workload import (
     TRACE_MODEL,
     make_instances,
@@ -30,6 +30,7 @@ from indexer.workload import (
 )
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.runtime import new_event_loop
 from kvmesh.traces import MOONCAKE_BLOCK_SIZE, load_mooncake
 
 #: Matches timed for the latency line (enough for a stable median, well under a second).

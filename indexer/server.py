@@ -29,10 +29,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -50,27 +48,20 @@ from indexer.instrumented import InstrumentedIndex, Metrics, configure_tracing, 
 from indexer.service import IndexerLogic
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.runtime import ERROR_FIELD_METADATA as ERROR_FIELD_METADATA
+from kvmesh.runtime import new_event_loop, status_code
+from kvmesh.runtime import setup_logging as _setup_logging
 
 log = logging.getLogger(__name__)
 
 #: Full name of the service, as health checks and reflection know it.
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
 
-#: Trailing metadata key carrying the offending field of an error.
-ERROR_FIELD_METADATA = "kvmesh-error-field"
 
 _PING_RESPONSE = pb.PingResponse()
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 _G = TypeVar("_G", bound=Callable[..., AsyncIterator[Any]])
-
-
-def status_code(kvmesh_code: str) -> grpc.StatusCode:
-    """The grpc.StatusCode a KvmeshError code names (INTERNAL for UNKNOWN or a bad name)."""
-    code = getattr(grpc.StatusCode, kvmesh_code, grpc.StatusCode.INTERNAL)
-    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
-        return grpc.StatusCode.INTERNAL
-    return code
 
 
 class _CallScope:
@@ -559,39 +550,9 @@ async def start_server(config: IndexerConfig, index: Index | None = None) -> Ind
 # -- the blocking entry point ----------------------------------------------------------
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": record.created,
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
 def setup_logging(config: IndexerConfig) -> None:
     """Configure root logging from ``log_level`` and ``log_format`` (to stderr)."""
-    handler = logging.StreamHandler(sys.stderr)
-    if config.log_format == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(config.log_level)
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop event loop when uvloop is installed, else the default one."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop ships on Linux and macOS
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
+    _setup_logging(config.log_level, config.log_format)
 
 
 async def serve_until_signal(config: IndexerConfig) -> int:

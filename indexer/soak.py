@@ -127,7 +127,8 @@ def replica_config(port: int, redis_url: str, *, cluster: bool = False) -> Index
 
 def _serve_replica(port: int, redis_url: str, cluster: bool) -> int:
     """Child process: serve, print ``PORT n``, stop when stdin closes."""
-    from indexer.server import new_event_loop, setup_logging, start_server
+    from indexer.server import setup_logging, start_server
+    from kvmesh.runtime import new_event_loop
 
     config = replica_config(port, redis_url, cluster=cluster)
     setup_logging(config)

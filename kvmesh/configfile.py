@@ -84,6 +84,17 @@ def env_overrides(prefix: str, environ: Mapping[str, str] | None = None) -> dict
     return out
 
 
+def merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, recursively for nested mappings (neither is changed)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def format_validation_error(err: ValidationError, what: str) -> str:
     """One line per problem, ``field.path: message``, after ``invalid {what} config: ``."""
     lines = []

@@ -1376,7 +1376,7 @@ def main(argv: Sequence[str]) -> int:
     cluster.build(settings.capacity)
     code = 1
     try:
-        from tee.runtime import new_event_loop
+        from kvmesh.runtime import new_event_loop
 
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             code = runner.run(_run(settings, cluster))

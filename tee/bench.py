@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.runtime import new_event_loop
 from tee.client import DEFAULT_QUEUE_SIZE, Tee
 from tee.events import RoutedEvent, ingest
-from tee.runtime import new_event_loop
 from tee.sinks import HttpSink
 
 #: Offer pacing tick: small enough that a tick's burst (rate x tick) stays far

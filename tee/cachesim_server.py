@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.runtime import new_event_loop, setup_logging
 from kvmesh.tee.v1 import tee_pb2 as pb
 from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
 from tee.cachesim import CacheSimulator, SimSettings
@@ -37,7 +38,6 @@ from tee.config import CacheSimConfig
 from tee.errors import InvalidEvent, TeeError, TooLarge
 from tee.events import REQUEST_ID_HEADER, WORKER_HEADER, EventKind, from_body
 from tee.grpc_common import events_from_pb, guard
-from tee.runtime import new_event_loop, setup_logging
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvmesh.cachemodel import EvictionPolicy
 from kvmesh.configfile import ConfigError as ConfigError
-from kvmesh.configfile import env_overrides, read_config_file
+from kvmesh.configfile import env_overrides, merge, read_config_file
 from tee.client import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_SEND_TIMEOUT_S, Tee
 from tee.events import DEFAULT_MAX_INPUT_IDS
 
@@ -137,16 +137,6 @@ class CacheSimConfig(_Strict):
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def _drop_none(data: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -183,7 +173,7 @@ def _load(
                     else source
                 )
                 problems.append(f"unknown key {key!r} ({where})")
-        merged = _merge(merged, data)
+        merged = merge(merged, data)
     if problems:
         valid = ", ".join(sorted(model.model_fields))
         raise ConfigError("; ".join(problems) + f". Valid top-level keys: {valid}")

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
+from kvmesh.runtime import status_code
 from kvmesh.tee.v1 import tee_pb2 as pb
 from tee.errors import InvalidEvent, TeeError, TooLarge
 from tee.events import EventKind, RoutedEvent, validate
@@ -62,14 +63,6 @@ def events_from_pb(
     if len(msgs) > max_events:
         raise TooLarge(f"{len(msgs)} events exceed the cap of {max_events}", field=field)
     return [event_from_pb(m, max_input_ids, f"{field}[{i}]") for i, m in enumerate(msgs)]
-
-
-def status_code(name: str) -> grpc.StatusCode:
-    """The grpc.StatusCode a TeeError code names (INTERNAL for UNKNOWN or a bad name)."""
-    code = getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
-    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
-        return grpc.StatusCode.INTERNAL
-    return code
 
 
 async def guard(

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 
+from kvmesh.runtime import new_event_loop, setup_logging
 from kvmesh.tee.v1 import tee_pb2 as pb
 from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
 from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
@@ -27,7 +28,6 @@ from kvmesh.tracing import register_metrics as register_tracing_metrics
 from tee.client import CloseReport, Tee
 from tee.config import TeeConfig, build_tee
 from tee.grpc_common import events_from_pb, guard
-from tee.runtime import new_event_loop, setup_logging
 
 log = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=9.0)
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)
-    from tee.runtime import new_event_loop
+    from kvmesh.runtime import new_event_loop
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(_serve(args.latency_ms, args.port))

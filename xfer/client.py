@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from indexer.errors import (
+from kvmesh.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,

@@ -37,7 +37,7 @@ from typing import Any
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from indexer.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound
+from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound
 from kvmesh.tracing import inject_context, tracing_enabled
 from xfer.config import XferConfig
 from xfer.pool import KVPool, PoolGeometry

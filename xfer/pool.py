@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from indexer.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 
-from indexer.errors import KvmeshError
-from indexer.server import ERROR_FIELD_METADATA, new_event_loop, status_code
+from kvmesh.errors import KvmeshError
+from kvmesh.runtime import ERROR_FIELD_METADATA, new_event_loop, status_code
 from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
 from kvmesh.tracing import register_metrics as register_tracing_metrics
 from kvmesh.xfer.v1 import xfer_pb2 as pb

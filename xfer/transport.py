@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from indexer.errors import FailedPrecondition, InvalidArgument
+from kvmesh.errors import FailedPrecondition, InvalidArgument
 from xfer.pool import KVPool
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,10 @@
 """Real sidecar processes moving real bytes, over NIXL and over TCP.
 
-Every test runs on both backends (`make setup` installs NIXL). Each pair is two ``kvmesh xfer serve`` processes; the test
-process plays both engines: it creates the shared-memory pools, registers
-rooms on decode, adds chunks on prefill and verifies every page byte for
-byte. The fault tests kill a sidecar with SIGKILL mid-transfer.
+Every test runs on both backends (`make setup` installs NIXL). Each pair is
+two ``kvmesh xfer serve`` processes; the test process plays both engines: it
+creates the shared-memory pools, registers rooms on decode, adds chunks on
+prefill and verifies every page byte for byte. The fault tests kill a sidecar
+with SIGKILL mid-transfer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Process plumbing shared by the tee and cache simulator services: event loop, logging."""
+"""Process plumbing shared by every kvmesh service: event loop, logging, status codes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import asyncio
 import json
 import logging
 import sys
+
+import grpc
+
+#: Trailing metadata key carrying the offending field of an error.
+ERROR_FIELD_METADATA = "kvmesh-error-field"
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -41,3 +46,15 @@ def setup_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    """The grpc.StatusCode an error's code names (INTERNAL for UNKNOWN, OK or a bad name).
+
+    Services' errors carry the *name* of their status so that their logic needs
+    no grpc import; every server maps it here, so no call ever ends UNKNOWN.
+    """
+    code = getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
+        return grpc.StatusCode.INTERNAL
+    return code

@@ -1,0 +1,59 @@
+"""kvmesh errors, each carrying the gRPC status it maps to (indexer, xfer).
+
+The logic never imports grpc: ``code`` is the name of a ``grpc.StatusCode``
+member, and every server maps it once (:func:`kvmesh.runtime.status_code`). An
+exception that is not a :class:`KvmeshError` reaches clients as INTERNAL,
+never UNKNOWN.
+"""
+
+from __future__ import annotations
+
+
+class KvmeshError(Exception):
+    """Base error. ``code`` names the gRPC status; ``field`` the offending input."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str, *, field: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class InvalidArgument(KvmeshError):
+    """Bad input: the request can never succeed as sent."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KvmeshError):
+    """The named instance (or other entity) does not exist."""
+
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(KvmeshError):
+    """Valid input the current state refuses, e.g. events of an unregistered instance."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class Unavailable(KvmeshError):
+    """The backend (Redis) cannot be reached; retry later."""
+
+    code = "UNAVAILABLE"
+
+
+class ResourceExhausted(KvmeshError):
+    """Overload or a size cap hit."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExceeded(KvmeshError):
+    """The work did not finish within its deadline."""
+
+    code = "DEADLINE_EXCEEDED"

@@ -32,6 +32,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("replay",): ("kvmesh.sim.replay", "replay a trace through routing policies"),
     ("up",): ("kvmesh.up", "run the whole cluster on this machine and drive it with the trace"),
     ("xfer", "serve"): ("xfer.cli", "run a KV transfer sidecar"),
+    ("certs",): ("kvmesh.devcerts", "write a development CA, certificates and a policy"),
+    ("token",): ("kvmesh.auth:token_main", "make a bearer token and the hash a policy lists"),
 }
 
 #: ``kvmesh bench <part>`` parts, for the help text.

@@ -57,3 +57,15 @@ class DeadlineExceeded(KvmeshError):
     """The work did not finish within its deadline."""
 
     code = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(KvmeshError):
+    """The caller presented no identity, or one that does not verify."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KvmeshError):
+    """The caller's identity may not do this (role or instance ownership)."""
+
+    code = "PERMISSION_DENIED"

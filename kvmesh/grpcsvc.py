@@ -1,0 +1,589 @@
+"""The guard every kvmesh gRPC method runs behind: decoding, identity, roles, client limits.
+
+Every service registers its handlers through :func:`add_guarded` (or
+:func:`add_generated` for grpc's own health and reflection services). Each
+handler is rewritten once, at registration, so that a call
+
+1. is authenticated and its role checked (:class:`kvmesh.auth.Authorizer`):
+   UNAUTHENTICATED or PERMISSION_DENIED, counted per method;
+2. passes the per-client limits (:class:`ClientLimits`): calls in flight per
+   client and token-bucket rates per method class (``match``, ``publish``):
+   RESOURCE_EXHAUSTED naming the limit;
+3. has its request bytes decoded here rather than by grpc, so that
+   undecodable bytes are INVALID_ARGUMENT naming the message type (grpc.aio
+   would end such a call UNKNOWN);
+4. runs with :func:`kvmesh.auth.current_client` set, for instance-ownership
+   checks deeper in the service.
+
+The client key of the limits is the identity's name when the caller is
+authenticated, else its peer address (host only).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmesh.auth import (
+    OPEN,
+    Authorizer,
+    Client,
+    peer_host,
+    reset_current_client,
+    set_current_client,
+)
+from kvmesh.errors import KvmeshError, PermissionDenied, ResourceExhausted, Unauthenticated
+from kvmesh.runtime import ERROR_FIELD_METADATA, status_code
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ClientLimits",
+    "Guard",
+    "MethodRule",
+    "add_generated",
+    "add_guarded",
+    "capture_handlers",
+]
+
+
+class ClientLimits(BaseModel):
+    """Per-client limits (a client is an identity, or a peer host when unauthenticated)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_in_flight: int = Field(
+        default=256,
+        ge=0,
+        description="Most calls one client may have in flight on this replica (an open "
+        "stream counts as one); beyond it RESOURCE_EXHAUSTED. 0: no limit.",
+    )
+    match_rps: float = Field(
+        default=0.0,
+        ge=0,
+        description="Match (and other read) calls per second per client; 0: no limit.",
+    )
+    match_burst: int = Field(
+        default=0, ge=0, description="Bucket size of match_rps; 0: one second's worth."
+    )
+    publish_rps: float = Field(
+        default=0.0,
+        ge=0,
+        description="Event batches per second per client (unary or streamed); 0: no limit.",
+    )
+    publish_burst: int = Field(
+        default=0, ge=0, description="Bucket size of publish_rps; 0: one second's worth."
+    )
+    max_clients: int = Field(
+        default=10_000,
+        ge=1,
+        description="Clients tracked at once; the longest idle is forgotten beyond it.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MethodRule:
+    """Who may call a method, and which rate class it counts against.
+
+    ``roles`` empty: no authentication at all (health checks). ``("*",)``:
+    any authenticated caller.
+    """
+
+    roles: tuple[str, ...]
+    rate: str = ""  # "", "match" or "publish"
+
+    @property
+    def open(self) -> bool:
+        """Whether the method needs no identity."""
+        return not self.roles
+
+
+class _Bucket:
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def take(self, n: float = 1.0) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False
+
+
+class _ClientState:
+    __slots__ = ("buckets", "in_flight")
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.buckets: dict[str, _Bucket] = {}
+
+
+class Guard:
+    """Authentication, authorization and client limits of one server."""
+
+    def __init__(
+        self,
+        what: str,
+        authorizer: Authorizer | None = None,
+        limits: ClientLimits | None = None,
+        *,
+        limits_field: str = "limits.per_client",
+    ) -> None:
+        self.what = what
+        self.authorizer = authorizer
+        self.limits = limits if limits is not None else ClientLimits()
+        self.limits_field = limits_field
+        self._clients: OrderedDict[str, _ClientState] = OrderedDict()
+        #: Refusals by the limits: (method, limit name) -> count.
+        self.limit_refusals: dict[tuple[str, str], int] = {}
+        self.decode_errors: dict[str, int] = {}
+        self._callbacks: list[Callable[[str, str], None]] = []
+
+    def on_refusal(self, callback: Callable[[str, str], None]) -> None:
+        """Call ``callback(method, code)`` for every refused call (auth, limit, decode)."""
+        self._callbacks.append(callback)
+        if self.authorizer is not None:
+            self.authorizer.on_refusal(callback)
+
+    # -- limits ---------------------------------------------------------------
+
+    def _state(self, key: str) -> _ClientState:
+        st = self._clients.get(key)
+        if st is None:
+            st = _ClientState()
+            self._clients[key] = st
+            if len(self._clients) > self.limits.max_clients:
+                for k, old in list(self._clients.items()):
+                    if old.in_flight == 0 and k != key:
+                        del self._clients[k]
+                        break
+        else:
+            self._clients.move_to_end(key)
+        return st
+
+    def _refuse_limit(self, method: str, name: str, message: str) -> ResourceExhausted:
+        k = (method, name)
+        self.limit_refusals[k] = self.limit_refusals.get(k, 0) + 1
+        for cb in self._callbacks:
+            cb(method, "RESOURCE_EXHAUSTED")
+        return ResourceExhausted(message, field=f"{self.limits_field}.{name}")
+
+    def take(self, client: Client, rate: str, method: str, n: float = 1.0) -> None:
+        """Take ``n`` tokens of ``client``'s ``rate`` bucket or raise RESOURCE_EXHAUSTED."""
+        lim = self.limits
+        rps = lim.match_rps if rate == "match" else lim.publish_rps if rate == "publish" else 0.0
+        if rps <= 0:
+            return
+        st = self._state(client.key)
+        b = st.buckets.get(rate)
+        if b is None:
+            burst = lim.match_burst if rate == "match" else lim.publish_burst
+            b = st.buckets[rate] = _Bucket(rps, float(burst or max(1.0, rps)))
+        if not b.take(n):
+            raise self._refuse_limit(
+                method,
+                f"{rate}_rps",
+                f"client {client.key!r} is over its rate of {rps:g} {rate} calls/s; retry later",
+            )
+
+    def enter(self, client: Client, method: str) -> None:
+        """Count a call in flight for ``client`` or raise RESOURCE_EXHAUSTED."""
+        st = self._state(client.key)
+        cap = self.limits.max_in_flight
+        if cap and st.in_flight >= cap:
+            raise self._refuse_limit(
+                method,
+                "max_in_flight",
+                f"client {client.key!r} has {st.in_flight} calls in flight (cap {cap}); retry",
+            )
+        st.in_flight += 1
+
+    def exit(self, client: Client) -> None:
+        """End a call counted by :meth:`enter`."""
+        st = self._clients.get(client.key)
+        if st is not None and st.in_flight > 0:
+            st.in_flight -= 1
+
+    # -- identity -------------------------------------------------------------
+
+    def identify(
+        self, method: str, rule: MethodRule, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Client:
+        """The caller of this call, authorized for ``rule`` (raises on refusal)."""
+        authz = self.authorizer
+        if authz is None or not authz.enabled or rule.open:
+            return Client(OPEN, peer_host(context.peer() or ""))
+        try:
+            principal = authz.authenticate(
+                _auth_context(context), context.invocation_metadata() or ()
+            )
+        except (Unauthenticated, PermissionDenied) as e:
+            authz.refuse(method, e, peer_host(context.peer() or ""))
+            raise
+        if rule.roles != ("*",) and not principal.has_any(rule.roles):
+            err = PermissionDenied(
+                f"identity {principal.name!r} (roles {sorted(principal.roles)}) may not call "
+                f"{method}; it needs one of {list(rule.roles)}"
+            )
+            authz.refuse(method, err, principal.name)
+            raise err
+        return Client(principal, principal.name)
+
+
+_SAN = "x509_subject_alternative_name"
+
+
+class _CertAuthContext(Mapping[str, Any]):
+    """The auth context of a call whose peer presented a certificate with SANs, built lazily.
+
+    ``ServicerContext.auth_context()`` converts every property of the
+    connection on every call, the peer's PEM certificate included: profiled
+    under mutual TLS it cost about as much as the authorization that reads two
+    of them. gRPC names the SANs the peer identity only for a verified TLS
+    client certificate, so the transport is TLS; the SANs come from
+    ``peer_identities()`` and any other key builds the whole context.
+    """
+
+    __slots__ = ("_context", "_full", "_sans")
+
+    def __init__(self, context: Any, sans: list[bytes]) -> None:
+        self._context = context
+        self._sans = sans
+        self._full: Mapping[str, Any] | None = None
+
+    def _all(self) -> Mapping[str, Any]:
+        if self._full is None:
+            self._full = self._context.auth_context() or {}
+        return self._full
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "transport_security_type":
+            return [b"ssl"]
+        if key == _SAN:
+            return self._sans
+        return self._all()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+def _auth_context(context: Any) -> Mapping[str, Any]:
+    """``context.auth_context()``, lazily when the peer's identity is its certificate's SANs.
+
+    ``context`` may be a stand-in without ``peer_identity_key`` (tee/httpsec.py).
+    """
+    key_of = getattr(context, "peer_identity_key", None)
+    if key_of is not None and key_of() == _SAN:
+        return _CertAuthContext(context, context.peer_identities() or [])
+    ac: Mapping[str, Any] = context.auth_context()
+    return ac
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: KvmeshError) -> None:
+    if err.field:
+        context.set_trailing_metadata(((ERROR_FIELD_METADATA, err.field),))
+    await context.abort(status_code(err.code), str(err))
+
+
+def _decode_error(full_method: str, type_name: str, e: BaseException) -> KvmeshError:
+    from kvmesh.errors import InvalidArgument
+
+    return InvalidArgument(
+        f"cannot decode the request as {type_name}: {type(e).__name__}: {e}", field="request"
+    )
+
+
+def _type_name(deserializer: Any) -> str:
+    owner = getattr(deserializer, "__self__", None)
+    desc = getattr(owner, "DESCRIPTOR", None)
+    return getattr(desc, "full_name", None) or "the request message"
+
+
+def _wrap(
+    full_method: str,
+    method: str,
+    handler: grpc.RpcMethodHandler[Any, Any],
+    rule: MethodRule,
+    guard: Guard,
+) -> grpc.RpcMethodHandler[Any, Any]:
+    deser = handler.request_deserializer
+    type_name = _type_name(deser)
+    counts = guard.decode_errors
+
+    def decode(raw: Any) -> Any:
+        if deser is None or not isinstance(raw, bytes):
+            return raw
+        try:
+            return deser(raw)
+        except Exception as e:
+            counts[method] = counts.get(method, 0) + 1
+            for cb in guard._callbacks:
+                cb(method, "INVALID_ARGUMENT")
+            raise _decode_error(full_method, type_name, e) from e
+
+    async def admit(context: grpc.aio.ServicerContext[Any, Any]) -> Client:
+        try:
+            client = guard.identify(method, rule, context)
+            guard.take(client, rule.rate, method)
+            guard.enter(client, method)
+        except KvmeshError as e:
+            await _abort(context, e)
+            raise  # pragma: no cover - abort raises
+        return client
+
+    async def requests(it: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for raw in it:
+            try:
+                yield decode(raw)
+            except KvmeshError as e:
+                await _abort(context, e)
+
+    async def maybe_await(v: Any) -> Any:
+        if isinstance(v, Awaitable):
+            return await v
+        return v
+
+    if handler.unary_unary is not None:
+        inner_uu: Any = handler.unary_unary
+
+        async def uu(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            client = await admit(context)
+            tok = set_current_client(client)
+            try:
+                try:
+                    req = decode(raw)
+                except KvmeshError as e:
+                    await _abort(context, e)
+                try:
+                    return await maybe_await(inner_uu(req, context))
+                except NotImplementedError:
+                    # A generated base method nobody overrode: a clear status, no traceback.
+                    await context.abort(
+                        grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented"
+                    )
+            finally:
+                reset_current_client(tok)
+                guard.exit(client)
+
+        return grpc.unary_unary_rpc_method_handler(
+            uu, request_deserializer=None, response_serializer=handler.response_serializer
+        )
+    if handler.unary_stream is not None:
+        inner_us: Any = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_us):
+            # A coroutine that writes its replies with context.write (grpc's
+            # health Watch): wrap it as a coroutine, not a generator.
+            async def us_write(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+                client = await admit(context)
+                tok = set_current_client(client)
+                try:
+                    try:
+                        req = decode(raw)
+                    except KvmeshError as e:
+                        await _abort(context, e)
+                    await maybe_await(inner_us(req, context))
+                finally:
+                    reset_current_client(tok)
+                    guard.exit(client)
+
+            return grpc.unary_stream_rpc_method_handler(
+                us_write,
+                request_deserializer=None,
+                response_serializer=handler.response_serializer,
+            )
+
+        async def us(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            client = await admit(context)
+            tok = set_current_client(client)
+            try:
+                try:
+                    req = decode(raw)
+                except KvmeshError as e:
+                    await _abort(context, e)
+                async for item in inner_us(req, context):
+                    yield item
+            finally:
+                reset_current_client(tok)
+                guard.exit(client)
+
+        return grpc.unary_stream_rpc_method_handler(
+            us, request_deserializer=None, response_serializer=handler.response_serializer
+        )
+    if handler.stream_unary is not None:
+        inner_su: Any = handler.stream_unary
+
+        async def su(it: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            client = await admit(context)
+            tok = set_current_client(client)
+            try:
+                return await maybe_await(inner_su(requests(it, context), context))
+            finally:
+                reset_current_client(tok)
+                guard.exit(client)
+
+        return grpc.stream_unary_rpc_method_handler(
+            su, request_deserializer=None, response_serializer=handler.response_serializer
+        )
+    inner_ss: Any = handler.stream_stream
+    assert inner_ss is not None
+    if not inspect.isasyncgenfunction(inner_ss):
+
+        async def ss_write(
+            it: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+        ) -> None:
+            client = await admit(context)
+            tok = set_current_client(client)
+            try:
+                await maybe_await(inner_ss(requests(it, context), context))
+            finally:
+                reset_current_client(tok)
+                guard.exit(client)
+
+        return grpc.stream_stream_rpc_method_handler(
+            ss_write, request_deserializer=None, response_serializer=handler.response_serializer
+        )
+
+    async def ss(
+        it: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        client = await admit(context)
+        tok = set_current_client(client)
+        try:
+            async for item in inner_ss(requests(it, context), context):
+                yield item
+        finally:
+            reset_current_client(tok)
+            guard.exit(client)
+
+    return grpc.stream_stream_rpc_method_handler(
+        ss, request_deserializer=None, response_serializer=handler.response_serializer
+    )
+
+
+def add_guarded(
+    server: grpc.aio.Server,
+    service_full_name: str,
+    handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]],
+    rules: Mapping[str, MethodRule],
+    guard: Guard,
+) -> None:
+    """Register ``handlers`` of one service behind ``guard``.
+
+    Every method must have a rule: a method missing from ``rules`` is a
+    programming error (a new RPC must state who may call it).
+    """
+    missing = sorted(set(handlers) - set(rules))
+    if missing:
+        raise ValueError(f"{service_full_name}: no access rule for {missing}")
+    wrapped = {
+        name: _wrap(f"/{service_full_name}/{name}", name, h, rules[name], guard)
+        for name, h in handlers.items()
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service_full_name, wrapped),)
+    )
+    server.add_registered_method_handlers(service_full_name, wrapped)
+
+
+class _Capture:
+    """Stands in for a server to collect what a generated ``add_*_to_server`` registers."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, name: str, handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.services[name] = dict(handlers)
+
+
+def capture_handlers(
+    add_fn: Callable[[Any, Any], None], servicer: Any
+) -> dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]]:
+    """The handlers ``add_fn(servicer, server)`` would register, by service name."""
+    cap = _Capture()
+    add_fn(servicer, cap)
+    if not cap.services:
+        raise ValueError(f"{add_fn!r} registered no service")
+    return cap.services
+
+
+def add_generated(
+    server: grpc.aio.Server,
+    add_fn: Callable[[Any, Any], None],
+    servicer: Any,
+    rule: MethodRule,
+    guard: Guard,
+) -> None:
+    """Register a generated service (health, reflection) with one rule for all methods."""
+    for name, handlers in capture_handlers(add_fn, servicer).items():
+        add_guarded(server, name, handlers, dict.fromkeys(handlers, rule), guard)
+
+
+#: Health checks: open to everyone (kubelet and load balancers present no identity).
+OPEN_RULE = MethodRule(())
+#: Any authenticated caller (reflection, Ping).
+ANY_RULE = MethodRule(("*",))
+
+
+def add_health_and_reflection(
+    server: grpc.aio.Server,
+    health_servicer: Any,
+    service_names: Iterable[str],
+    guard: Guard,
+) -> None:
+    """Health (open) and reflection (any authenticated caller) behind ``guard``."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import _async as reflection_aio
+    from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+    async def list_statuses(request: Any, context: Any) -> Any:
+        # grpc's servicer leaves List unimplemented; answer from the same table Check reads.
+        table = getattr(health_servicer, "_server_status", {})
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in dict(table).items()
+            }
+        )
+
+    for name, handlers in capture_handlers(
+        health_pb2_grpc.add_HealthServicer_to_server, health_servicer
+    ).items():
+        if "List" in handlers:
+            handlers["List"] = grpc.unary_unary_rpc_method_handler(
+                list_statuses,
+                request_deserializer=health_pb2.HealthListRequest.FromString,
+                response_serializer=health_pb2.HealthListResponse.SerializeToString,
+            )
+        add_guarded(server, name, handlers, dict.fromkeys(handlers, OPEN_RULE), guard)
+    names = [*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME]
+    servicer = reflection_aio.ReflectionServicer(names)
+    add_generated(
+        server,
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+        servicer,
+        ANY_RULE,
+        guard,
+    )

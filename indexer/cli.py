@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from indexer.config import ConfigError, IndexerConfig, load_config
+from kvmesh.tls import add_server_tls_args, server_tls_overrides
 
 
 def add_parser(subparsers: Any) -> None:
@@ -30,6 +31,12 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--backend", choices=["memory", "redis"], help="index backend (default memory)")
     s.add_argument("--redis-url", help="Redis URL for --backend redis")
     s.add_argument("--redis-prefix", help="prefix of every Redis key (default kvm)")
+    s.add_argument("--redis-username", help="Redis ACL user")
+    s.add_argument(
+        "--redis-password-file",
+        metavar="FILE",
+        help="file holding the Redis password (re-read on reconnect; never put it in a flag)",
+    )
     s.add_argument(
         "--zmq-endpoint",
         action="append",
@@ -55,6 +62,10 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--shutdown-grace", type=float, metavar="SECONDS")
     s.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     s.add_argument("--log-format", choices=["text", "json"])
+    add_server_tls_args(s)
+    s.add_argument(
+        "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
+    )
     s.add_argument(
         "--print-config", action="store_true", help="print the effective config as JSON and exit"
     )
@@ -67,7 +78,12 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "port": args.port,
         "metrics_port": args.metrics_port,
         "backend": args.backend,
-        "redis": {"url": args.redis_url, "prefix": args.redis_prefix},
+        "redis": {
+            "url": args.redis_url,
+            "prefix": args.redis_prefix,
+            "username": args.redis_username,
+            "password_file": args.redis_password_file,
+        },
         "engine_events": {"endpoints": parse_zmq_endpoints(args.zmq_endpoint)},
         "sglang": {"enabled": args.sglang_api, "model": args.sglang_model},
         "block_size": args.block_size,
@@ -80,6 +96,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "shutdown_grace_s": args.shutdown_grace,
         "log_level": args.log_level,
         "log_format": args.log_format,
+        "health_port": args.health_port,
+        **server_tls_overrides(args),
     }
 
 

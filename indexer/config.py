@@ -27,9 +27,18 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
 
 from indexer.index import Index
+from kvmesh.auth import AuthSettings
 from kvmesh.configfile import (
     ENV_NESTED_SEP,
     ConfigError,
@@ -38,6 +47,8 @@ from kvmesh.configfile import (
 )
 from kvmesh.configfile import env_overrides as _env_overrides
 from kvmesh.configfile import format_validation_error as _format_validation_error
+from kvmesh.grpcsvc import ClientLimits
+from kvmesh.tls import ServerTLS
 
 __all__ = ["ConfigError", "IndexerConfig", "build_index", "load_config", "read_config_file"]
 
@@ -98,6 +109,95 @@ class RedisSettings(_Strict):
         "shallower blocks are copied on every master. 0 tags by the root block, which puts "
         "every chain behind one shared system prompt on one shard.",
     )
+    username: str = Field(
+        default="",
+        description="Redis ACL user to authenticate as ('' = the URL's user, else Redis's "
+        "default user). SECURITY.md lists the least ACL rights the indexer needs.",
+    )
+    password_file: str = Field(
+        default="",
+        description="File holding the password of username (e.g. a mounted Kubernetes "
+        "Secret; a trailing newline is ignored). Read at every new connection, so a rotated "
+        "Secret is used after the next reconnect (at the latest the retry that follows an "
+        "authentication failure) without a restart.",
+    )
+    password: SecretStr | None = Field(
+        default=None,
+        description="Password of username, for the environment variable "
+        "KVMESH_INDEXER_REDIS__PASSWORD; keep it out of config files (prefer password_file). "
+        "Never shown by repr, logs or --print-config. A password in url works too and is "
+        "redacted wherever the url is printed. Give the password in one place only.",
+    )
+    tls_ca_file: str = Field(
+        default="",
+        description="rediss:// only: PEM CA bundle that signs the Redis server certificate "
+        "('' = the system CAs).",
+    )
+    tls_cert_file: str = Field(
+        default="",
+        description="rediss:// only: PEM client certificate, for a Redis with "
+        "tls-auth-clients yes (with tls_key_file).",
+    )
+    tls_key_file: str = Field(
+        default="", description="rediss:// only: PEM private key of tls_cert_file."
+    )
+    tls_check_hostname: bool = Field(
+        default=True,
+        description="rediss:// only: check that the server certificate names the host of "
+        "url (and of every cluster node). Turn off only for servers known by an address "
+        "their certificate does not name.",
+    )
+
+    @staticmethod
+    def _url_may_hold_credentials(url: str) -> bool:
+        # Lets the common case skip importing the Redis backend (and redis-py).
+        return "@" in url or "password" in url.lower()
+
+    @model_validator(mode="after")
+    def _security_checks(self) -> RedisSettings:
+        url_user, url_password = "", None
+        if self._url_may_hold_credentials(self.url):
+            from indexer.redis_backend import split_url_credentials
+
+            try:
+                _, url_user, url_password = split_url_credentials(self.url)
+            except ValueError as e:
+                raise ValueError(f"url: cannot parse ({type(e).__name__})") from None
+        tls_files = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+        if not self.url.lower().startswith("rediss://"):
+            for name in tls_files:
+                if getattr(self, name):
+                    raise ValueError(f"{name}: set, but url is not rediss:// (TLS is off)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        sources = [
+            name
+            for name, given in (
+                ("password_file", bool(self.password_file)),
+                ("password", self.password is not None),
+                ("url", url_password is not None),
+            )
+            if given
+        ]
+        if len(sources) > 1:
+            raise ValueError(f"password: given in {' and '.join(sources)}; give it in one place")
+        if self.username and url_user and self.username != url_user:
+            raise ValueError(
+                f"username: {self.username!r} differs from the url's user {url_user!r}"
+            )
+        return self
+
+    @field_serializer("url", when_used="json")
+    def _redacted_url(self, url: str) -> str:
+        if not self._url_may_hold_credentials(url):
+            return url
+        from indexer.redis_backend import redact_url
+
+        return redact_url(url)
+
+    def __repr_args__(self) -> Any:
+        for name, value in super().__repr_args__():
+            yield name, self._redacted_url(value) if name == "url" else value
 
 
 class Limits(_Strict):
@@ -129,6 +229,23 @@ class Limits(_Strict):
     )
     max_lease_ttl_s: float = Field(
         default=3600.0, gt=0, description="Longest lease a registration may ask for."
+    )
+    max_namespaces: int = Field(
+        default=1024,
+        ge=1,
+        description="Most namespaces (model + LoRA) with registered instances; a registration "
+        "that would add one more is RESOURCE_EXHAUSTED. Checked per replica against the shared "
+        "instance table, so concurrent registrations on several replicas may overshoot by a few.",
+    )
+    max_instances_per_namespace: int = Field(
+        default=4096,
+        ge=1,
+        description="Most registered instances of one namespace (RESOURCE_EXHAUSTED beyond).",
+    )
+    per_client: ClientLimits = Field(
+        default_factory=ClientLimits,
+        description="Per-client in-flight cap and rates of Match and publish (a client is a "
+        "policy identity, or a peer host when authorization is off).",
     )
 
 
@@ -175,6 +292,28 @@ class ZmqEndpointSettings(_Strict):
     lease_ttl_s: float = Field(
         default=0, ge=0, description="Instance lease; 0 takes default_lease_ttl_s."
     )
+    curve_server_key: str = Field(
+        default="",
+        description="The engine PUB socket's CURVE public key (Z85, 40 characters): the "
+        "subscriber then authenticates the engine and the stream is encrypted (an SGLang or "
+        "vLLM build whose publisher sets curve_server). Empty: plain ZMQ — restrict the "
+        "engine's ports to the indexer at the network level (SECURITY.md).",
+    )
+    curve_secret_key_file: str = Field(
+        default="",
+        description="File holding this subscriber's CURVE secret key (Z85); required with "
+        "curve_server_key. Its public key is derived from it.",
+    )
+
+    @model_validator(mode="after")
+    def _curve(self) -> ZmqEndpointSettings:
+        if bool(self.curve_server_key) != bool(self.curve_secret_key_file):
+            raise ValueError("curve_server_key and curve_secret_key_file go together")
+        if self.curve_server_key and len(self.curve_server_key) != 40:
+            raise ValueError("curve_server_key must be a 40-character Z85 public key")
+        if self.curve_server_key and self.bind:
+            raise ValueError("CURVE needs bind: false (the engine's socket is the CURVE server)")
+        return self
 
 
 class EngineEventSettings(_Strict):
@@ -231,9 +370,10 @@ class SglangApiSettings(_Strict):
 class IndexerConfig(_Strict):
     """Configuration of one indexer replica (``kvmesh indexer serve``).
 
-    The default ``host`` is loopback: the service has no authentication, so
-    listening on every interface is an explicit choice. A container sets
-    ``KVMESH_INDEXER_HOST=0.0.0.0`` (the Helm chart does).
+    The default ``host`` is loopback and, without ``tls`` and ``auth``, the
+    service trusts every caller, so listening on every interface is an
+    explicit choice. A container sets ``KVMESH_INDEXER_HOST=0.0.0.0`` (the Helm
+    chart does, with TLS and a policy when certificates are given).
     """
 
     host: str = Field(
@@ -261,6 +401,15 @@ class IndexerConfig(_Strict):
         description="Per-model block size overrides, model name -> tokens per block.",
     )
     limits: Limits = Field(default_factory=Limits)
+    tls: ServerTLS = Field(default_factory=ServerTLS)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Extra plaintext port serving only grpc.health.v1 (for kubelet gRPC "
+        "probes, which present no certificate); 0: none.",
+    )
     engine_events: EngineEventSettings = Field(default_factory=EngineEventSettings)
     sglang: SglangApiSettings = Field(default_factory=SglangApiSettings)
     default_lease_ttl_s: float = Field(
@@ -294,6 +443,8 @@ class IndexerConfig(_Strict):
                 raise ValueError(f"model_block_sizes[{model!r}]: must be in [1, 65536]")
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port and port are both {self.port}")
+        if self.health_port and self.health_port in (self.port, self.metrics_port):
+            raise ValueError(f"health_port {self.health_port} is also port or metrics_port")
         lim = self.limits
         if self.default_lease_ttl_s > lim.max_lease_ttl_s:
             raise ValueError(
@@ -436,4 +587,11 @@ def build_index(config: IndexerConfig) -> Index:
         parent_cache_size=r.parent_cache_size,
         cluster=r.cluster,
         anchor_depth=r.cluster_anchor_depth,
+        username=r.username,
+        password=r.password.get_secret_value() if r.password is not None else None,
+        password_file=r.password_file,
+        tls_ca_file=r.tls_ca_file,
+        tls_cert_file=r.tls_cert_file,
+        tls_key_file=r.tls_key_file,
+        tls_check_hostname=r.tls_check_hostname,
     )

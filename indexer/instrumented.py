@@ -99,6 +99,14 @@ class Metrics:
         self.rpcs_in_flight = Gauge(
             "kvmesh_indexer_rpcs_in_flight", "IndexerService calls in progress.", registry=r
         )
+        self.refusals = Counter(
+            "kvmesh_indexer_refusals_total",
+            "Calls refused before reaching the service: UNAUTHENTICATED and PERMISSION_DENIED "
+            "(identity, role), RESOURCE_EXHAUSTED (per-client limits), INVALID_ARGUMENT "
+            "(undecodable request), by method.",
+            ["method", "code"],
+            registry=r,
+        )
         # Span export counters (process-wide): a down collector shows here.
         _tracing.register_metrics(r)
 

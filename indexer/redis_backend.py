@@ -27,12 +27,21 @@ node. An apply is one control script plus one script per data node touched.
 Every method raises :class:`~indexer.errors.Unavailable` when Redis cannot be
 reached (after at most ``socket_timeout_s`` per round trip) and recovers by
 itself once Redis is back, reloading scripts after NOSCRIPT.
+
+Security (SECURITY.md, "Redis"): an ACL user and password (from the URL, the
+``password`` argument, or ``password_file``, read at every new connection so a
+rotated Kubernetes Secret is picked up without a restart) and TLS for
+``rediss://`` URLs, with a CA and an optional client certificate. Refused
+credentials, a missing ACL right and a failed TLS verification raise
+:class:`BackendAuthError`, whose message names the user and the redacted URL,
+never the password (:func:`redact_url`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import struct
 import time
 from collections import OrderedDict
@@ -40,14 +49,23 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.credentials import CredentialProvider
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from indexer import keys as K
 from indexer.errors import (
@@ -118,6 +136,140 @@ _OP_CLEAR = b"C"
 
 #: Retry policy of every Redis client: see RedisIndex.__init__.
 _RETRY_ONCE_ON_CONNECTION_ERROR = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+#: What a failed Redis call raises. RedisClusterException is no RedisError: the
+#: cluster client raises it when no node can be reached or authenticated to.
+_CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
+
+#: Query parameters of a Redis URL that carry a secret (redis-py reads ``password``).
+_SECRET_QUERY_KEYS = frozenset({"password"})
+
+
+#: Commands the backend sends: directly, and from inside its scripts (Redis
+#: checks a script's calls against the caller's ACL too). SECURITY.md's rule is
+#: built from these by :func:`acl_rule`; tests run the contract suite as a user
+#: with exactly these rights.
+ACL_COMMANDS = (
+    # direct
+    "ping", "evalsha", "script|load", "hgetall", "hmget", "smembers", "zrangebyscore",
+    # inside scripts (indexer/lua/)
+    "del", "exists", "get", "hdel", "hget", "hincrby", "hlen", "hscan", "hset", "hsetnx",
+    "incr", "sadd", "set", "srem", "time", "unlink", "zadd", "zrange", "zrem",
+)  # fmt: skip
+#: Extra commands of a cluster client: the slot map, and the command table
+#: redis-py reads to find the keys of a command (both at discovery).
+ACL_CLUSTER_COMMANDS = ("cluster|slots", "command")
+
+
+def acl_rule(prefix: str = "kvm", *, cluster: bool = False) -> str:
+    """The least ACL rights of an indexer using key ``prefix``, as ``ACL SETUSER``
+    rules (no channels, keys under the prefix only, the commands it sends).
+    ``dump()``, a test and debugging aid, needs ``+scan`` on top."""
+    glob = _glob_escape(prefix.encode("utf-8")).decode("utf-8")
+    keys = f"~{glob}:* ~{{{glob}}}:*" if cluster else f"~{glob}:*"
+    commands = ACL_COMMANDS + (ACL_CLUSTER_COMMANDS if cluster else ())
+    return f"resetkeys {keys} resetchannels -@all " + " ".join(f"+{c}" for c in commands)
+
+
+class BackendAuthError(Unavailable):
+    """Redis refused this replica: wrong or missing credentials (WRONGPASS,
+    NOAUTH), a missing ACL right (NOPERM), an unreadable password file, or a
+    TLS peer that does not verify. A configuration problem that retrying does
+    not fix; ``kvmesh indexer serve`` exits when it sees one at start. The
+    message names the user and the redacted URL, never the password."""
+
+
+class _PasswordFileError(AuthenticationError):
+    """``password_file`` cannot be read (raised inside redis-py's connect)."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (userinfo and ``password=``
+    query parameter): the only form of a Redis URL that may be logged or put in
+    an error message."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user, colon, _ = userinfo.partition(":")
+            netloc = f"{user}{':***' if colon else ''}@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode(
+                [(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs],
+                safe="*",
+            )
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:
+        return "<unparsable Redis URL>"
+
+
+def split_url_credentials(url: str) -> tuple[str, str, str | None]:
+    """``(url without credentials, username, password or None)`` of a Redis URL.
+
+    The credentials move from the URL to a credential provider, so that redis-py
+    never holds the password in its connection settings.
+    """
+    parts = urlsplit(url)
+    username, password = "", None
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user)
+        password = unquote(secret) if colon else None
+    kept: list[tuple[str, str]] = []
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k.lower() == "password":
+            password = v
+        elif k.lower() == "username":
+            username = v
+        else:
+            kept.append((k, v))
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(kept))), username, password
+
+
+def _read_password_file(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise _PasswordFileError(f"cannot read redis.password_file {path}: {reason}") from None
+    # A Secret written with `echo` ends in a newline that is not part of the password.
+    return text.rstrip("\r\n")
+
+
+class _Credentials(CredentialProvider):
+    """AUTH arguments for each new connection.
+
+    With ``password_file`` the file is read on every new connection, so a
+    rotated password is used as soon as a connection is (re)opened, including
+    the immediate retry after an authentication failure. Never shows the
+    password in its repr.
+    """
+
+    def __init__(self, username: str, password: str | None, password_file: str) -> None:
+        self.username = username
+        self._password = password
+        self.password_file = password_file
+
+    def get_credentials(self) -> tuple[str] | tuple[str, str]:
+        """``(username, password)``, or ``(password,)`` for the default user."""
+        if self.password_file:
+            password = _read_password_file(self.password_file)
+        else:
+            password = self._password or ""
+        return (self.username, password) if self.username else (password,)
+
+    async def get_credentials_async(self) -> tuple[str] | tuple[str, str]:
+        """As :meth:`get_credentials` (a small local file read)."""
+        return self.get_credentials()
+
+    def __repr__(self) -> str:
+        source = f"file {self.password_file}" if self.password_file else "***"
+        return f"_Credentials(username={self.username!r}, password={source})"
 
 
 class _Script:
@@ -240,6 +392,14 @@ _DEPTH1_TIERS: tuple[tuple[int, int, int], ...] = (
 )
 
 
+def _tls_reason(text: str) -> str:
+    """The OpenSSL reason inside a redis-py connection error message."""
+    start = text.find("[SSL")
+    if start < 0:
+        return text
+    return text[start:].split(" (_ssl.c", 1)[0].rstrip(".")
+
+
 def _glob_escape(raw: bytes) -> bytes:
     out = bytearray()
     for c in raw:
@@ -267,6 +427,13 @@ class RedisIndex(Index):
     ``cluster`` talks to a Redis Cluster through ``url`` (any node);
     ``anchor_depth`` is then the depth of the block whose tag places a chain
     (blocks above it are copied on every master; 0 tags chains by their root).
+
+    Credentials: ``username`` (else the URL's; none is Redis's default user)
+    and a password from ``password_file`` (read at each new connection), else
+    ``password``, else the URL. TLS: a ``rediss://`` URL, verified against
+    ``tls_ca_file`` (else the system CAs) with ``tls_check_hostname``;
+    ``tls_cert_file`` and ``tls_key_file`` are the client certificate. In
+    cluster mode every node connection uses the same settings.
     """
 
     name = "redis"
@@ -282,9 +449,40 @@ class RedisIndex(Index):
         parent_cache_size: int = 200_000,
         cluster: bool = False,
         anchor_depth: int = 1,
+        username: str = "",
+        password: str | None = None,
+        password_file: str = "",
+        tls_ca_file: str = "",
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
+        tls_check_hostname: bool = True,
     ) -> None:
         if anchor_depth < 0 or anchor_depth > 255:
             raise ValueError("anchor_depth must be in 0..255")
+        #: The URL as it may be shown (password redacted).
+        self.where = redact_url(url)
+        url, url_user, url_password = split_url_credentials(url)
+        self.username = username or url_user
+        creds: _Credentials | None = None
+        if self.username or password_file or password is not None or url_password is not None:
+            creds = _Credentials(
+                self.username,
+                password if password is not None else url_password,
+                password_file,
+            )
+        conn: dict[str, Any] = {"credential_provider": creds} if creds is not None else {}
+        tls_files = {
+            "ssl_ca_certs": tls_ca_file,
+            "ssl_certfile": tls_cert_file,
+            "ssl_keyfile": tls_key_file,
+        }
+        self._tls_without_client_cert = False
+        if url.lower().startswith("rediss://"):
+            conn.update({k: v for k, v in tls_files.items() if v})
+            conn["ssl_check_hostname"] = tls_check_hostname
+            self._tls_without_client_cert = not tls_cert_file
+        elif any(tls_files.values()):
+            raise ValueError(f"TLS files are set but {self.where} is not a rediss:// URL")
         self._clock = clock
         self._prefix = prefix
         self.cluster = cluster
@@ -317,6 +515,7 @@ class RedisIndex(Index):
                 health_check_interval=0,
                 # A master may be down: the others keep serving their slots.
                 require_full_coverage=False,
+                **conn,
             )
         else:
             self._r = aioredis.Redis.from_url(
@@ -326,6 +525,7 @@ class RedisIndex(Index):
                 socket_connect_timeout=socket_timeout_s,
                 retry=_RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
+                **conn,
             )
         # redis.asyncio leaves execute_command untyped; every call goes through this.
         self._exec = cast(Callable[..., Awaitable[Any]], self._r.execute_command)
@@ -362,8 +562,10 @@ class RedisIndex(Index):
 
     # -- plumbing ------------------------------------------------------------
 
-    @staticmethod
-    def _map_error(exc: Exception) -> KvmeshError:
+    def _map_error(self, exc: Exception) -> KvmeshError:
+        refused = self._refusal(exc)
+        if refused is not None:
+            return refused
         if isinstance(exc, ResponseError):
             msg = str(exc)
             head = msg.split(" ", 1)[0].encode()
@@ -375,7 +577,76 @@ class RedisIndex(Index):
                 # Cluster slots moved under us: the topology is reloaded on the next call.
                 return Unavailable(f"redis cluster: {msg}")
             return KvmeshError(f"redis: {msg}")
-        return Unavailable(f"redis unreachable: {exc.__class__.__name__}: {exc}")
+        hint = ""
+        if self._tls_without_client_cert and "reset by peer" in str(exc):
+            # A Redis with tls-auth-clients yes drops a client without a
+            # certificate after the handshake: all we see is a reset.
+            hint = (
+                " (no client certificate is configured: a Redis with tls-auth-clients yes "
+                "resets such connections; set redis.tls_cert_file and redis.tls_key_file)"
+            )
+        return Unavailable(f"redis unreachable: {exc.__class__.__name__}: {exc}{hint}")
+
+    def _refusal(self, exc: BaseException) -> BackendAuthError | None:
+        """A clear :class:`BackendAuthError` when ``exc`` (or its cause) means that
+        Redis refused our credentials, ACL rights or TLS identity, else None."""
+        user = self.username or "default"
+        seen: set[int] = set()
+        e: BaseException | None = exc
+        while e is not None and id(e) not in seen:
+            seen.add(id(e))
+            text = str(e)
+            # redis-py keeps the reply's error code apart from the message.
+            head = getattr(e, "status_code", None) or text.split(" ", 1)[0]
+            if isinstance(e, _PasswordFileError):
+                return BackendAuthError(f"redis: {text}")
+            in_script = "user executing the script can't" in text
+            if in_script or isinstance(e, NoPermissionError) or head == "NOPERM":
+                detail = text.rstrip(". ")
+                if in_script:
+                    # Redis names the script by SHA1 only; say which of ours it is.
+                    detail = detail.split(" script: ", 1)[0]
+                    sha = text.split(" script: ", 1)[-1].split(",", 1)[0].strip()
+                    names = [sc.name for sc in self._scripts.values() if sc.sha == sha]
+                    if names:
+                        detail += f" (in the {names[0]} script)"
+                return BackendAuthError(
+                    f"redis: user {user!r} lacks an ACL permission at {self.where} "
+                    f"(NOPERM: {detail}): grant it with ACL SETUSER {user} "
+                    "(SECURITY.md lists the rule the indexer needs)"
+                )
+            if head == "NOAUTH" or (
+                isinstance(e, AuthenticationError) and "authentication required" in text.lower()
+            ):
+                return BackendAuthError(
+                    f"redis: authentication required at {self.where} (NOAUTH): "
+                    "set redis.username and redis.password_file"
+                )
+            if (
+                isinstance(e, AuthenticationError | AuthenticationWrongNumberOfArgsError)
+                or head == "WRONGPASS"
+            ):
+                return BackendAuthError(
+                    f"redis: authentication failed for user {user!r} at {self.where} "
+                    "(WRONGPASS): check redis.username / redis.password_file"
+                )
+            if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
+                return BackendAuthError(
+                    f"redis: TLS certificate of {self.where} does not verify "
+                    f"({_tls_reason(text)}): check redis.tls_ca_file / redis.tls_check_hostname"
+                )
+            if "CERTIFICATE_REQUIRED" in text or "certificate required" in text:
+                return BackendAuthError(
+                    f"redis: {self.where} requires a client certificate: "
+                    "set redis.tls_cert_file and redis.tls_key_file"
+                )
+            if "alert bad certificate" in text.lower() or "UNKNOWN_CA" in text:
+                return BackendAuthError(
+                    f"redis: {self.where} refused our client certificate ({_tls_reason(text)}): "
+                    "check redis.tls_cert_file (it must be signed by a CA the server trusts)"
+                )
+            e = e.__cause__  # redis-py wraps with `raise ... from` (cluster discovery)
+        return None
 
     async def _eval(self, script: _Script, numkeys: int, *args: Any) -> Any:
         self.round_trips += 1
@@ -391,7 +662,7 @@ class RedisIndex(Index):
                 else:
                     await self._exec("SCRIPT", "LOAD", script.text)
                 res = await self._exec("EVALSHA", script.sha, numkeys, *args)
-        except (RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             if self.cluster:
                 self._slot_tags = []  # reload the topology on the next call
             raise self._map_error(exc) from exc
@@ -411,7 +682,7 @@ class RedisIndex(Index):
         self.round_trips += 1
         try:
             await self._r.initialize()
-        except (RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             raise self._map_error(exc) from exc
         owner: list[str] = [""] * 16384
         for slot, nodes in self._r.nodes_manager.slots_cache.items():
@@ -486,7 +757,7 @@ class RedisIndex(Index):
         self.round_trips += 1
         try:
             return await self._exec(*args)
-        except (RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             raise self._map_error(exc) from exc
 
     async def _pipe(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
@@ -510,7 +781,7 @@ class RedisIndex(Index):
                 for c in commands:
                     cast(Any, p).execute_command(*c)
                 return list(await p.execute())
-        except (RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             raise self._map_error(exc) from exc
 
     def _ns(self, model: str, lora: str) -> tuple[bytes, bytes, bytes]:
@@ -1063,7 +1334,7 @@ class RedisIndex(Index):
                     cursor, chunk = got
                     if isinstance(cursor, dict):  # a cluster client keys it by node
                         (cursor,) = cursor.values()
-                except (RedisError, OSError) as exc:
+                except _CLIENT_ERRORS as exc:
                     raise self._map_error(exc) from exc
                 names.extend(chunk)
                 if int(cursor) == 0:

@@ -37,7 +37,6 @@ from typing import Any, TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import propagate, trace
 
 from indexer import convert
@@ -46,11 +45,15 @@ from indexer.errors import KvmeshError, ResourceExhausted
 from indexer.index import Index
 from indexer.instrumented import InstrumentedIndex, Metrics, configure_tracing, tracing_enabled
 from indexer.service import IndexerLogic
+from kvmesh.auth import Authorizer, current_client
+from kvmesh.errors import PermissionDenied, Unauthenticated
+from kvmesh.grpcsvc import Guard, MethodRule, add_guarded, add_health_and_reflection
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.runtime import ERROR_FIELD_METADATA as ERROR_FIELD_METADATA
 from kvmesh.runtime import new_event_loop, status_code
 from kvmesh.runtime import setup_logging as _setup_logging
+from kvmesh.tls import add_port
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,8 @@ async def _abort(
 ) -> None:
     """End the call with the status ``err`` maps to (never UNKNOWN)."""
     if isinstance(err, KvmeshError):
+        if isinstance(err, PermissionDenied | Unauthenticated):
+            _refused(scope.servicer.guard, scope.method, err)
         code = status_code(err.code)
         if err.field:
             context.set_trailing_metadata(((ERROR_FIELD_METADATA, err.field),))
@@ -133,6 +138,14 @@ async def _abort(
         details = f"internal error: {type(err).__name__}"
     scope.code = code.name
     await context.abort(code, details)
+
+
+def _refused(guard: Guard, method: str, err: PermissionDenied | Unauthenticated) -> None:
+    """Count and log a refusal raised by the logic (instance ownership)."""
+    c = current_client()
+    who = c.principal.name if c is not None else "?"
+    if guard.authorizer is not None:
+        guard.authorizer.refuse(method, err, who)
 
 
 def _rpc(method: str) -> Callable[[_F], _F]:
@@ -217,12 +230,29 @@ _HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[
 }
 
 
-def add_servicer(servicer: IndexerServicer, server: grpc.aio.Server) -> None:
-    """Register every IndexerService method, as the generated helper would.
+#: Who may call each IndexerService method (admin may call all). Engines act
+#: only for the instances the policy gives them (checked by the logic).
+INDEXER_RULES: dict[str, MethodRule] = {
+    "RegisterInstance": MethodRule(("engine",)),
+    "Heartbeat": MethodRule(("engine",)),
+    "PublishEvents": MethodRule(("engine",), rate="publish"),
+    "PublishEventsStream": MethodRule(("engine",)),
+    "RemoveInstance": MethodRule(("admin",)),
+    "ListInstances": MethodRule(("router", "engine")),
+    "Match": MethodRule(("router",), rate="match"),
+    "GetStats": MethodRule(("router",)),
+    "Ping": MethodRule(("*",)),
+}
+
+
+def add_servicer(
+    servicer: IndexerServicer, server: grpc.aio.Server, guard: Guard | None = None
+) -> None:
+    """Register every IndexerService method behind ``guard`` (see kvmesh/grpcsvc.py).
 
     Built from the service descriptor instead of the generated
     ``add_IndexerServiceServicer_to_server`` so that a handler may return
-    pre-serialized bytes (Match does); requests parse as usual.
+    pre-serialized bytes (Match does); the guard decodes requests.
     """
     service = pb.DESCRIPTOR.services_by_name["IndexerService"]
     handlers = {}
@@ -233,10 +263,7 @@ def add_servicer(servicer: IndexerServicer, server: grpc.aio.Server) -> None:
             request_deserializer=getattr(pb, method.input_type.name).FromString,
             response_serializer=_serialize,
         )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
-    )
-    server.add_registered_method_handlers(service.full_name, handlers)
+    add_guarded(server, service.full_name, handlers, INDEXER_RULES, guard or servicer.guard)
 
 
 def _is_abort(e: BaseException) -> bool:
@@ -247,8 +274,9 @@ def _is_abort(e: BaseException) -> bool:
 class IndexerServicer(pb_grpc.IndexerServiceServicer):
     """grpc.aio servicer: converts messages and calls :class:`IndexerLogic`."""
 
-    def __init__(self, logic: IndexerLogic, metrics: Metrics) -> None:
+    def __init__(self, logic: IndexerLogic, metrics: Metrics, guard: Guard | None = None) -> None:
         self.logic = logic
+        self.guard = guard if guard is not None else Guard("indexer")
         self.metrics = metrics
         self.max_concurrent_rpcs = logic.config.limits.max_concurrent_rpcs
         self.in_flight = 0
@@ -302,12 +330,17 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.PublishEventsStreamResponse]:
         """Apply batches in order, one ack each; a rejected batch is reported in its ack."""
+        client = current_client()
         async for request in request_iterator:
             batch = request.batch
             try:
+                if client is not None:
+                    self.guard.take(client, "publish", "PublishEventsStream")
                 result = await self.logic.publish(convert.batch_from_pb(batch))
                 ack = convert.ack_to_pb(batch, result)
             except KvmeshError as e:
+                if isinstance(e, PermissionDenied | Unauthenticated):
+                    _refused(self.guard, "PublishEventsStream", e)
                 ack = convert.rejected_ack_to_pb(batch, e)
             except Exception as e:
                 log.exception("internal error applying batch %d of a stream", batch.sequence)
@@ -371,6 +404,10 @@ class IndexerServer:
             self._instrumented, config, on_backend_health=self._on_backend_health
         )
         lim = config.limits
+        self.authorizer = Authorizer(config.auth, what="indexer")
+        self.guard = Guard("indexer", self.authorizer, lim.per_client)
+        refusals = self.metrics.refusals
+        self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", lim.max_message_bytes),
@@ -379,8 +416,8 @@ class IndexerServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        self.servicer = IndexerServicer(self.logic, self.metrics)
-        add_servicer(self.servicer, self._server)
+        self.servicer = IndexerServicer(self.logic, self.metrics, self.guard)
+        add_servicer(self.servicer, self._server, self.guard)
         #: Names whose health follows the backend ("" is the whole server).
         self._health_names = ["", SERVICE_NAME]
         if config.sglang.enabled:
@@ -392,8 +429,10 @@ class IndexerServer:
                 add_sglang_servicer,
             )
 
-            self.sglang = SglangServicer(SglangCompat(self.logic, config.sglang), self.metrics)
-            add_sglang_servicer(self.sglang, self._server)
+            self.sglang = SglangServicer(
+                SglangCompat(self.logic, config.sglang), self.metrics, self.guard
+            )
+            add_sglang_servicer(self.sglang, self._server, self.guard)
             self._health_names.append(SGLANG_SERVICE_NAME)
         #: ZMQ subscribers to engine KV events (imported only when configured).
         self.subscribers: Any = None
@@ -404,10 +443,14 @@ class IndexerServer:
             # Prefixed: several subscriber counters (batches_applied...) share
             # their names with the replica counters above.
             self.metrics.watch_counters(self._subscriber_counter_values)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            [*self._health_names[1:], health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
-        )
+        add_health_and_reflection(self._server, self.health, self._health_names[1:], self.guard)
+        #: Plaintext health-only server for kubelet probes (config.health_port).
+        self._health_server: grpc.aio.Server | None = None
+        if config.health_port:
+            self._health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = 0
+        self.tls_reloader: Any = None
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: Any = None
@@ -458,14 +501,20 @@ class IndexerServer:
         """Bind, start serving, and start background tasks."""
         cfg = self.config
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        try:
-            self.port = self._server.add_insecure_port(_host_port(cfg.host, cfg.port))
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {_host_port(cfg.host, cfg.port)}: {e}") from e
-        if self.port == 0:
-            raise OSError(f"cannot listen on {_host_port(cfg.host, cfg.port)}")
+        self.port, self.tls_reloader = add_port(
+            self._server, _host_port(cfg.host, cfg.port), cfg.tls, what="indexer"
+        )
+        if self._health_server is not None:
+            addr = _host_port(cfg.host, cfg.health_port)
+            try:
+                self.health_port = self._health_server.add_insecure_port(addr)
+            except RuntimeError as e:
+                raise OSError(f"cannot listen on {addr}: {e}") from e
+            await self._health_server.start()
         await self._server.start()
         await self.logic.check_backend()
+        if cfg.backend == "redis":
+            await self._check_credentials()
         self.logic.start()
         if self.subscribers is not None:
             self.subscribers.start()
@@ -490,6 +539,24 @@ class IndexerServer:
             f", metrics on :{self.metrics_port}" if self.metrics_port else "",
         )
 
+    async def _check_credentials(self) -> None:
+        """Refused Redis credentials or ACL rights end the start with one clear error.
+
+        They never fix themselves, so the process exits (the CLI prints one
+        line) rather than serving NOT_SERVING forever; a Redis that is only
+        down is waited for, as before. The instance-table read runs a script,
+        so a user without EVALSHA or with the wrong key pattern is caught too.
+        """
+        from indexer.redis_backend import BackendAuthError
+
+        try:
+            await self.index.list_instances()
+        except BackendAuthError:
+            await self.stop(0)
+            raise
+        except KvmeshError:
+            pass
+
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, let in-flight ones finish within ``grace`` seconds
         (default ``shutdown_grace_s``), then stop background tasks and close the
@@ -502,6 +569,8 @@ class IndexerServer:
         try:
             await self.health.enter_graceful_shutdown()
             await self._server.stop(grace)
+            if self._health_server is not None:
+                await self._health_server.stop(0)
             if self.subscribers is not None:
                 await self.subscribers.stop()
             await self.logic.stop()

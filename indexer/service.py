@@ -17,7 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from indexer.config import IndexerConfig
-from indexer.errors import FailedPrecondition, InvalidArgument, KvmeshError, Unavailable
+from indexer.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvmeshError,
+    ResourceExhausted,
+    Unavailable,
+)
 from indexer.index import Index
 from indexer.model import (
     AllBlocksCleared,
@@ -34,6 +40,7 @@ from indexer.model import (
     InstanceState,
     Namespace,
 )
+from kvmesh.auth import current_client, require_owner
 from kvmesh.blockkeys import TOKEN_ID_LIMIT, block_keys
 
 log = logging.getLogger(__name__)
@@ -241,7 +248,9 @@ class IndexerLogic:
             )
         if ttl == 0:
             spec = replace(spec, lease_ttl_s=self.config.default_lease_ttl_s)
+        require_owner(spec.model, spec.instance.worker_id)
         try:
+            await self._check_capacity(spec)
             state, reset = await self.index.register(spec)
         except Unavailable as e:
             self._note_error(e)
@@ -249,9 +258,43 @@ class IndexerLogic:
         self._models[spec.instance] = spec.model
         return state, reset
 
+    async def _check_capacity(self, spec: InstanceSpec) -> None:
+        """RESOURCE_EXHAUSTED when a new instance would pass the namespace limits."""
+        lim = self.config.limits
+        states = await self.index.list_instances()
+        per_model: dict[str, int] = {}
+        for st in states:
+            if st.spec.instance == spec.instance:
+                return  # a re-registration adds nothing
+            per_model[st.spec.model] = per_model.get(st.spec.model, 0) + 1
+        n = per_model.get(spec.model, 0)
+        if n == 0 and len(per_model) >= lim.max_namespaces:
+            raise ResourceExhausted(
+                f"{len(per_model)} namespaces already hold instances (limits.max_namespaces)",
+                field="model",
+            )
+        if n >= lim.max_instances_per_namespace:
+            raise ResourceExhausted(
+                f"namespace {spec.model!r} already has {n} instances "
+                "(limits.max_instances_per_namespace)",
+                field="instance",
+            )
+
+    async def _check_owner(self, instance: InstanceId) -> None:
+        """PERMISSION_DENIED unless the calling identity owns ``instance``."""
+        c = current_client()
+        if c is None or c.principal.via == "open" or "admin" in c.principal.roles:
+            return
+        model = self._models.get(instance)
+        if model is None:
+            with contextlib.suppress(KvmeshError):
+                model = await self._model_of(instance)
+        require_owner(model or "", instance.worker_id)
+
     async def heartbeat(self, instance: InstanceId) -> InstanceState:
         """Renew an instance's lease (NotFound when unknown)."""
         check_instance(instance)
+        await self._check_owner(instance)
         try:
             return await self.index.heartbeat(instance)
         except Unavailable as e:
@@ -261,6 +304,7 @@ class IndexerLogic:
     async def remove_instance(self, instance: InstanceId) -> int:
         """Drop an instance and its blocks; return the entries dropped."""
         check_instance(instance)
+        await self._check_owner(instance)
         try:
             n = await self.index.remove_instance(instance)
         except Unavailable as e:
@@ -298,6 +342,8 @@ class IndexerLogic:
         Raises a :class:`KvmeshError` for a rejected batch (nothing applied).
         """
         try:
+            check_instance(batch.instance)
+            await self._check_owner(batch.instance)
             batch = await self._validate_batch(batch)
             result = await self.index.apply(batch)
         except KvmeshError as e:

@@ -65,7 +65,7 @@ from indexer.model import (
     Namespace,
     Tier,
 )
-from indexer.service import IndexerLogic, MatchQuery
+from indexer.service import MAX_ADDRESS_BYTES, IndexerLogic, MatchQuery, check_instance
 
 #: Incarnation prefix of workers fed through this API.
 INCARNATION_PREFIX = "sglang/"
@@ -221,7 +221,16 @@ class SglangCompat:
             )
         elif spec.address != req.worker_address:
             await self._register(req.worker_id, req.worker_address, spec.incarnation)
-        batch = EventBatch(InstanceId(req.worker_id, 0), req.seq, self._events(req.actions))
+        events = self._events(req.actions)
+        cap = self.logic.config.limits.max_events_per_batch
+        if len(events) > cap:
+            raise InvalidArgument(
+                f"the actions make {len(events)} events of at most "
+                f"{self.logic.config.limits.max_blocks_per_event} blocks, more than "
+                f"limits.max_events_per_batch ({cap}); split the batch",
+                field="actions",
+            )
+        batch = EventBatch(InstanceId(req.worker_id, 0), req.seq, events)
         try:
             result = await self.logic.publish(batch)
         except FailedPrecondition:
@@ -265,9 +274,13 @@ class SglangCompat:
         meaning live, not stale, and holding an applied batch or snapshot.
         """
         seen: set[str] = set()
-        for i, (wid, _) in enumerate(workers):
-            if not wid:
-                raise InvalidArgument("must not be empty", field=f"workers[{i}].worker_id")
+        for i, (wid, address) in enumerate(workers):
+            # Checked before any registration, so that a bad entry changes nothing.
+            check_instance(InstanceId(wid, 0), prefix=f"workers[{i}]")
+            if len(address.encode("utf-8")) > MAX_ADDRESS_BYTES:
+                raise InvalidArgument(
+                    f"longer than {MAX_ADDRESS_BYTES} bytes", field=f"workers[{i}].worker_address"
+                )
             if wid in seen:
                 raise InvalidArgument(f"{wid!r} is listed twice", field=f"workers[{i}].worker_id")
             seen.add(wid)
@@ -278,11 +291,15 @@ class SglangCompat:
             if st.spec.instance.dp_rank == 0 and epoch_of(st.spec.incarnation) is not None
         }
         ready = 0
-        for wid, address in workers:
+        for i, (wid, address) in enumerate(workers):
             old = ours.get(wid)
             incarnation = old.spec.incarnation if old is not None else make_incarnation("")
             address = address or (old.spec.address if old is not None else "")
-            st, _ = await self._register(wid, address, incarnation)
+            try:
+                st, _ = await self._register(wid, address, incarnation)
+            except InvalidArgument as e:
+                where = f"workers[{i}].{e.field}" if e.field else f"workers[{i}]"
+                raise InvalidArgument(e.message, field=where) from None
             if st.live and not st.stale and st.applied_sequence is not None:
                 ready += 1
         for wid, st in ours.items():
@@ -368,14 +385,7 @@ class SglangCompat:
 
         A diagnostic call: one index lookup per distinct hash.
         """
-        if not keys:
-            raise InvalidArgument("must not be empty", field="hashes")
-        cap = self.logic.config.limits.max_match_blocks
-        if len(keys) > cap:
-            raise InvalidArgument(
-                f"{len(keys)} hashes, more than the cap of {cap} (limits.max_match_blocks)",
-                field="hashes",
-            )
+        _check_hashes(keys, self.logic.config.limits.max_match_blocks)
         nodes: dict[InstanceId, NodeMatch] = {}
         for k in dict.fromkeys(keys):
             result = await self.logic.match(
@@ -392,13 +402,31 @@ class SglangCompat:
         return [nodes[i] for i in sorted(nodes)]
 
     def hits(self, keys: Sequence[int]) -> list[tuple[int, int]]:
-        """GetExternalKvHitCounts: ``(key, count)`` for each requested key, in order."""
-        if not keys:
-            raise InvalidArgument("must not be empty", field="hashes")
+        """GetExternalKvHitCounts: ``(key, count)`` for each requested key, in order.
+
+        At most ``limits.max_match_blocks`` keys, like MatchExternalKv: the
+        answer is larger than the request, so an uncapped one could pass the
+        message size limit.
+        """
+        _check_hashes(keys, self.logic.config.limits.max_match_blocks)
         return [(k, self.hit_counts.get(k, 0)) for k in keys]
 
 
+def _check_hashes(keys: Sequence[int], cap: int) -> None:
+    """A per-hash lookup's ``hashes``: 1 to ``cap`` (limits.max_match_blocks) of them."""
+    if not keys:
+        raise InvalidArgument("must not be empty", field="hashes")
+    if len(keys) > cap:
+        raise InvalidArgument(
+            f"{len(keys)} hashes, more than the cap of {cap} (limits.max_match_blocks)",
+            field="hashes",
+        )
+
+
 def _field_name(kvmesh_field: str) -> str:
-    return {"instance.worker_id": "worker_id", "address": "worker_address"}.get(
-        kvmesh_field, kvmesh_field
-    )
+    # The incarnation is made from the worker's epoch (make_incarnation).
+    return {
+        "instance.worker_id": "worker_id",
+        "address": "worker_address",
+        "incarnation": "worker_epoch",
+    }.get(kvmesh_field, kvmesh_field)

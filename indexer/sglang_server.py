@@ -23,6 +23,7 @@ from indexer.sglang_compat import Action, ActionKind, ApplyRequest, SglangCompat
 from kv_indexer.v1 import kv_indexer_pb2 as spb
 from kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
 from kvmesh.blockkeys import to_signed, to_unsigned
+from kvmesh.grpcsvc import Guard, MethodRule, add_guarded, capture_handlers
 
 #: Full name of the service, as health checks and reflection know it.
 SGLANG_SERVICE_NAME: str = spb.DESCRIPTOR.services_by_name["KVIndexer"].full_name
@@ -61,9 +62,10 @@ def action_from_pb(a: spb.ExternalKvAction, path: str) -> Action:
 class SglangServicer(spb_grpc.KVIndexerServicer):
     """grpc.aio servicer of ``kv_indexer.v1.KVIndexer`` over :class:`SglangCompat`."""
 
-    def __init__(self, compat: SglangCompat, metrics: Metrics) -> None:
+    def __init__(self, compat: SglangCompat, metrics: Metrics, guard: Guard | None = None) -> None:
         self.compat = compat
         self.metrics = metrics
+        self.guard = guard if guard is not None else Guard("indexer")
         # Attributes the shared _rpc wrapper reads (admission, metrics, spans).
         self.max_concurrent_rpcs = compat.logic.config.limits.max_concurrent_rpcs
         self.in_flight = 0
@@ -176,6 +178,24 @@ class SglangServicer(spb_grpc.KVIndexerServicer):
         )
 
 
-def add_sglang_servicer(servicer: SglangServicer, server: grpc.aio.Server) -> None:
-    """Register ``kv_indexer.v1.KVIndexer`` on ``server``."""
-    spb_grpc.add_KVIndexerServicer_to_server(servicer, server)
+#: Who may call each KVIndexer method (admin may call all). Engines apply
+#: batches and snapshots only for the workers the policy gives them;
+#: ConfigureExpectedWorkers removes workers, so it is an admin call.
+SGLANG_RULES: dict[str, MethodRule] = {
+    "ConfigureExpectedWorkers": MethodRule(("admin",)),
+    "ReplaceExternalKvSnapshot": MethodRule(("engine",), rate="publish"),
+    "ApplyExternalKvBatch": MethodRule(("engine",), rate="publish"),
+    "MatchExternalKv": MethodRule(("router",), rate="match"),
+    "MatchExternalKvPrefix": MethodRule(("router",), rate="match"),
+    "GetExternalKvHitCounts": MethodRule(("router",)),
+}
+
+
+def add_sglang_servicer(
+    servicer: SglangServicer, server: grpc.aio.Server, guard: Guard | None = None
+) -> None:
+    """Register ``kv_indexer.v1.KVIndexer`` on ``server`` behind ``guard``."""
+    for name, handlers in capture_handlers(
+        spb_grpc.add_KVIndexerServicer_to_server, servicer
+    ).items():
+        add_guarded(server, name, handlers, SGLANG_RULES, guard or Guard("indexer"))

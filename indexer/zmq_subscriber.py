@@ -79,6 +79,27 @@ _CONNECTED_EVENTS = {zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED}
 _T = TypeVar("_T")
 
 
+def curve_client_keys(secret_key_file: str) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a file holding the subscriber's Z85 secret key."""
+    from indexer.errors import InvalidArgument
+
+    try:
+        with open(secret_key_file, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise InvalidArgument(
+            f"cannot read {secret_key_file!r}: {e.strerror or e}", field="curve_secret_key_file"
+        ) from e
+    try:
+        public = zmq.curve_public(secret)
+    except (zmq.ZMQError, ValueError) as e:
+        raise InvalidArgument(
+            f"{secret_key_file!r} does not hold a 40-character Z85 CURVE secret key",
+            field="curve_secret_key_file",
+        ) from e
+    return public, secret
+
+
 @dataclass(slots=True)
 class SubscriberCounters:
     """Counters of one endpoint subscriber since this replica started."""
@@ -139,6 +160,21 @@ class EndpointSubscriber:
         self._warned_rank = False
         self._stopping = False
 
+    def _secure(self, sock: zmq.asyncio.Socket) -> None:
+        """CURVE client keys on ``sock`` when the endpoint names the engine's public key.
+
+        The engine's socket is the CURVE server (it binds); a publisher
+        without that key pair, or a man in the middle, never completes the
+        handshake, and the traffic is encrypted.
+        """
+        ep = self.endpoint
+        if not ep.curve_server_key:
+            return
+        public, secret = curve_client_keys(ep.curve_secret_key_file)
+        sock.curve_serverkey = ep.curve_server_key.encode("ascii")
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
     # -- lifecycle -----------------------------------------------------------
 
     async def run(self) -> None:
@@ -148,6 +184,7 @@ class EndpointSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
         sub.setsockopt(zmq.SUBSCRIBE, ep.topic.encode("utf-8"))
+        self._secure(sub)
         monitor = sub.get_monitor_socket()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -340,6 +377,7 @@ class EndpointSubscriber:
         assert self.endpoint.replay_endpoint
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self._secure(sock)
         # A fresh socket per request: a late reply to a timed-out request must
         # never be read as the answer to the next one.
         try:

@@ -1,7 +1,10 @@
 """``kvmesh cachesim serve`` runs the cache simulator; ``kvmesh cachesim report`` prints its report.
 
 Configuration of ``serve``: flags > ``KVMESH_CACHESIM_…`` > ``--config`` file >
-defaults (tee/config.py).
+defaults (tee/config.py); TLS and policy with ``--tls-cert``, ``--tls-key``,
+``--tls-client-ca``, ``--auth-policy`` (or ``KVMESH_CACHESIM_TLS__CERT_FILE`` …).
+``report`` reads an ``https://`` URL with ``--ca-file``, ``--cert-file`` /
+``--key-file`` (mutual TLS) and ``--token-file`` (bearer token).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.tls import ClientTLS, TLSFileError, add_server_tls_args, server_tls_overrides
 from tee.config import ConfigError, load_cachesim_config
+from tee.httpsec import ClientSSL
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -30,6 +35,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction", choices=["lru", "fifo"])
     p.add_argument("--window", type=float, metavar="SECONDS", help="sliding window (default 60)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_server_tls_args(p)
+    p.add_argument(
+        "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
+    )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
     return p
 
@@ -47,6 +56,8 @@ def serve(argv: Sequence[str]) -> int:
         "eviction": args.eviction,
         "window_s": args.window,
         "log_level": args.log_level,
+        "health_port": args.health_port,
+        **server_tls_overrides(args),
     }
     try:
         config = load_cachesim_config(args.config, cli=cli)
@@ -98,12 +109,35 @@ def report(argv: Sequence[str]) -> int:
     p.add_argument("--model", default="", help="only this model")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--ca-file", help="CA that signs the simulator's certificate (https)")
+    p.add_argument("--cert-file", help="client certificate for mutual TLS")
+    p.add_argument("--key-file", help="key of --cert-file")
+    p.add_argument("--token-file", help="file holding a bearer token (https only)")
     args = p.parse_args(list(argv))
     url = args.url.rstrip("/") + "/report"
     if args.model:
         url += "?" + urllib.parse.urlencode({"model": args.model})
+    request = urllib.request.Request(url)
+    context = None
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
+        tls = ClientTLS(
+            ca_file=args.ca_file or "",
+            cert_file=args.cert_file or "",
+            key_file=args.key_file or "",
+            token_file=args.token_file or "",
+        )
+        if tls.active:
+            if not url.startswith("https://"):
+                raise TLSFileError("TLS or token options need an https:// --url")
+            client = ClientSSL(tls, what="kvmesh cachesim report")
+            context = client.context
+            if client.token:
+                request.add_header("Authorization", f"Bearer {client.token}")
+    except (ValueError, TLSFileError) as e:
+        print(f"kvmesh cachesim report: {e}", file=sys.stderr)
+        return 2
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout, context=context) as resp:
             data = json.load(resp)
     except urllib.error.HTTPError as e:
         print(f"kvmesh cachesim report: {url}: HTTP {e.code} {e.read().decode()}", file=sys.stderr)

@@ -10,6 +10,14 @@ gRPC: ``kvmesh.tee.v1.TeeService`` (OfferEvents, StreamEvents: a tee's gRPC
 sink points here) and ``kvmesh.tee.v1.CacheSimService.GetReport``, with
 health and reflection. Both transports feed one :class:`CacheSimulator` on one
 event loop, so no locking is needed.
+
+Security: both ports serve TLS or mutual TLS from ``tls`` and reload changed
+certificate files for new connections (gRPC on the next handshake, HTTP
+every ``tls.reload_interval_s``). One :class:`kvmesh.grpcsvc.Guard` with the
+policy of ``auth.policy_file`` checks every gRPC method (:data:`SIM_TEE_RULES`,
+:data:`SIM_RULES`) and every HTTP path (:data:`HTTP_RULES`; refusals answer
+401, 403 or 429 with the JSON error body); refusals of both transports are
+counted in ``kvmesh_cachesim_refusals_total``.
 """
 
 from __future__ import annotations
@@ -24,25 +32,58 @@ from typing import Any
 import grpc
 import grpc.aio
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.auth import Authorizer
+from kvmesh.configfile import ConfigError
+from kvmesh.errors import KvmeshError
+from kvmesh.grpcsvc import (
+    Guard,
+    MethodRule,
+    add_guarded,
+    add_health_and_reflection,
+    capture_handlers,
+)
 from kvmesh.runtime import new_event_loop, setup_logging
 from kvmesh.tee.v1 import tee_pb2 as pb
 from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
+from kvmesh.tls import add_port
 from tee.cachesim import CacheSimulator, SimSettings
 from tee.config import CacheSimConfig
 from tee.errors import InvalidEvent, TeeError, TooLarge
 from tee.events import REQUEST_ID_HEADER, WORKER_HEADER, EventKind, from_body
-from tee.grpc_common import events_from_pb, guard
+from tee.grpc_common import events_from_pb, guard, take_stream_message
+from tee.httpsec import HTTP_STATUS, HttpCall, ServerSSL
+from tee.metrics import refusal_counter
 
 log = logging.getLogger(__name__)
 
 TEE_SERVICE = pb.DESCRIPTOR.services_by_name["TeeService"].full_name
 CACHESIM_SERVICE = pb.DESCRIPTOR.services_by_name["CacheSimService"].full_name
+
+#: Who may call the simulator's TeeService (admin may call all): tees feed it,
+#: and so may a router that feeds it directly. Nothing here resets state.
+SIM_TEE_RULES: dict[str, MethodRule] = {
+    "OfferEvents": MethodRule(("tee", "router"), rate="publish"),
+    # A stream is admitted once; its messages are counted one by one.
+    "StreamEvents": MethodRule(("tee", "router")),
+    "GetTeeStats": MethodRule(("router",), rate="match"),
+}
+#: CacheSimService: the report is read by routers (and operators).
+SIM_RULES: dict[str, MethodRule] = {"GetReport": MethodRule(("router",), rate="match")}
+#: The HTTP paths. Metrics and health are open (scrapers and probes present
+#: no policy identity; with mutual TLS they still need a certificate).
+HTTP_RULES: dict[str, MethodRule] = {
+    "/ingest_ids": SIM_TEE_RULES["OfferEvents"],
+    "/extend_ids": SIM_TEE_RULES["OfferEvents"],
+    "/report": SIM_RULES["GetReport"],
+    "/metrics": MethodRule(()),
+    "/healthz": MethodRule(()),
+}
 
 
 class _SimCollector(Collector):
@@ -133,10 +174,14 @@ class CacheSimServicer(pb_grpc.TeeServiceServicer, pb_grpc.CacheSimServiceServic
         """Apply every message's events."""
 
         async def body() -> pb.StreamEventsResponse:
-            n = 0
+            n = dropped = 0
             async for request in request_iterator:
+                # Beyond the caller's publish rate a message is dropped, not applied.
+                if not take_stream_message(self.server.guard, "StreamEvents"):
+                    dropped += len(request.events)
+                    continue
                 n += self._apply(request.events)
-            return pb.StreamEventsResponse(accepted=n)
+            return pb.StreamEventsResponse(accepted=n, dropped=dropped)
 
         return await guard(context, "StreamEvents", body)
 
@@ -183,11 +228,25 @@ class CacheSimServer:
             ["transport", "outcome"],
             registry=self.registry,
         )
+        self.authorizer = Authorizer(config.auth, what="cachesim")
+        self.guard = Guard(
+            "cachesim", self.authorizer, config.per_client, limits_field="per_client"
+        )
+        self.refusals = refusal_counter(self.registry, "cachesim")
+        refusals = self.refusals
+        self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
         self.http_port = 0
         self.grpc_port = 0
+        self.health_port = 0
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        #: The HTTP port's TLS context and reloader (None in plaintext).
+        self.http_tls: ServerSSL | None = None
+        self._http_tls_watch: asyncio.Task[None] | None = None
+        #: The gRPC port's certificate reloader (None in plaintext).
+        self.grpc_tls_reloader: Any = None
 
     def apply(self, event: Any) -> None:
         """Apply one validated event (both transports end here)."""
@@ -197,13 +256,37 @@ class CacheSimServer:
 
     def _app(self) -> web.Application:
         # JSON of max_input_ids ids of up to 10 digits each, plus slack; larger is 413.
-        app = web.Application(client_max_size=self.config.max_input_ids * 11 + 65536)
+        app = web.Application(
+            client_max_size=self.config.max_input_ids * 11 + 65536,
+            middlewares=[self._authorize],
+        )
         app.router.add_post("/ingest_ids", self._ingest)
         app.router.add_post("/extend_ids", self._extend)
         app.router.add_get("/report", self._report)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         return app
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Identity, role and per-client limits of an HTTP call, as for a gRPC one."""
+        rule = HTTP_RULES.get(request.path)
+        if rule is None:  # aiohttp answers 404 / 405
+            return await handler(request)
+        g = self.guard
+        call: Any = HttpCall(request)
+        try:
+            client = g.identify(request.path, rule, call)
+            g.take(client, rule.rate, request.path)
+            g.enter(client, request.path)
+        except KvmeshError as e:
+            return web.json_response(
+                {"error": str(e), "field": e.field}, status=HTTP_STATUS.get(e.code, 403)
+            )
+        try:
+            return await handler(request)
+        finally:
+            g.exit(client)
 
     async def _ingest(self, request: web.Request) -> web.Response:
         return await self._event(EventKind.INGEST, request)
@@ -252,8 +335,9 @@ class CacheSimServer:
 
     @property
     def http_url(self) -> str:
-        """Base URL of the HTTP transport."""
-        return f"http://{_host_port(self.config.host, self.http_port)}"
+        """Base URL of the HTTP transport (``https://`` with TLS)."""
+        scheme = "https" if self.config.tls.enabled else "http"
+        return f"{scheme}://{_host_port(self.config.host, self.http_port)}"
 
     @property
     def grpc_address(self) -> str:
@@ -263,10 +347,24 @@ class CacheSimServer:
     async def start(self) -> CacheSimServer:
         """Listen on both transports."""
         c = self.config
+        if c.tls.enabled:
+            self.http_tls = ServerSSL(c.tls, what="cachesim HTTP")
+        else:
+            log.warning(
+                "cachesim HTTP: listening on %s in PLAINTEXT: any client on the network may "
+                "call it; set tls.cert_file / tls.key_file (and tls.client_ca_file for mutual "
+                "TLS) outside local development",
+                _host_port(c.host, c.http_port),
+            )
         self._runner = web.AppRunner(self._app(), access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, c.host, c.http_port).start()
+        ssl_context = self.http_tls.context if self.http_tls is not None else None
+        await web.TCPSite(self._runner, c.host, c.http_port, ssl_context=ssl_context).start()
         self.http_port = int(self._runner.addresses[0][1])
+        if self.http_tls is not None:
+            self._http_tls_watch = asyncio.get_running_loop().create_task(
+                self.http_tls.watch(), name="cachesim-http-tls-reload"
+            )
         if c.grpc_enabled:
             server = grpc.aio.server(
                 options=[
@@ -275,14 +373,28 @@ class CacheSimServer:
                 ]
             )
             servicer = CacheSimServicer(self)
-            pb_grpc.add_TeeServiceServicer_to_server(servicer, server)
-            pb_grpc.add_CacheSimServiceServicer_to_server(servicer, server)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            reflection.enable_server_reflection(
-                [TEE_SERVICE, CACHESIM_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                server,
+            tee_handlers = capture_handlers(pb_grpc.add_TeeServiceServicer_to_server, servicer)
+            sim_handlers = capture_handlers(pb_grpc.add_CacheSimServiceServicer_to_server, servicer)
+            add_guarded(server, TEE_SERVICE, tee_handlers[TEE_SERVICE], SIM_TEE_RULES, self.guard)
+            add_guarded(
+                server, CACHESIM_SERVICE, sim_handlers[CACHESIM_SERVICE], SIM_RULES, self.guard
             )
-            self.grpc_port = server.add_insecure_port(_host_port(c.host, c.grpc_port))
+            add_health_and_reflection(
+                server, self.health, [TEE_SERVICE, CACHESIM_SERVICE], self.guard
+            )
+            self.grpc_port, self.grpc_tls_reloader = add_port(
+                server, _host_port(c.host, c.grpc_port), c.tls, what="cachesim gRPC"
+            )
+            if c.health_port:
+                hs = grpc.aio.server()
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+                addr = _host_port(c.host, c.health_port)
+                try:
+                    self.health_port = hs.add_insecure_port(addr)
+                except RuntimeError as e:
+                    raise OSError(f"cannot listen on {addr}: {e}") from e
+                await hs.start()
+                self._health_server = hs
             await server.start()
             self._grpc = server
             for name in ("", TEE_SERVICE, CACHESIM_SERVICE):
@@ -297,6 +409,13 @@ class CacheSimServer:
             await self.health.enter_graceful_shutdown()
             await self._grpc.stop(grace)
             self._grpc = None
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
+        if self._http_tls_watch is not None:
+            self._http_tls_watch.cancel()
+            await asyncio.gather(self._http_tls_watch, return_exceptions=True)
+            self._http_tls_watch = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -306,7 +425,7 @@ async def serve_until_signal(config: CacheSimConfig) -> int:
     """Serve until SIGTERM or SIGINT; return an exit code."""
     try:
         server = await CacheSimServer(config).start()
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ConfigError) as e:
         log.error("cannot start: %s", e)
         return 1
     stop = asyncio.Event()

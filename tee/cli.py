@@ -2,7 +2,10 @@
 
 Flags override environment variables (``KVMESH_TEE_…``, e.g.
 ``KVMESH_TEE_SEND_CONCURRENCY=32``), which override the ``--config`` file,
-which overrides the defaults (tee/config.py).
+which overrides the defaults (tee/config.py). The server's TLS and policy:
+``--tls-cert``, ``--tls-key``, ``--tls-client-ca``, ``--auth-policy`` (or
+``KVMESH_TEE_TLS__CERT_FILE`` …); a sink's TLS is in its ``tls`` section of
+the config file or ``KVMESH_TEE_SINKS``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.tls import add_server_tls_args, server_tls_overrides
 from tee.config import ConfigError, TeeConfig, load_tee_config
 
 
@@ -38,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-deadline", type=float, metavar="SECONDS", help="default 5")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", choices=["text", "json"])
+    add_server_tls_args(p)
+    p.add_argument(
+        "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
+    )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
     return p
 
@@ -59,6 +67,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "shutdown_deadline_s": args.shutdown_deadline,
         "log_level": args.log_level,
         "log_format": args.log_format,
+        "health_port": args.health_port,
+        **server_tls_overrides(args),
     }
 
 

@@ -10,11 +10,22 @@ Example tee file (YAML)::
 
     send_concurrency: 8          # or KVMESH_TEE_SEND_CONCURRENCY=8
     queue_size: 4096
+    tls:                         # or KVMESH_TEE_TLS__CERT_FILE=... (mutual TLS for routers)
+      cert_file: /certs/tls.crt
+      key_file: /certs/tls.key
+      client_ca_file: /certs/ca.crt
+    auth:
+      policy_file: /policy/policy.yaml   # or KVMESH_TEE_AUTH__POLICY_FILE=...
     sinks:
       - type: http
-        url: http://cachesim:8470
+        url: https://cachesim:8470
+        tls: {ca_file: /certs/ca.crt, cert_file: /certs/tls.crt, key_file: /certs/tls.key}
       - type: grpc
         target: cachesim:50062
+        tls: {ca_file: /certs/ca.crt, cert_file: /certs/tls.crt, key_file: /certs/tls.key}
+
+Without ``tls`` the servers listen in plaintext and without ``auth.policy_file``
+every caller may call every method; both are logged as warnings at start.
 """
 
 from __future__ import annotations
@@ -22,12 +33,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvmesh.auth import AuthSettings
 from kvmesh.cachemodel import EvictionPolicy
 from kvmesh.configfile import ConfigError as ConfigError
 from kvmesh.configfile import env_overrides, merge, read_config_file
+from kvmesh.grpcsvc import ClientLimits
+from kvmesh.tls import ClientTLS, ServerTLS
 from tee.client import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_SEND_TIMEOUT_S, Tee
 from tee.events import DEFAULT_MAX_INPUT_IDS
 
@@ -46,6 +61,22 @@ class HttpSinkConfig(_Strict):
     url: str = Field(min_length=1, description="Base URL; events go to {url}/ingest_ids etc.")
     name: str = Field(default="", description="Metrics label; the URL when empty.")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra request headers.")
+    tls: ClientTLS = Field(
+        default_factory=ClientTLS,
+        description="CA, client certificate (mutual TLS), server name and bearer-token file "
+        "for an https:// url; the token is sent as `Authorization: Bearer`.",
+    )
+
+    @model_validator(mode="after")
+    def _scheme(self) -> HttpSinkConfig:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in ("http", "https"):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if self.tls.active and scheme != "https":
+            raise ValueError(f"tls is set but url {self.url!r} is not https://")
+        if any(k.lower() == "authorization" for k in self.headers) and self.tls.token_file:
+            raise ValueError("headers.Authorization and tls.token_file are both set")
+        return self
 
 
 class GrpcSinkConfig(_Strict):
@@ -54,6 +85,11 @@ class GrpcSinkConfig(_Strict):
     type: Literal["grpc"] = "grpc"
     target: str = Field(min_length=1, description="host:port of the TeeService.")
     name: str = Field(default="", description="Metrics label; grpc://target when empty.")
+    tls: ClientTLS = Field(
+        default_factory=ClientTLS,
+        description="CA, client certificate (mutual TLS), server name and bearer-token file "
+        "of the channel; the channel is reopened when the files change.",
+    )
 
 
 SinkConfig = Annotated[HttpSinkConfig | GrpcSinkConfig, Field(discriminator="type")]
@@ -88,6 +124,27 @@ class TeeConfig(_Strict):
     shutdown_deadline_s: float = Field(
         default=5.0, ge=0, le=3600, description="On SIGTERM, how long queued events may drain."
     )
+    tls: ServerTLS = Field(
+        default_factory=ServerTLS,
+        description="Certificate, key and client CA (mutual TLS) of the gRPC port; empty: "
+        "plaintext.",
+    )
+    auth: AuthSettings = Field(
+        default_factory=AuthSettings,
+        description="Policy file mapping caller identities to roles; empty: authorization off.",
+    )
+    per_client: ClientLimits = Field(
+        default_factory=ClientLimits,
+        description="Per-client in-flight cap and rates (a client is a policy identity, or a "
+        "peer host when authorization is off).",
+    )
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Extra plaintext port serving only grpc.health.v1 (for kubelet gRPC "
+        "probes, which present no certificate); 0: none.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
 
@@ -95,6 +152,8 @@ class TeeConfig(_Strict):
     def _checks(self) -> TeeConfig:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port and port are both {self.port}")
+        if self.health_port and self.health_port in (self.port, self.metrics_port):
+            raise ValueError(f"health_port {self.health_port} is also port or metrics_port")
         names = [s.name or getattr(s, "url", "") or getattr(s, "target", "") for s in self.sinks]
         if len(set(names)) != len(names):
             raise ValueError(f"sinks: names must be unique, got {names}")
@@ -128,8 +187,38 @@ class CacheSimConfig(_Strict):
     max_events_per_call: int = Field(default=4096, ge=1)
     max_message_bytes: int = Field(default=64 << 20, ge=4096)
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=3600)
+    tls: ServerTLS = Field(
+        default_factory=ServerTLS,
+        description="Certificate, key and client CA (mutual TLS) of the gRPC and HTTP ports; "
+        "empty: plaintext. Both ports load changed files for new connections.",
+    )
+    auth: AuthSettings = Field(
+        default_factory=AuthSettings,
+        description="Policy file mapping caller identities to roles; empty: authorization off.",
+    )
+    per_client: ClientLimits = Field(
+        default_factory=ClientLimits,
+        description="Per-client in-flight cap and rates (a client is a policy identity, or a "
+        "peer host when authorization is off).",
+    )
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Extra plaintext port serving only grpc.health.v1 (for kubelet gRPC "
+        "probes, which present no certificate); 0: none.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
+
+    @model_validator(mode="after")
+    def _checks(self) -> CacheSimConfig:
+        ports = [p for p in (self.http_port, self.grpc_port if self.grpc_enabled else 0) if p]
+        if self.health_port and self.health_port in ports:
+            raise ValueError(f"health_port {self.health_port} is also http_port or grpc_port")
+        if self.health_port and not self.grpc_enabled:
+            raise ValueError("health_port serves gRPC health: it needs grpc_enabled")
+        return self
 
 
 # -- loading ------------------------------------------------------------------
@@ -207,7 +296,11 @@ def load_cachesim_config(
 
 
 def build_tee(config: TeeConfig) -> Tee:
-    """A :class:`tee.client.Tee` (not started) with the sinks ``config`` names."""
+    """A :class:`tee.client.Tee` (not started) with the sinks ``config`` names.
+
+    Raises :class:`kvmesh.tls.TLSFileError` (a :class:`ConfigError`) when a
+    sink's certificate, key, CA or token file cannot be read.
+    """
     from tee.sinks import GrpcSink, HttpSink, Sink
 
     sinks: list[Sink] = []
@@ -220,10 +313,11 @@ def build_tee(config: TeeConfig) -> Tee:
                     # One keep-alive connection per in-flight send, never queued in the pool.
                     max_connections=config.send_concurrency,
                     extra_headers=s.headers,
+                    tls=s.tls,
                 )
             )
         else:
-            sinks.append(GrpcSink(s.target, name=s.name))
+            sinks.append(GrpcSink(s.target, name=s.name, tls=s.tls))
     return Tee(
         sinks,
         queue_size=config.queue_size,

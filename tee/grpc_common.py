@@ -2,9 +2,12 @@
 
 :func:`event_from_pb` validates a ``RoutedEvent`` message (raising
 :class:`~tee.errors.InvalidEvent` naming the field); :func:`guard` runs a
-handler body and maps a :class:`~tee.errors.TeeError` to its status (the field
-in the message and in the ``kvmesh-error-field`` trailing metadata) and any
-other exception to INTERNAL, so no call ends UNKNOWN.
+handler body and maps a :class:`~tee.errors.TeeError` or
+:class:`~kvmesh.errors.KvmeshError` (a per-client limit, say) to its status
+(the field in the message and in the ``kvmesh-error-field`` trailing
+metadata) and any other exception to INTERNAL, so no call ends UNKNOWN.
+Identity, roles and per-client limits are checked before a handler runs, by
+the :class:`kvmesh.grpcsvc.Guard` each server registers its services behind.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
+from kvmesh.auth import current_client
+from kvmesh.errors import KvmeshError, ResourceExhausted
+from kvmesh.grpcsvc import Guard
 from kvmesh.runtime import status_code
 from kvmesh.tee.v1 import tee_pb2 as pb
 from tee.errors import InvalidEvent, TeeError, TooLarge
@@ -71,7 +77,7 @@ async def guard(
     """Run ``body``; end the call with the mapped status if it raises (never UNKNOWN)."""
     try:
         return await body()
-    except TeeError as e:
+    except (TeeError, KvmeshError) as e:
         if e.field:
             context.set_trailing_metadata(((ERROR_FIELD_METADATA, e.field),))
         await context.abort(status_code(e.code), str(e))
@@ -81,3 +87,18 @@ async def guard(
         log.exception("internal error in %s", method)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
     raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+
+def take_stream_message(guard_: Guard, method: str) -> bool:
+    """Count one streamed message against the caller's publish rate; False: over it.
+
+    The refusal is counted (and reported to ``guard_.on_refusal``) by the guard.
+    """
+    client = current_client()
+    if client is None:
+        return True
+    try:
+        guard_.take(client, "publish", method)
+    except ResourceExhausted:
+        return False
+    return True

@@ -5,6 +5,12 @@
 prompt is offered (never blocking, never raising) as an ``/ingest_ids`` event
 naming the prefill worker, which is what the cache simulator needs to model
 per-worker caches.
+
+Against a tee server with mutual TLS the router presents its own identity
+(role ``router`` in the tee's policy)::
+
+    tls = ClientTLS(ca_file="ca.crt", cert_file="router.crt", key_file="router.key")
+    tee = await Tee([GrpcSink("tee:50061", tls=tls)]).start()
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The lane counters are plain ints (the serving path pays nothing for
 metrics); a collector reads them at scrape time. Only the send latency
-histogram is observed as sends complete.
+histogram is observed as sends complete. The servers (tee and cache
+simulator) add their refusal counters with :func:`refusal_counter`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -70,3 +71,21 @@ class TeeMetrics:
     def watch(self, source: Callable[[], Sequence[LaneStats]]) -> None:
         """Report the lanes ``source`` returns at every scrape."""
         self._lanes.sources.append(source)
+
+
+def refusal_counter(registry: CollectorRegistry, service: str) -> Counter:
+    """``kvmesh_<service>_refusals_total{method,code}`` in ``registry``.
+
+    Feed it from ``Guard.on_refusal``: calls (gRPC methods, HTTP paths)
+    refused before reaching the service: UNAUTHENTICATED and
+    PERMISSION_DENIED (identity, role), RESOURCE_EXHAUSTED (per-client
+    limits), INVALID_ARGUMENT (undecodable request).
+    """
+    return Counter(
+        f"kvmesh_{service}_refusals_total",
+        "Calls refused before reaching the service: UNAUTHENTICATED and PERMISSION_DENIED "
+        "(identity, role), RESOURCE_EXHAUSTED (per-client limits), INVALID_ARGUMENT "
+        "(undecodable request), by method (gRPC method or HTTP path).",
+        ["method", "code"],
+        registry=registry,
+    )

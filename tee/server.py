@@ -4,6 +4,13 @@ Routers in any language offer events here; the embedded :class:`tee.client.Tee`
 forwards them to the configured sinks. Serves ``grpc.health.v1`` and
 reflection, Prometheus metrics on ``metrics_port``, and on :meth:`TeeServer.stop`
 stops accepting calls, then drains the queues within ``shutdown_deadline_s``.
+
+Security: the port serves TLS or mutual TLS from ``tls`` (certificates
+reloaded when the files change) and every method runs behind a
+:class:`kvmesh.grpcsvc.Guard` with the rules of :data:`TEE_RULES` and the
+policy of ``auth.policy_file``; refusals are counted in
+``kvmesh_tee_refusals_total``. Health is open to everyone, also on the
+optional plaintext ``health_port``.
 """
 
 from __future__ import annotations
@@ -17,32 +24,53 @@ from typing import Any
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 
+from kvmesh.auth import Authorizer
+from kvmesh.configfile import ConfigError
+from kvmesh.grpcsvc import (
+    Guard,
+    MethodRule,
+    add_guarded,
+    add_health_and_reflection,
+    capture_handlers,
+)
 from kvmesh.runtime import new_event_loop, setup_logging
 from kvmesh.tee.v1 import tee_pb2 as pb
 from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
+from kvmesh.tls import add_port
 from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
 from kvmesh.tracing import register_metrics as register_tracing_metrics
 from tee.client import CloseReport, Tee
 from tee.config import TeeConfig, build_tee
-from tee.grpc_common import events_from_pb, guard
+from tee.grpc_common import events_from_pb, guard, take_stream_message
+from tee.metrics import refusal_counter
 
 log = logging.getLogger(__name__)
 
 #: Full name of the service, as health checks and reflection know it.
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["TeeService"].full_name
 
+#: Who may call each TeeService method of a tee (admin may call all). Routers
+#: offer routed requests; a tee may be the gRPC sink of another tee (a fan-out
+#: tree), which presents its ``tee`` identity. Nothing here resets state.
+TEE_RULES: dict[str, MethodRule] = {
+    "OfferEvents": MethodRule(("router", "tee"), rate="publish"),
+    # A stream is admitted once; its messages are counted one by one.
+    "StreamEvents": MethodRule(("router", "tee")),
+    "GetTeeStats": MethodRule(("router",), rate="match"),
+}
+
 
 class TeeServicer(pb_grpc.TeeServiceServicer):
     """Offers received events to the tee."""
 
-    def __init__(self, tee: Tee, config: TeeConfig) -> None:
+    def __init__(self, tee: Tee, config: TeeConfig, guard_: Guard | None = None) -> None:
         self.tee = tee
         self.max_input_ids = config.max_input_ids
         self.max_events = config.max_events_per_call
         self.tracing = tracing_enabled()
+        self.guard = guard_ if guard_ is not None else Guard("tee")
 
     def _offer(self, msgs: Any, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[int, int]:
         events = events_from_pb(msgs, self.max_input_ids, self.max_events)
@@ -74,11 +102,18 @@ class TeeServicer(pb_grpc.TeeServiceServicer):
         request_iterator: AsyncIterator[pb.StreamEventsRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.StreamEventsResponse:
-        """Offer every message's events; a malformed one ends the stream with INVALID_ARGUMENT."""
+        """Offer every message's events; a malformed one ends the stream with INVALID_ARGUMENT.
+
+        A message beyond the caller's publish rate (``per_client.publish_rps``)
+        is not offered: its events count as dropped, and the stream goes on.
+        """
 
         async def body() -> pb.StreamEventsResponse:
             accepted = dropped = 0
             async for request in request_iterator:
+                if not take_stream_message(self.guard, "StreamEvents"):
+                    dropped += len(request.events)
+                    continue
                 a, d = self._offer(request.events, context)
                 accepted += a
                 dropped += d
@@ -112,12 +147,25 @@ class TeeServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        register_tracing_metrics(self.tee.metrics.registry)
-        pb_grpc.add_TeeServiceServicer_to_server(TeeServicer(self.tee, config), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
-        )
+        registry = self.tee.metrics.registry
+        register_tracing_metrics(registry)
+        self.authorizer = Authorizer(config.auth, what="tee")
+        self.guard = Guard("tee", self.authorizer, config.per_client, limits_field="per_client")
+        self.refusals = refusal_counter(registry, "tee")
+        refusals = self.refusals
+        self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
+        servicer = TeeServicer(self.tee, config, self.guard)
+        handlers = capture_handlers(pb_grpc.add_TeeServiceServicer_to_server, servicer)
+        add_guarded(self._server, SERVICE_NAME, handlers[SERVICE_NAME], TEE_RULES, self.guard)
+        add_health_and_reflection(self._server, self.health, [SERVICE_NAME], self.guard)
+        #: Plaintext health-only server for kubelet probes (config.health_port).
+        self._health_server: grpc.aio.Server | None = None
+        if config.health_port:
+            self._health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = 0
+        #: The certificate reloader of the TLS port (None in plaintext).
+        self.tls_reloader: Any = None
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: Any = None
@@ -129,9 +177,19 @@ class TeeServer:
         return _host_port(self.config.host, self.port)
 
     async def start(self) -> TeeServer:
-        """Start the tee, then serve gRPC (and metrics)."""
+        """Bind, start the tee, then serve gRPC (and health, metrics)."""
+        cfg = self.config
+        self.port, self.tls_reloader = add_port(
+            self._server, _host_port(cfg.host, cfg.port), cfg.tls, what="tee"
+        )
+        if self._health_server is not None:
+            addr = _host_port(cfg.host, cfg.health_port)
+            try:
+                self.health_port = self._health_server.add_insecure_port(addr)
+            except RuntimeError as e:
+                raise OSError(f"cannot listen on {addr}: {e}") from e
+            await self._health_server.start()
         await self.tee.start()
-        self.port = self._server.add_insecure_port(_host_port(self.config.host, self.config.port))
         await self._server.start()
         if self.config.metrics_port:
             from prometheus_client import start_http_server
@@ -149,6 +207,8 @@ class TeeServer:
         """Refuse new calls, finish in-flight ones, then drain the tee within its deadline."""
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         report = await self.tee.close(self.config.shutdown_deadline_s)
         self.close_report = report
         if self._metrics_http is not None:
@@ -170,7 +230,7 @@ async def serve_until_signal(config: TeeConfig) -> int:
     configure_tracing("kvmesh-tee")
     try:
         server = await TeeServer(config).start()
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ConfigError) as e:
         log.error("cannot start: %s", e)
         return 1
     stop = asyncio.Event()

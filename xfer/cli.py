@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.configfile import ConfigError
+from kvmesh.tls import add_server_tls_args, server_tls_overrides
 from xfer.config import load_config
 
 
@@ -40,6 +41,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--waiting-timeout-s", type=float)
     p.add_argument("--heartbeat-interval-s", type=float)
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_server_tls_args(p)
+    p.add_argument(
+        "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
+    )
+    p.add_argument(
+        "--peer-allow",
+        action="append",
+        metavar="PATTERN",
+        help="glob on the certificate SANs of sidecars allowed as peers (repeatable; "
+        "needs --tls-client-ca)",
+    )
+    p.add_argument(
+        "--peer-secret-file", metavar="FILE", help="shared peer secret, sent and checked over TLS"
+    )
+    p.add_argument(
+        "--peer-tls-ca",
+        metavar="FILE",
+        help="CA of peer sidecars' certificates (default with --tls-cert: --tls-client-ca)",
+    )
+    p.add_argument(
+        "--peer-tls-cert",
+        metavar="FILE",
+        help="certificate presented to peers (default with --tls-cert: the server's own)",
+    )
+    p.add_argument("--peer-tls-key", metavar="FILE", help="private key of --peer-tls-cert")
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
     p.add_argument(
         "--ready-file", help="write host:port here once serving (for supervisors and tests)"
@@ -47,13 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str]) -> int:
-    """Entry point of ``kvmesh xfer serve``; returns an exit code."""
-    args = list(argv)
-    if args[:1] == ["serve"]:
-        args = args[1:]
-    ns = build_parser().parse_args(args)
-    cli: dict[str, Any] = {
+def overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    """The nested config dict given by the flags (``None`` = not given)."""
+    return {
         "role": ns.role,
         "host": ns.host,
         "port": ns.port,
@@ -75,9 +97,28 @@ def main(argv: Sequence[str]) -> int:
             "aux_count": ns.aux_count,
             "create": ns.create_pool,
         },
+        "health_port": ns.health_port,
+        "peers": {
+            "allowed_identities": ns.peer_allow,
+            "shared_secret_file": ns.peer_secret_file,
+            "tls": {
+                "ca_file": ns.peer_tls_ca,
+                "cert_file": ns.peer_tls_cert,
+                "key_file": ns.peer_tls_key,
+            },
+        },
+        **server_tls_overrides(ns),
     }
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``kvmesh xfer serve``; returns an exit code."""
+    args = list(argv)
+    if args[:1] == ["serve"]:
+        args = args[1:]
+    ns = build_parser().parse_args(args)
     try:
-        config = load_config(ns.config, cli=cli)
+        config = load_config(ns.config, cli=overrides(ns))
     except ConfigError as e:
         print(f"kvmesh xfer serve: {e}", file=sys.stderr)
         return 2

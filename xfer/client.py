@@ -2,11 +2,14 @@
 
 Status codes map to exceptions with one fixed table (:data:`ERRORS`);
 :class:`RoomStatus` values are the proto's and the engines' (Failed=0 …
-Success=4).
+Success=4). With a :class:`~kvmesh.tls.ClientTLS` the client dials with TLS
+(a client certificate for mutual TLS, or a bearer token); when the files
+change it opens a new channel for the following calls.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -19,9 +22,12 @@ from kvmesh.errors import (
     InvalidArgument,
     KvmeshError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
+from kvmesh.tls import ChannelFactory, ClientTLS
 from kvmesh.xfer.v1 import xfer_pb2 as pb
 from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from xfer.engine import AlreadyExists, RoomStatus
@@ -35,6 +41,8 @@ ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 #: Default deadline of a call: the sidecar answers from memory, so anything
@@ -63,13 +71,38 @@ class AddFuture:
 
 
 class XferClient:
-    """A connection to one sidecar. Thread-safe (grpc channels are)."""
+    """A connection to one sidecar. Thread-safe (grpc channels are).
 
-    def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    ``tls``: how to dial (default plaintext); a sidecar with authorization
+    expects an identity with role ``engine``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        tls: ClientTLS | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
-        self._stub = pb_grpc.XferServiceStub(self._channel)
+        self._factory = ChannelFactory(address, tls, what="xfer client")
+        self._channel = self._factory.sync_channel()
+        self._retired: grpc.Channel | None = None
+        self._lock = threading.Lock()
+        self._stub_: pb_grpc.XferServiceStub = pb_grpc.XferServiceStub(self._channel)
+
+    @property
+    def _stub(self) -> pb_grpc.XferServiceStub:
+        with self._lock:
+            if self._factory.stale():
+                # Rotated certificates: new calls use a new channel; the one before
+                # is closed at the next rotation (its calls are long finished).
+                if self._retired is not None:
+                    self._retired.close()
+                self._retired, self._channel = self._channel, self._factory.sync_channel()
+                self._stub_ = pb_grpc.XferServiceStub(self._channel)
+            return self._stub_
 
     def register_room(
         self, room: int, prefill_address: str, dst_page_indices: Sequence[int], aux_index: int = 0
@@ -165,6 +198,8 @@ class XferClient:
     def close(self) -> None:
         """Close the channel."""
         self._channel.close()
+        if self._retired is not None:
+            self._retired.close()
 
     def __enter__(self) -> XferClient:
         return self

@@ -22,8 +22,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvmesh.auth import AuthSettings
 from kvmesh.configfile import ConfigError, format_validation_error, read_config_file
 from kvmesh.configfile import env_overrides as _env_overrides
+from kvmesh.grpcsvc import ClientLimits
+from kvmesh.tls import ClientTLS, ServerTLS
 from xfer.pool import PoolGeometry
 
 #: Prefix of the environment variables read by :func:`load_config`.
@@ -49,6 +52,44 @@ class PoolSettings(_Strict):
     def geometry(self) -> PoolGeometry:
         """The pool's sizes."""
         return PoolGeometry(self.page_size, self.page_count, self.aux_size, self.aux_count)
+
+
+class PeerSettings(_Strict):
+    """Which sidecars may act as this sidecar's peers, and how it dials them."""
+
+    allowed_identities: list[str] = Field(
+        default_factory=list,
+        description="Glob patterns on the certificate SANs of sidecars allowed to call the "
+        "peer methods (Bootstrap, Abort, Heartbeat), e.g. spiffe://fleet/xfer/decode-*. "
+        "Needs mutual TLS (tls.client_ca_file, client_auth require). Empty: any caller "
+        "with role peer.",
+    )
+    shared_secret_file: str = Field(
+        default="",
+        description="File holding the peer secret (at least 16 characters, one per line): "
+        "the first line is sent with every call to a peer, every line is accepted from "
+        "peers (two lines during a rotation). Re-read when it changes. Needs tls (the "
+        "secret never travels in plaintext). Empty: no secret.",
+    )
+    tls: ClientTLS = Field(
+        default_factory=ClientTLS,
+        description="TLS of calls to peers. Left empty while tls.cert_file is set, peers are "
+        "dialed with this sidecar's own certificate (tls.cert_file/key_file) and verified "
+        "with tls.client_ca_file (the system CAs when that is empty).",
+    )
+
+
+class XferLimits(_Strict):
+    """Per-client limits of the gRPC port."""
+
+    per_client: ClientLimits = Field(
+        # The local engine pipelines one AddTransferRequest per chunk
+        # (add_transfer_request_nowait): a generous in-flight cap, so only a
+        # runaway client hits it.
+        default_factory=lambda: ClientLimits(max_in_flight=4096),
+        description="Calls in flight per client (an identity, or a peer host without "
+        "authorization); beyond it RESOURCE_EXHAUSTED.",
+    )
 
 
 class XferConfig(_Strict):
@@ -106,15 +147,60 @@ class XferConfig(_Strict):
     max_rooms: int = Field(default=65536, ge=1, description="Most rooms tracked at once.")
     shutdown_grace_s: float = Field(default=5.0, ge=0, description="SIGTERM drain time.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    tls: ServerTLS = Field(
+        default_factory=ServerTLS,
+        description="TLS of the gRPC port (client_ca_file: mutual TLS). Empty: plaintext, "
+        "logged as a warning at start.",
+    )
+    auth: AuthSettings = Field(
+        default_factory=AuthSettings,
+        description="Policy file: engine methods need role engine, peer methods role peer.",
+    )
+    peers: PeerSettings = Field(default_factory=PeerSettings)
+    limits: XferLimits = Field(default_factory=XferLimits)
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Plaintext port serving only grpc.health.v1 (kubelet probes when the "
+        "gRPC port needs client certificates); 0: none.",
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> XferConfig:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port and port are both {self.port}")
+        if self.health_port and self.health_port in (self.port, self.metrics_port):
+            raise ValueError(f"health_port {self.health_port} is also port or metrics_port")
+        if self.peers.allowed_identities and not (
+            self.tls.mutual and self.tls.client_auth == "require"
+        ):
+            raise ValueError(
+                "peers.allowed_identities needs mutual TLS (tls.client_ca_file with "
+                "tls.client_auth: require): a peer's identity is its client certificate"
+            )
+        if self.peers.shared_secret_file and not (self.tls.enabled and self.peer_tls().active):
+            raise ValueError(
+                "peers.shared_secret_file needs tls.cert_file and tls.key_file: the secret "
+                "is never sent or accepted in plaintext"
+            )
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be finite")
         return self
+
+    def peer_tls(self) -> ClientTLS:
+        """TLS of this sidecar's calls to its peers: ``peers.tls`` when set, else (with
+        ``tls.cert_file``) this sidecar's own certificate, verified by ``tls.client_ca_file``."""
+        if self.peers.tls.active or not self.tls.enabled:
+            return self.peers.tls
+        return ClientTLS(
+            enabled=True,
+            ca_file=self.tls.client_ca_file,
+            cert_file=self.tls.cert_file,
+            key_file=self.tls.key_file,
+            reload_interval_s=self.tls.reload_interval_s,
+        )
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -13,7 +13,12 @@ one role:
   up to the last is written.
 - **decode**: :meth:`XferLogic.register_room` assigns the room a generation;
   :meth:`XferLogic.on_notification` counts the chunks whose tags carry the
-  current generation. Success needs every chunk and the aux slot.
+  current generation and come from the prefill agent the room was
+  bootstrapped with (:meth:`XferLogic.bootstrap_done` records it; tags that
+  arrive before it are held until then). Success needs every chunk and the
+  aux slot. A transport that sees a write before it lands (TCP) asks
+  :meth:`XferLogic.authorize_write` first: only the tagged rooms' own pages,
+  from their own agent.
 
 Status: ``Failed=0, Bootstrapping=1, WaitingForInput=2, Transferring=3,
 Success=4``; forward-only, Failed reachable from any non-terminal state and
@@ -37,7 +42,13 @@ from typing import Any
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound
+from kvmesh.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvmeshError,
+    NotFound,
+    PermissionDenied,
+)
 from kvmesh.tracing import inject_context, tracing_enabled
 from xfer.config import XferConfig
 from xfer.pool import KVPool, PoolGeometry
@@ -99,6 +110,26 @@ class XferMetrics:
         self.worker_errors = Counter(
             "kvmesh_xfer_worker_errors", "Exceptions caught by worker threads", registry=r
         )
+        self.foreign_notifications = Counter(
+            "kvmesh_xfer_foreign_notifications",
+            "Notifications ignored because another agent than the room's bootstrapped "
+            "prefill sidecar sent them",
+            registry=r,
+        )
+        self.refused_writes = Counter(
+            "kvmesh_xfer_refused_writes",
+            "Incoming writes refused before landing (TCP): outside the pool, outside the "
+            "tagged rooms' pages, or from another agent than the rooms' prefill sidecar",
+            registry=r,
+        )
+        self.refusals = Counter(
+            "kvmesh_xfer_refusals",
+            "Calls refused: UNAUTHENTICATED and PERMISSION_DENIED (identity, role, peer "
+            "admission), RESOURCE_EXHAUSTED (per-client limits), INVALID_ARGUMENT "
+            "(undecodable request), by method",
+            ["method", "code"],
+            registry=r,
+        )
         self.add_request_seconds = Histogram(
             "kvmesh_xfer_add_request_seconds",
             "Time add_transfer_request takes to check and queue a chunk",
@@ -122,6 +153,15 @@ class Room:
     dst_pages: list[int] = dataclasses.field(default_factory=list)
     aux_index: int = 0
     peer: str = ""  # prefill: decode's peer name; decode: prefill's address
+    #: Decode: the prefill sidecar's transport agent (from its Bootstrap answer);
+    #: only its notifications count. None: not known yet (or not checked).
+    peer_agent: str | None = None
+    #: Prefill: certificate identity of the decode sidecar that bootstrapped the
+    #: room ("" without mutual TLS); only it may abort the room.
+    peer_identity: str = ""
+    #: Decode: notifications that arrived before the Bootstrap answer named the
+    #: prefill agent, as (agent, tag); replayed or dropped by bootstrap_done.
+    early: list[tuple[str, Tag]] = dataclasses.field(default_factory=list)
     peer_geometry: PoolGeometry | None = None
     bootstrapped: bool = False
     pending: list[Chunk] = dataclasses.field(default_factory=list)
@@ -184,6 +224,11 @@ class XferLogic:
         self._lock = threading.Lock()
         self._gen = itertools.count(int(time.time() * 1000) << 16)
         self._peer_addresses: dict[str, str] = {}  # prefill: peer name -> gRPC address
+        # Prefill: peer name -> certificate identity that first bootstrapped with it,
+        # so one peer cannot bootstrap under another's agent name.
+        self._peer_identities: dict[str, str] = {}
+        self._last_foreign_log = -1e9
+        self._last_refusal_log = -1e9
         self._queues: list[queue.SimpleQueue[Any]] = [
             queue.SimpleQueue() for _ in range(config.queues)
         ]
@@ -191,6 +236,8 @@ class XferLogic:
         # Decided once: with tracing off no room span is built at all.
         self._tracer = trace.get_tracer("kvmesh.xfer") if tracing_enabled() else None
         transport.set_notif_handler(self.on_notification)
+        if config.role == "decode":
+            transport.set_write_check(self.authorize_write)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -335,6 +382,8 @@ class XferLogic:
                     out.append(r)
         if self.role == "prefill" and out:
             self.transport.remove_peer(peer)
+            with self._lock:
+                self._peer_identities.pop(peer, None)
         return out
 
     # -- prefill ----------------------------------------------------------------------------
@@ -351,8 +400,14 @@ class XferLogic:
         metadata: bytes,
         geometry: PoolGeometry,
         transport_kind: str,
+        identity: str = "",
     ) -> None:
-        """Prefill: record a room's destination from the decode sidecar."""
+        """Prefill: record a room's destination from the decode sidecar.
+
+        ``identity`` is the caller's certificate identity ("" without mutual
+        TLS): an agent name stays bound to the identity that first used it, and
+        only that identity may abort the room.
+        """
         self._require("prefill")
         mine = self.pool.geometry
         if transport_kind != self.transport.kind:
@@ -379,6 +434,14 @@ class XferLogic:
             raise InvalidArgument(
                 f"aux index {aux_index} outside [0, {geometry.aux_count})", field="aux_index"
             )
+        if identity:
+            with self._lock:
+                owner = self._peer_identities.setdefault(peer_name, identity)
+            if owner != identity:
+                raise PermissionDenied(
+                    f"agent {peer_name!r} was bootstrapped by another peer identity",
+                    field="peer_name",
+                )
         if metadata:
             if not self.transport.has_peer(peer_name):
                 self.transport.add_peer(peer_name, metadata)
@@ -412,6 +475,7 @@ class XferLogic:
             r.dst_pages = list(dst_pages)
             r.aux_index = aux_index
             r.peer = peer_name
+            r.peer_identity = identity
             r.peer_geometry = geometry
             r.bootstrapped = True
             self._peer_addresses[peer_name] = peer_address
@@ -444,7 +508,10 @@ class XferLogic:
         self._require("prefill")
         start, end = index_slice
         if start < 0 or end < start:
-            raise InvalidArgument(f"bad index slice [{start}, {end})", field="index_slice")
+            raise InvalidArgument(
+                f"bad index slice [{start}, {end})",
+                field="index_slice_start" if start < 0 else "index_slice_end",
+            )
         if end - start != len(page_indices):
             raise InvalidArgument(
                 f"{len(page_indices)} source pages for {end - start} destination pages",
@@ -492,8 +559,15 @@ class XferLogic:
         q = self._queues[zlib.crc32(r.peer.encode()) % len(self._queues)]
         q.put(chunk)
 
-    def abort(self, room: int, generation: int, reason: str) -> bool:
-        """Prefill: the decode side gave up on a room."""
+    def abort(self, room: int, generation: int, reason: str, identity: str = "") -> bool:
+        """Prefill: the decode side gave up on a room. With mutual TLS only the identity
+        that bootstrapped the room may abort it (PERMISSION_DENIED otherwise)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.peer_identity and identity != r.peer_identity:
+                raise PermissionDenied(
+                    f"room {room} was bootstrapped by another peer identity", field="room"
+                )
         return self.fail(room, f"aborted by decode: {reason}", generation)
 
     # -- workers ------------------------------------------------------------------------------
@@ -683,33 +757,70 @@ class XferLogic:
             r.peer = prefill_address
             return dataclasses.replace(r, span=None)
 
-    def bootstrap_done(self, room: int, generation: int, error: str = "") -> None:
-        """Decode: the prefill side accepted (``error`` empty) or refused the bootstrap."""
+    def bootstrap_done(
+        self, room: int, generation: int, error: str = "", peer_agent: str | None = None
+    ) -> None:
+        """Decode: the prefill side accepted (``error`` empty) or refused the bootstrap.
+
+        ``peer_agent`` is the prefill sidecar's transport agent named in its
+        answer: from now on only its notifications count for the room, and
+        those that arrived before (held) are replayed; the others are counted as
+        foreign and dropped. ``None`` does not check agents (the server always
+        passes the name).
+        """
         with self._lock:
             r = self._rooms.get(room)
             if r is None or r.generation != generation:
                 return
+            early, r.early = r.early, []
             if error:
                 self._set(r, RoomStatus.FAILED, f"bootstrap failed: {error}")
-            else:
-                r.bootstrapped = True
-                self._set(r, RoomStatus.WAITING_FOR_INPUT)
+                return
+            r.peer_agent = peer_agent
+            r.bootstrapped = True
+            self._set(r, RoomStatus.WAITING_FOR_INPUT)
+            for agent, tag in early:
+                self._arrived(agent, tag)
 
     def on_notification(self, peer: str, data: bytes) -> None:
-        """Decode: a write landed. Tags of another generation are ignored."""
+        """Decode: a write from agent ``peer`` landed. Tags of another generation, and
+        tags from another agent than the room's prefill sidecar, are ignored."""
         tags = decode_tags(data)
         if tags is None:
             self.metrics.stale_notifications.inc()
             return
         with self._lock:
             for tag in tags:
-                self._arrived(tag)
+                self._arrived(peer, tag)
 
-    def _arrived(self, tag: Tag) -> None:
+    def _foreign(self, agent: str, room: int) -> None:
+        self.metrics.foreign_notifications.inc()
+        now = time.monotonic()
+        if now - self._last_foreign_log >= 10.0:  # at most one line per 10 s
+            self._last_foreign_log = now
+            log.warning(
+                "room %d: ignored a notification from agent %r, not the room's prefill sidecar",
+                room,
+                agent,
+            )
+
+    def _arrived(self, agent: str, tag: Tag) -> None:
         m = self.metrics
         r = self._rooms.get(tag.room)
         if r is None or r.generation != tag.generation or r.status in _TERMINAL:
             m.stale_notifications.inc()
+            return
+        if r.status == RoomStatus.BOOTSTRAPPING and not r.bootstrapped:
+            # The prefill side answered Bootstrap and wrote at once; its answer,
+            # naming its agent, is not processed yet. Hold the tag (a room has
+            # at most one chunk per page, plus an empty last one).
+            if len(r.early) > len(r.dst_pages):
+                self._foreign(agent, tag.room)
+            else:
+                r.early.append((agent, tag))
+            return
+        if r.peer_agent is not None and agent != r.peer_agent:
+            self._foreign(agent, tag.room)
             return
         if tag.chunk in r.chunk_ids:
             m.stale_notifications.inc()
@@ -724,7 +835,6 @@ class XferLogic:
         if tag.flags & FLAG_AUX:
             r.aux_done = True
         if r.status < RoomStatus.TRANSFERRING:
-            r.bootstrapped = True
             self._set(r, RoomStatus.TRANSFERRING)
         need_aux = self.pool.geometry.aux_count > 0
         if (
@@ -737,6 +847,54 @@ class XferLogic:
             r.bytes = len(r.dst_pages) * g.page_size + (g.aux_size if need_aux else 0)
             m.bytes.inc(r.bytes)
             self._set(r, RoomStatus.SUCCESS)
+
+    def authorize_write(self, agent: str, data: bytes, runs: Sequence[tuple[int, int]]) -> str:
+        """Decode: may ``agent`` write ``runs`` ``(offset, length)`` tagged ``data``?
+        ``""`` if so, else why not (the transport then drops the bytes unwritten);
+        a refusal is counted and logged.
+
+        A write may only touch the destination pages (and, flagged, the aux
+        slot) of the rooms its tags name, each of the current generation,
+        unfinished, and bootstrapped with ``agent`` (before the Bootstrap answer
+        names the agent, any agent writing the room's own pages passes; its
+        notification is still held until the answer).
+        """
+        reason = self._write_refusal(agent, data, runs)
+        if reason:
+            self.metrics.refused_writes.inc()
+            now = time.monotonic()
+            if now - self._last_refusal_log >= 10.0:  # at most one line per 10 s
+                self._last_refusal_log = now
+                log.warning("refused a write from agent %r: %s", agent, reason)
+        return reason
+
+    def _write_refusal(self, agent: str, data: bytes, runs: Sequence[tuple[int, int]]) -> str:
+        tags = decode_tags(data)
+        if tags is None:
+            return "not a kvmesh notification"
+        g = self.pool.geometry
+        pages: set[int] = set()
+        aux: set[int] = set()
+        with self._lock:
+            for t in tags:
+                r = self._rooms.get(t.room)
+                if r is None or r.generation != t.generation or r.status in _TERMINAL:
+                    return f"room {t.room} generation {t.generation} is not expected"
+                if r.peer_agent is not None and r.peer_agent != agent:
+                    return f"room {t.room} was bootstrapped with another agent"
+                pages.update(r.dst_pages)
+                if t.flags & FLAG_AUX and g.aux_count:
+                    aux.add(g.kv_bytes + r.aux_index * g.aux_size)
+        ps = g.page_size
+        for off, n in runs:
+            if off in aux and n == g.aux_size:
+                continue
+            if off % ps or n % ps or n <= 0:
+                return f"run at {off} ({n} bytes) is not whole pages of a tagged room"
+            first = off // ps
+            if any(p not in pages for p in range(first, first + n // ps)):
+                return f"run at {off} ({n} bytes) is outside the tagged rooms' pages"
+        return ""
 
     def _require(self, role: str) -> None:
         if self.role != role:

@@ -1,9 +1,13 @@
 """gRPC transport of ``kvmesh.xfer.v1.XferService`` (grpc.aio) and the sidecar's loops.
 
-Transport only: rooms and transfers are xfer/engine.py. Every method goes
-through :func:`_rpc`, which maps a :class:`~indexer.errors.KvmeshError` to the
-status its ``code`` names and anything else to INTERNAL, so no call ends
-UNKNOWN. Beside the service the server runs
+Transport only: rooms and transfers are xfer/engine.py. Every method is
+registered behind the guard of kvmesh/grpcsvc.py (:data:`XFER_RULES`: engine
+methods need role ``engine``, peer methods role ``peer``; undecodable
+requests are INVALID_ARGUMENT) and goes through :func:`_rpc`, which maps a
+:class:`~kvmesh.errors.KvmeshError` to the status its ``code`` names and
+anything else to INTERNAL, so no call ends UNKNOWN. Peer methods also pass
+the peer admission of xfer/peers.py (allowed certificate identities, shared
+secret). Beside the service the server runs
 
 - the bootstrap of each registered room (decode → prefill, metadata once per
   peer, resent when the prefill side does not know it);
@@ -13,14 +17,18 @@ UNKNOWN. Beside the service the server runs
 - aborts: a decode room that is cleared unfinished or times out is failed on
   the prefill side too.
 
-It serves ``grpc.health.v1`` and reflection, Prometheus metrics on
-``metrics_port`` and stops gracefully on SIGTERM.
+It serves ``grpc.health.v1`` and reflection (also health alone in plaintext
+on ``health_port``), Prometheus metrics on ``metrics_port`` and stops
+gracefully on SIGTERM. Calls to peers use ``config.peer_tls()`` and, when
+configured, the peer secret; a peer channel is rebuilt when its certificate
+files change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -32,17 +40,27 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 
-from kvmesh.errors import KvmeshError
+from kvmesh.auth import Authorizer, peer_host
+from kvmesh.configfile import ConfigError
+from kvmesh.errors import KvmeshError, PermissionDenied, Unauthenticated
+from kvmesh.grpcsvc import (
+    Guard,
+    MethodRule,
+    add_guarded,
+    add_health_and_reflection,
+    capture_handlers,
+)
 from kvmesh.runtime import ERROR_FIELD_METADATA, new_event_loop, status_code
+from kvmesh.tls import ChannelFactory, add_port
 from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
 from kvmesh.tracing import register_metrics as register_tracing_metrics
 from kvmesh.xfer.v1 import xfer_pb2 as pb
 from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from xfer.config import XferConfig
 from xfer.engine import Room, XferLogic, XferMetrics
+from xfer.peers import AGENT_METADATA, SECRET_METADATA, PeerAdmission
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import Transport, make_transport
 
@@ -56,6 +74,25 @@ _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 #: Deadline of a Bootstrap or Abort call to a peer: long enough for a loaded
 #: peer on a small host, short next to the bootstrap timeout.
 _PEER_CALL_TIMEOUT_S = 5.0
+
+#: Who may call each XferService method (admin may call all): the engine beside
+#: the sidecar drives rooms; the other side's sidecar bootstraps, aborts and pings.
+XFER_RULES: dict[str, MethodRule] = {
+    "RegisterRoom": MethodRule(("engine",)),
+    "AddTransferRequest": MethodRule(("engine",)),
+    "Poll": MethodRule(("engine",)),
+    "Clear": MethodRule(("engine",)),
+    "Bootstrap": MethodRule(("peer",)),
+    "Abort": MethodRule(("peer",)),
+    "Heartbeat": MethodRule(("peer",)),
+}
+
+
+def _auth_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[list[str], bool]:
+    """The caller's verified certificate SANs and whether the connection is TLS."""
+    ac = context.auth_context() or {}
+    sans = [v.decode("utf-8", "replace") for v in ac.get("x509_subject_alternative_name", [])]
+    return sans, ac.get("transport_security_type") == [b"ssl"]
 
 
 def _rpc(fn: _F) -> _F:
@@ -74,6 +111,8 @@ def _rpc(fn: _F) -> _F:
         try:
             return await fn(self, request, context)
         except KvmeshError as e:
+            if isinstance(e, PermissionDenied | Unauthenticated):
+                self.server.refused(fn.__name__, e, context)
             if e.field:
                 context.set_trailing_metadata(((ERROR_FIELD_METADATA, e.field),))
             await context.abort(status_code(e.code), str(e))
@@ -143,6 +182,7 @@ class XferServicer(pb_grpc.XferServiceServicer):
     async def Bootstrap(
         self, request: pb.BootstrapRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.BootstrapResponse:
+        identity = self.server.admit_peer(context)
         self.logic.bootstrap(
             room=request.room,
             generation=request.generation,
@@ -155,15 +195,19 @@ class XferServicer(pb_grpc.XferServiceServicer):
                 request.page_size, request.page_count, request.aux_size, request.aux_count
             ),
             transport_kind=request.transport,
+            identity=identity,
         )
+        # The decode side accepts this room's notifications only from this agent.
+        context.set_trailing_metadata(((AGENT_METADATA, self.server.transport.name),))
         return pb.BootstrapResponse(instance_id=self.server.instance_id)
 
     @_rpc
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AbortResponse:
+        identity = self.server.admit_peer(context)
         if self.logic.role == "prefill":
-            self.logic.abort(request.room, request.generation, request.reason)
+            self.logic.abort(request.room, request.generation, request.reason, identity)
         else:
             self.logic.fail(
                 request.room, f"aborted by prefill: {request.reason}", request.generation
@@ -174,7 +218,27 @@ class XferServicer(pb_grpc.XferServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.HeartbeatResponse:
+        self.server.admit_peer(context)
         return pb.HeartbeatResponse(instance_id=self.server.instance_id)
+
+
+@dataclasses.dataclass
+class _PeerChannel:
+    """The channel to one peer and the factory that rebuilds it on rotation."""
+
+    factory: ChannelFactory
+    channel: grpc.aio.Channel
+    stub: pb_grpc.XferServiceAsyncStub
+
+    @classmethod
+    def open(cls, factory: ChannelFactory) -> _PeerChannel:
+        ch = factory.channel()
+        return cls(factory, ch, pb_grpc.XferServiceStub(ch))
+
+
+async def _close_later(channel: grpc.aio.Channel, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    await channel.close()
 
 
 class XferServer:
@@ -182,6 +246,13 @@ class XferServer:
 
     def __init__(self, config: XferConfig, transport: Transport | None = None) -> None:
         self.config = config
+        # Secret and certificate files first: a bad one fails the start, naming
+        # the file, before the pool is mapped or a socket is bound.
+        self.admission = PeerAdmission(config.peers)
+        #: TLS of calls to peers.
+        self.peer_tls = config.peer_tls()
+        if self.peer_tls.active:
+            ChannelFactory("peers", self.peer_tls, what="xfer peers")
         geo = config.pool.geometry()
         if config.pool.create:
             self.pool = KVPool.create(config.pool.path, geo)
@@ -199,23 +270,27 @@ class XferServer:
         self.logic = XferLogic(config, self.pool, self.transport, self.metrics)
         #: Changes on every start, so peers notice a restart.
         self.instance_id = uuid.uuid4().hex
+        self.authorizer = Authorizer(config.auth, what="xfer")
+        self.guard = Guard("xfer", self.authorizer, config.limits.per_client)
+        refusals = self.metrics.refusals
+        self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
         self._server = grpc.aio.server()
-        pb_grpc.add_XferServiceServicer_to_server(XferServicer(self), self._server)
+        handlers = capture_handlers(pb_grpc.add_XferServiceServicer_to_server, XferServicer(self))
+        add_guarded(self._server, SERVICE_NAME, handlers[SERVICE_NAME], XFER_RULES, self.guard)
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self._server,
-        )
+        add_health_and_reflection(self._server, self.health, [SERVICE_NAME], self.guard)
+        #: Plaintext health-only server for kubelet probes (config.health_port).
+        self._health_server: grpc.aio.Server | None = None
+        if config.health_port:
+            self._health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = 0
+        self.tls_reloader: Any = None
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.XferServiceAsyncStub]] = {}
+        self._channels: dict[str, _PeerChannel] = {}
         self._md_sent: set[str] = set()
         self._peer_instance: dict[str, str] = {}
         self._stopped = False
@@ -231,13 +306,52 @@ class XferServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    # -- security ---------------------------------------------------------------------------
+
+    def admit_peer(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        """The calling peer's certificate identity ("" without one) once it passes the
+        peer admission; PermissionDenied / Unauthenticated otherwise."""
+        sans, secure = _auth_context(context)
+        secret = None
+        for k, v in context.invocation_metadata() or ():
+            if k == SECRET_METADATA:
+                secret = v.encode() if isinstance(v, str) else bytes(v)
+        return self.admission.admit(sans, secure, secret)
+
+    def refused(
+        self,
+        method: str,
+        err: PermissionDenied | Unauthenticated,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Count and log (rate-limited, never a secret) a refusal raised past the guard."""
+        sans, _ = _auth_context(context)
+        who = ",".join(sans) or peer_host(context.peer() or "")
+        self.authorizer.refuse(method, err, who)
+
+    def _peer_metadata(
+        self, extra: tuple[tuple[str, str], ...] = ()
+    ) -> tuple[tuple[str, str], ...] | None:
+        """Metadata of a call to a peer: ``extra`` plus the secret when one is configured."""
+        md = extra
+        secret = self.admission.secret
+        if secret is not None:
+            md = (*md, (SECRET_METADATA, secret.outgoing()))
+        return md or None
+
     def _stub(self, address: str) -> pb_grpc.XferServiceAsyncStub:
         entry = self._channels.get(address)
-        if entry is None:
-            ch = grpc.aio.insecure_channel(address)
-            entry = (ch, pb_grpc.XferServiceStub(ch))
+        if entry is not None and entry.factory.stale():
+            # Certificates rotated: new calls handshake with the new files; the
+            # old channel closes once its calls are past their deadline.
+            self.spawn(_close_later(entry.channel, _PEER_CALL_TIMEOUT_S))
+            entry = _PeerChannel.open(entry.factory)
             self._channels[address] = entry
-        return entry[1]
+        if entry is None:
+            factory = ChannelFactory(address, self.peer_tls, what=f"xfer peer {address}")
+            entry = _PeerChannel.open(factory)
+            self._channels[address] = entry
+        return entry.stub
 
     # -- decode → prefill calls -----------------------------------------------------------------
 
@@ -245,8 +359,13 @@ class XferServer:
         """Send a registered room's destination to its prefill sidecar."""
         addr = room.peer
         geo = self.pool.geometry
-        stub = self._stub(addr)
+        try:
+            stub = self._stub(addr)
+        except ConfigError as e:  # certificate files unreadable since the start
+            self.logic.bootstrap_done(room.room, room.generation, f"peer channel: {e}")
+            return
         error = ""
+        agent = ""
         for attempt in range(2):
             send_md = addr not in self._md_sent or attempt > 0
             req = pb.BootstrapRequest(
@@ -264,9 +383,13 @@ class XferServer:
                 transport=self.transport.kind,
             )
             try:
-                resp = await stub.Bootstrap(
-                    req, timeout=_PEER_CALL_TIMEOUT_S, metadata=room.trace_context or None
+                call = stub.Bootstrap(
+                    req,
+                    timeout=_PEER_CALL_TIMEOUT_S,
+                    metadata=self._peer_metadata(room.trace_context),
                 )
+                resp = await call
+                trailing = await call.trailing_metadata()
             except grpc.aio.AioRpcError as e:
                 error = f"{e.code().name}: {e.details()}"
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not send_md:
@@ -276,9 +399,10 @@ class XferServer:
             if send_md:
                 self._md_sent.add(addr)
             self._peer_instance.setdefault(addr, resp.instance_id)
-            error = ""
+            agent = next((str(v) for k, v in trailing or () if k == AGENT_METADATA), "")
+            error = "" if agent else "the prefill sidecar did not name its transport agent"
             break
-        self.logic.bootstrap_done(room.room, room.generation, error)
+        self.logic.bootstrap_done(room.room, room.generation, error, peer_agent=agent or None)
         if error:
             log.info("room %d: bootstrap with %s failed: %s", room.room, addr, error)
 
@@ -286,10 +410,11 @@ class XferServer:
         """Tell the prefill side to fail ``room`` (best effort)."""
         if not room.peer:
             return
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        with contextlib.suppress(grpc.aio.AioRpcError, ConfigError):
             await self._stub(room.peer).Abort(
                 pb.AbortRequest(room=room.room, generation=room.generation, reason=reason),
                 timeout=_PEER_CALL_TIMEOUT_S,
+                metadata=self._peer_metadata(),
             )
 
     # -- loops --------------------------------------------------------------------------------
@@ -319,10 +444,13 @@ class XferServer:
     async def _ping(self, key: str, address: str, deadline_s: float) -> None:
         try:
             resp = await self._stub(address).Heartbeat(
-                pb.HeartbeatRequest(peer_name=self.transport.name), timeout=deadline_s
+                pb.HeartbeatRequest(peer_name=self.transport.name),
+                timeout=deadline_s,
+                metadata=self._peer_metadata(),
             )
-        except grpc.aio.AioRpcError as e:
-            failed = self.logic.peer_failed(key, f"peer {address} is unreachable ({e.code().name})")
+        except (grpc.aio.AioRpcError, ConfigError) as e:
+            code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            failed = self.logic.peer_failed(key, f"peer {address} is unreachable ({code})")
             if failed:
                 log.warning("peer %s unreachable: failed %d rooms", address, len(failed))
             self._md_sent.discard(address)
@@ -338,11 +466,16 @@ class XferServer:
     async def start(self) -> None:
         """Bind, start serving and start the loops."""
         cfg = self.config
-        target = f"{cfg.host}:{cfg.port}"
-        try:
-            self.port = self._server.add_insecure_port(target)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {target}: {e}") from e
+        self.port, self.tls_reloader = add_port(
+            self._server, f"{cfg.host}:{cfg.port}", cfg.tls, what="xfer"
+        )
+        if self._health_server is not None:
+            addr = f"{cfg.host}:{cfg.health_port}"
+            try:
+                self.health_port = self._health_server.add_insecure_port(addr)
+            except RuntimeError as e:
+                raise OSError(f"cannot listen on {addr}: {e}") from e
+            await self._health_server.start()
         self.logic.start()
         await self._server.start()
         for name in ("", SERVICE_NAME):
@@ -373,10 +506,12 @@ class XferServer:
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         for t in list(self._tasks):
             t.cancel()
-        for ch, _ in self._channels.values():
-            await ch.close()
+        for entry in self._channels.values():
+            await entry.channel.close()
         await asyncio.get_running_loop().run_in_executor(None, self.logic.stop)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
@@ -397,7 +532,7 @@ async def serve_until_signal(
     """Serve until SIGTERM or SIGINT, then shut down; return an exit code."""
     try:
         server = await start_server(config)
-    except (OSError, KvmeshError, RuntimeError) as e:
+    except (OSError, KvmeshError, RuntimeError, ConfigError) as e:
         log.error("cannot start: %s", e)
         return 1
     if ready is not None:

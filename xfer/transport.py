@@ -8,6 +8,14 @@ bytes of every run land in the peer's pool and then the peer's notification
 handler receives the tag. Both check every run against the pools before any
 byte moves.
 
+What a receiver can refuse differs. A TCP receiver reads each frame's runs
+and tag before its bytes: it refuses a sender that does not present the key
+its metadata carried, and asks the write check (:meth:`Transport.set_write_check`,
+the decode logic's room rules) before writing a byte. A NIXL WRITE is
+one-sided: the bytes land in the registered pool before the receiver hears
+of them, so only the notification can be judged (by its sending agent's
+name). See docs/xfer.md, "Security".
+
 Thread-safety: ``post``/``check``/``release`` may be called from several
 worker threads at once (one peer is only ever used by one queue, see
 xfer/engine.py); the notification handler is called from one transport
@@ -18,10 +26,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import hmac
 import importlib
 import itertools
 import json
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -41,6 +51,10 @@ XferState = Literal["DONE", "PROC", "ERR"]
 #: Called with (peer name, tag bytes) when a transfer from a peer has landed.
 NotifHandler = Callable[[str, bytes], None]
 
+#: Called with (peer name, tag bytes, runs as (destination offset, length))
+#: before an incoming write lands; returns "" to allow it, else the reason.
+WriteCheck = Callable[[str, bytes, Sequence[tuple[int, int]]], str]
+
 
 class NixlUnavailable(RuntimeError):
     """NIXL cannot be used here; the message says why and names the fallback."""
@@ -57,10 +71,19 @@ class Transport(abc.ABC):
         #: This side's agent name, unique per sidecar instance.
         self.name = name or f"kvx-{uuid.uuid4().hex[:12]}"
         self._handler: NotifHandler | None = None
+        self._write_check: WriteCheck | None = None
 
     def set_notif_handler(self, handler: NotifHandler) -> None:
         """Route incoming notifications to ``handler`` (call before :meth:`start`)."""
         self._handler = handler
+
+    def set_write_check(self, check: WriteCheck) -> None:
+        """Ask ``check`` before an incoming write lands (call before :meth:`start`).
+
+        Only transports that see a write before its bytes land can honour it
+        (TCP); NIXL's one-sided writes cannot be stopped by the receiver.
+        """
+        self._write_check = check
 
     def _notify(self, peer: str, tag: bytes) -> None:
         if self._handler is not None:
@@ -285,11 +308,14 @@ class NixlTransport(Transport):
 
 # -- TCP --------------------------------------------------------------------------------
 
-_HELLO = struct.Struct("<4sH")  # magic, sender name length
+_HELLO = struct.Struct("<4sHH")  # magic, sender name length, receiver key length
 _FRAME = struct.Struct("<QIH")  # request id, run count, tag length
 _RUN = struct.Struct("<QQ")  # destination offset, length
 _ACK = struct.Struct("<QB")  # request id, status (0 ok, 1 rejected)
-_TCP_MAGIC = b"kvxt"
+#: Wire version 2: the hello carries the receiver's key (from its metadata).
+_TCP_MAGIC = b"kvt2"
+#: Longest sender name or key a hello may carry.
+_MAX_HELLO_FIELD = 256
 
 #: Largest run count of one frame; a frame claiming more is malformed and the
 #: connection is dropped (a real chunk has at most one run per page).
@@ -314,13 +340,13 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 class _TcpPeer:
     """Sender side of one peer connection: frames out, acks in."""
 
-    def __init__(self, name: str, host: str, port: int, my_name: str) -> None:
+    def __init__(self, name: str, host: str, port: int, my_name: str, key: str) -> None:
         self.name = name
         self.sock = socket.create_connection((host, port), timeout=5)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nb = my_name.encode()
-        self.sock.sendall(_HELLO.pack(_TCP_MAGIC, len(nb)) + nb)
+        nb, kb = my_name.encode(), key.encode()
+        self.sock.sendall(_HELLO.pack(_TCP_MAGIC, len(nb), len(kb)) + nb + kb)
         self.send_lock = threading.Lock()
         self.state: dict[int, XferState] = {}
         self.dead = False
@@ -332,6 +358,8 @@ class _TcpPeer:
             while True:
                 rid, status = _ACK.unpack(_recv_exact(self.sock, _ACK.size))
                 self.state[rid] = "DONE" if status == 0 else "ERR"
+                if status:
+                    log.warning("peer %s refused a write (see its log for why)", self.name)
         except (OSError, ConnectionError):
             pass
         self.dead = True
@@ -348,7 +376,12 @@ class _TcpPeer:
 
 class TcpTransport(Transport):
     """Plain TCP: each frame carries its runs, tag and bytes; the receiver writes
-    them straight into its pool (after checking every run) and acknowledges."""
+    them straight into its pool (after checking every run) and acknowledges.
+
+    A connection must open with the receiver's key, a random value of this
+    instance that only its metadata carries (given to peers by Bootstrap), so
+    a client that never bootstrapped cannot send frames at all.
+    """
 
     kind = "tcp"
 
@@ -363,6 +396,9 @@ class TcpTransport(Transport):
         self._ids = itertools.count(1)
         self._closed = False
         self._conns: set[socket.socket] = set()
+        self._key = secrets.token_hex(16)
+        #: Connections closed because the hello had the wrong magic or key.
+        self.refused_connections = 0
 
     def start(self) -> None:
         """Start accepting peer connections."""
@@ -382,10 +418,15 @@ class TcpTransport(Transport):
         pool = self.pool
         total = pool.geometry.total_bytes
         try:
-            magic, nlen = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            if magic != _TCP_MAGIC:
+            magic, nlen, klen = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            if magic != _TCP_MAGIC or nlen > _MAX_HELLO_FIELD or klen > _MAX_HELLO_FIELD:
+                self._refuse_connection("not a kvmesh TCP peer (wrong magic or version)")
                 return
             peer = _recv_exact(conn, nlen).decode()
+            key = _recv_exact(conn, klen)
+            if not hmac.compare_digest(key, self._key.encode()):
+                self._refuse_connection(f"{peer!r} did not present this sidecar's key")
+                return
             while True:
                 rid, nruns, tlen = _FRAME.unpack(_recv_exact(conn, _FRAME.size))
                 if nruns > _MAX_RUNS:
@@ -393,15 +434,19 @@ class TcpTransport(Transport):
                 runs = [_RUN.unpack_from(b, 0) for b in _chunks(conn, nruns)]
                 tag = _recv_exact(conn, tlen)
                 ok = all(off >= 0 and n > 0 and off + n <= total for off, n in runs)
+                if self._write_check is not None:  # counts and logs its refusals
+                    ok = not self._write_check(peer, tag, runs) and ok
+                if not ok and sum(n for _, n in runs) > total:
+                    return  # more bytes than the pool holds: malformed, drop the link
                 for off, n in runs:
                     if ok:
                         _recv_into(conn, pool.view[off : off + n])
-                    else:  # drain into scratch: nothing outside the pool is ever written
-                        _recv_into(conn, memoryview(bytearray(n)))
+                    else:  # drain into scratch: nothing refused is ever written
+                        _drain(conn, n)
                 conn.sendall(_ACK.pack(rid, 0 if ok else 1))
                 if ok:
                     self._notify(peer, tag)
-                else:
+                elif self._write_check is None:
                     log.warning("rejected a frame from %s with a run outside the pool", peer)
         except (OSError, ConnectionError, struct.error, UnicodeDecodeError):
             pass
@@ -409,16 +454,25 @@ class TcpTransport(Transport):
             self._conns.discard(conn)
             conn.close()
 
+    def _refuse_connection(self, why: str) -> None:
+        self.refused_connections += 1
+        log.warning("refused a TCP data connection: %s", why)
+
     def metadata(self) -> bytes:
-        """The listening endpoint and pool size, as JSON."""
-        md = {"host": self.host, "port": self.port, "size": self.pool.geometry.total_bytes}
+        """The listening endpoint, pool size and connection key, as JSON."""
+        md = {
+            "host": self.host,
+            "port": self.port,
+            "size": self.pool.geometry.total_bytes,
+            "key": self._key,
+        }
         return json.dumps(md).encode()
 
     def add_peer(self, name: str, metadata: bytes) -> None:
         """Remember the peer's endpoint; the connection opens on first use."""
         try:
             md = json.loads(metadata)
-            _ = (str(md["host"]), int(md["port"]), int(md["size"]))
+            _ = (str(md["host"]), int(md["port"]), int(md["size"]), str(md["key"]))
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidArgument(f"bad TCP metadata: {e}", field="agent_metadata") from e
         with self._lock:
@@ -448,7 +502,7 @@ class TcpTransport(Transport):
         if md is None:
             raise FailedPrecondition(f"unknown peer {name}", field="peer")
         info = json.loads(md)
-        peer = _TcpPeer(name, info["host"], info["port"], self.name)
+        peer = _TcpPeer(name, info["host"], info["port"], self.name, str(info["key"]))
         with self._lock:
             self._peers[name] = peer
         return peer
@@ -506,6 +560,14 @@ class TcpTransport(Transport):
         for c in list(self._conns):
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
+
+
+def _drain(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n > 0:
+        k = min(n, len(scratch))
+        _recv_into(sock, scratch[:k])
+        n -= k
 
 
 def _chunks(conn: socket.socket, nruns: int) -> list[bytes]:

@@ -1,0 +1,142 @@
+"""Which sidecars may act as peers: certificate identities and the shared secret.
+
+No grpc here: xfer/server.py hands :meth:`PeerAdmission.admit` what the call
+carried (the caller's verified certificate SANs, whether the connection is
+TLS, the secret header) and maps the errors to status codes.
+
+- ``peers.allowed_identities``: glob patterns on the SANs of the caller's
+  client certificate (verified by mutual TLS). No certificate:
+  UNAUTHENTICATED; a certificate that matches no pattern: PERMISSION_DENIED.
+- ``peers.shared_secret_file``: the caller sends the secret in the
+  :data:`SECRET_METADATA` header; it is compared with every accepted line of
+  the file by :func:`hmac.compare_digest`. Missing, wrong, or arriving over a
+  plaintext connection: UNAUTHENTICATED. The secret never appears in an
+  error message or a log line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import os
+import threading
+from collections.abc import Sequence
+
+from kvmesh.configfile import ConfigError
+from kvmesh.errors import PermissionDenied, Unauthenticated
+from xfer.config import PeerSettings
+
+#: Call metadata carrying the peer secret (sidecar to sidecar, over TLS only).
+SECRET_METADATA = "kvmesh-peer-secret"
+
+#: Trailing metadata of a Bootstrap answer naming the prefill sidecar's
+#: transport agent: the decode side accepts a room's notifications only from it.
+AGENT_METADATA = "kvmesh-xfer-agent"
+
+#: Shortest secret accepted: 16 characters (e.g. ``openssl rand -hex 32`` gives 64).
+MIN_SECRET_LEN = 16
+
+
+class SecretFile:
+    """The peer secret file, re-read when it changes (checked on every use: one stat).
+
+    The first non-empty line is what this sidecar sends; every non-empty line
+    is accepted, so a rotation is: add the new secret as a second line on
+    every sidecar, move it first, then drop the old one.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int, int] | None = None
+        self._lines: list[bytes] = []
+        self.reload_failures = 0
+        self._load()  # fail at start, naming the file, rather than on the first call
+
+    def _stat(self) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size)
+
+    def _load(self) -> None:
+        stamp = self._stat()
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ConfigError(
+                f"cannot read peers.shared_secret_file {self.path!r}: {e.strerror or e}"
+            ) from e
+        lines = [ln.strip() for ln in raw.splitlines() if ln.strip()]
+        if not lines:
+            raise ConfigError(f"peers.shared_secret_file {self.path!r} is empty")
+        short = [i + 1 for i, ln in enumerate(lines) if len(ln) < MIN_SECRET_LEN]
+        if short:
+            raise ConfigError(
+                f"peers.shared_secret_file {self.path!r}: line {short[0]} is shorter than "
+                f"{MIN_SECRET_LEN} characters"
+            )
+        self._lines, self._stamp = lines, stamp
+
+    def _current(self) -> list[bytes]:
+        stamp = self._stat()
+        with self._lock:
+            if stamp != self._stamp:
+                try:
+                    self._load()
+                except ConfigError:
+                    # Keep the previous secret: a half-written file must not
+                    # lock every peer out. Counted; the path is in the config.
+                    self.reload_failures += 1
+                    self._stamp = stamp
+            return self._lines
+
+    def outgoing(self) -> str:
+        """The secret to send."""
+        return self._current()[0].decode("utf-8", "replace")
+
+    def matches(self, secret: bytes) -> bool:
+        """Whether ``secret`` is one of the accepted lines (constant time per line)."""
+        ok = False
+        for line in self._current():
+            ok |= hmac.compare_digest(line, secret)
+        return ok
+
+
+class PeerAdmission:
+    """Decides whether the caller of a peer method is an allowed peer."""
+
+    def __init__(self, settings: PeerSettings) -> None:
+        self.patterns = list(settings.allowed_identities)
+        path = settings.shared_secret_file
+        self.secret = SecretFile(path) if path else None
+
+    @property
+    def active(self) -> bool:
+        """Whether any check is configured."""
+        return bool(self.patterns) or self.secret is not None
+
+    def admit(self, sans: Sequence[str], secure: bool, secret: bytes | None) -> str:
+        """The caller's certificate identity (``""`` without a certificate), or raise
+        PermissionDenied / Unauthenticated naming what is wrong (never the secret)."""
+        identity = ",".join(sans)
+        if self.patterns:
+            if not sans:
+                raise Unauthenticated(
+                    "no client certificate: peers must present one (peers.allowed_identities)"
+                )
+            if not any(fnmatch.fnmatchcase(s, p) for p in self.patterns for s in sans):
+                raise PermissionDenied(
+                    f"certificate identity {identity!r} is not an allowed peer "
+                    "(peers.allowed_identities)"
+                )
+        if self.secret is not None:
+            if secret is None:
+                raise Unauthenticated("no peer secret (peers.shared_secret_file)")
+            if not secure:
+                raise Unauthenticated("a peer secret is accepted over TLS only")
+            if not self.secret.matches(secret):
+                raise Unauthenticated("wrong peer secret (peers.shared_secret_file)")
+        return identity

@@ -2,12 +2,15 @@
 
 A router embeds one :class:`Router` per process::
 
-    router = Router(load_config("buckets.yaml"), indexer=IndexerClient("indexer:50051"))
+    config = load_config("router.yaml")  # buckets; indexer deadline, breaker and tls
+    indexer = IndexerClient("indexer:50051", settings=config.indexer, model=config.model)
+    router = Router(config, indexer=indexer)
     decision = await router.route(RouteRequest("req-1", input_tokens=900, token_ids=ids))
     router.started(req, decision.prefill)   # ... and router.finished(req) at the end
 
-This package imports the generated API, grpcio and :mod:`kvmesh.blockkeys`,
-never the indexer service itself. See README.md for the file map.
+This package imports the generated API, grpcio and kvmesh's shared modules
+(:mod:`kvmesh.blockkeys`, :mod:`kvmesh.tls`, ...), never the indexer service
+itself. See README.md for the file map.
 """
 
 from router_client.config import (

@@ -21,6 +21,15 @@ Example (YAML; TOML and JSON carry the same keys)::
       - {id: long, stage: prefill, rank: 1, workers: [p1], max_tokens: 131072}
       - {id: all, stage: decode, workers: [d0, d1], max_tokens: 140000,
          tps_p05: 20, limits: {max_running_requests: 64}}
+    indexer:                      # how Match calls reach the indexer
+      deadline_ms: 5
+      tls:                        # kvmesh.tls.ClientTLS; empty: plaintext
+        ca_file: /etc/kvmesh/tls/ca.crt
+        cert_file: /etc/kvmesh/tls/tls.crt   # mutual TLS: the router's identity
+        key_file: /etc/kvmesh/tls/tls.key
+
+:func:`load_config` also reads ``KVMESH_ROUTER_…`` environment variables over
+the file, nested keys joined by ``__`` (``KVMESH_ROUTER_INDEXER__TLS__CA_FILE``).
 
 Every error is a :class:`~router_client.errors.ConfigError` whose ``field``
 is the path of the offending value (``buckets[1].max_tokens``).
@@ -35,7 +44,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmesh.configfile import ConfigError as FileConfigError
-from kvmesh.configfile import read_config_file
+from kvmesh.configfile import env_overrides, merge, read_config_file
+from kvmesh.tls import ClientTLS
 from router_client.errors import ConfigError
 
 Stage = Literal["prefill", "decode"]
@@ -49,6 +59,9 @@ SloPolicy = Literal["disabled", "slo_first", "best_effort"]
 #: W=16): 0.02 reaches 97-99% of the pooled bound; 0.05 drops to 94%, 0.5 to 66%;
 #: 0 (pure affinity) sends everything to the first holder of the shared block 0.
 DEFAULT_BALANCE = 0.02
+
+#: Prefix of the environment variables read by :func:`load_config`.
+ENV_PREFIX = "KVMESH_ROUTER_"
 
 
 class _Strict(BaseModel):
@@ -93,6 +106,11 @@ class IndexerClientSettings(_Strict):
     # Consecutive failures that open the circuit; how long it stays open.
     breaker_failures: int = Field(default=5, ge=1)
     breaker_cooldown_s: float = Field(default=1.0, gt=0)
+    tls: ClientTLS = Field(
+        default=ClientTLS(),
+        description="TLS, client certificate and bearer token of the channel to the indexer "
+        "(kvmesh.tls.ClientTLS); all empty: plaintext. Changed files open a new channel.",
+    )
 
 
 class RouterConfig(_Strict):
@@ -185,10 +203,20 @@ def parse_config(data: Mapping[str, Any]) -> RouterConfig:
     return cfg
 
 
-def load_config(path: str | Path) -> RouterConfig:
-    """Read a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) bucket config file."""
+def load_config(
+    path: str | Path | None = None, *, environ: Mapping[str, str] | None = None
+) -> RouterConfig:
+    """Read a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) config file, then the environment.
+
+    ``KVMESH_ROUTER_…`` variables (nested keys joined by ``__``, e.g.
+    ``KVMESH_ROUTER_INDEXER__TLS__CA_FILE``) override the file; ``environ``
+    defaults to ``os.environ``.
+    """
+    data: dict[str, Any] = {}
     try:
-        data = read_config_file(path)
+        if path is not None:
+            data = read_config_file(path)
+        data = merge(data, env_overrides(ENV_PREFIX, environ))
     except FileConfigError as e:
         raise ConfigError(str(e)) from None
     return parse_config(data)

@@ -10,11 +10,25 @@ router routes on load alone. It never raises for indexer trouble.
 
 The client sends block keys (computed by the router with
 :mod:`kvmesh.blockkeys`), never token ids.
+
+Transport security: with ``settings.tls`` (:class:`kvmesh.tls.ClientTLS`) the
+channel uses TLS, a client certificate (mutual TLS) and a bearer token, built
+by :class:`kvmesh.tls.ChannelFactory`. A TLS handshake the server refuses ends
+the call UNAVAILABLE, so it counts as an indexer failure like any other. When
+the certificate files change (checked from :meth:`IndexerClient.match` at most
+every ``tls.reload_interval_s``: one clock read per call), a new channel is
+opened and connected in the background; calls move to it once it is ready, and
+the old channel is closed when its calls have ended (they all carry the
+deadline). Until then, and if the new channel cannot connect, calls keep using
+the old one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +39,7 @@ from opentelemetry import trace
 
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.tls import ChannelFactory, TLSFileError
 from kvmesh.tracing import inject_context, tracing_enabled
 from router_client.config import IndexerClientSettings
 from router_client.metrics import tracer
@@ -32,6 +47,16 @@ from router_client.metrics import tracer
 _SERVICE: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
 #: Name of the Match client span (the server span has the same name).
 _MATCH_METHOD = f"{_SERVICE}/Match"
+
+log = logging.getLogger(__name__)
+
+#: How long a replacement channel may take to connect (TCP + TLS handshake)
+#: before it is dropped and the old channel kept; generous because nothing
+#: waits on it: calls go on over the old channel meanwhile.
+_CONNECT_TIMEOUT_S = 10.0
+#: Added to the Match deadline before a retired channel is closed: every call
+#: on it ends by its deadline, the margin covers the event loop's scheduling.
+_CLOSE_MARGIN_S = 1.0
 
 
 class MatchStatus(enum.Enum):
@@ -150,8 +175,12 @@ class CircuitBreaker:
 class IndexerClient:
     """Match calls to one indexer, guarded as the module docstring says.
 
-    Pass ``target`` (``host:port``) or a ready ``channel`` (closed by the
-    caller then). Use from one asyncio event loop.
+    Pass ``target`` (``host:port``, dialled with ``settings.tls``) or a ready
+    ``channel`` (closed by the caller then; ``settings.tls`` is not used and
+    the channel is never replaced). Use from one asyncio event loop.
+
+    ``channels_opened`` / ``channels_closed`` count this client's channels
+    (a certificate rotation opens one and, once calls moved, closes one).
     """
 
     def __init__(
@@ -168,8 +197,25 @@ class IndexerClient:
             raise ValueError("pass exactly one of target and channel")
         self.settings = settings or IndexerClientSettings()
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else grpc.aio.insecure_channel(str(target))
+        self._factory: ChannelFactory | None = None
+        if channel is None:
+            self._factory = ChannelFactory(
+                str(target), self.settings.tls, what="router: indexer client"
+            )
+            channel = self._factory.channel()
+        elif self.settings.tls.active:
+            log.warning("indexer client: settings.tls is not used with a ready channel")
+        self._channel = channel
         self._stub = pb_grpc.IndexerServiceStub(self._channel)
+        self.channels_opened = 1 if self._own_channel else 0
+        self.channels_closed = 0
+        # A replacement channel being connected, and retired channels being closed.
+        self._replacing: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        # After a replacement failed (files that did not load, a channel that did
+        # not connect): try again at this monotonic time even if the files did not
+        # change again.
+        self._retry_at: float | None = None
         self._model = model
         self._lora = lora_name
         self.breaker = CircuitBreaker(
@@ -184,6 +230,8 @@ class IndexerClient:
         """Match ``keys``; never raises for indexer trouble (see the module docstring)."""
         if not keys:
             return self._count(MatchOutcome(MatchStatus.OK))
+        if self._factory is not None and self._replacing is None:
+            self._maybe_replace_channel()
         if self.in_flight >= self.settings.max_in_flight:
             return self._count(MatchOutcome(MatchStatus.BUSY))
         if not self.breaker.allow():
@@ -239,7 +287,70 @@ class IndexerClient:
         self.calls[outcome.status] += 1
         return outcome
 
+    # -- certificate rotation --------------------------------------------------------
+
+    def _maybe_replace_channel(self) -> None:
+        """Start replacing the channel when the certificate files changed (never blocks)."""
+        assert self._factory is not None
+        if self._retry_at is not None:
+            if time.monotonic() < self._retry_at:
+                return
+        elif not self._factory.stale():
+            return
+        self._retry_at = None
+        try:
+            new = self._factory.channel()
+        except TLSFileError as e:
+            # Likely a rotation caught half-way (certificate written, key not yet).
+            log.warning("indexer client: certificate files changed but do not load: %s", e)
+            self._retry_at = time.monotonic() + self._factory.tls.reload_interval_s
+            return
+        self.channels_opened += 1
+        self._replacing = asyncio.create_task(self._replace_channel(new))
+
+    async def _replace_channel(self, new: grpc.aio.Channel) -> None:
+        """Connect ``new``; then move calls to it and retire the old channel."""
+        assert self._factory is not None
+        try:
+            try:
+                await asyncio.wait_for(new.channel_ready(), _CONNECT_TIMEOUT_S)
+            except asyncio.CancelledError:
+                await self._close_channel(new, None)  # the client is closing
+                raise
+            except (TimeoutError, grpc.aio.UsageError):
+                log.error(
+                    "indexer client: a channel with the new certificate files did not "
+                    "connect to %s within %.0f s; keeping the previous one",
+                    self._factory.target,
+                    _CONNECT_TIMEOUT_S,
+                )
+                self._retire(new, 0)
+                self._retry_at = time.monotonic() + self._factory.tls.reload_interval_s
+                return
+            old, self._channel = self._channel, new
+            self._stub = pb_grpc.IndexerServiceStub(new)
+            log.info("indexer client: new certificates in use for %s", self._factory.target)
+            self._retire(old, self.settings.deadline_ms / 1000.0 + _CLOSE_MARGIN_S)
+        finally:
+            self._replacing = None
+
+    def _retire(self, channel: grpc.aio.Channel, grace: float) -> None:
+        """Close ``channel`` in the background once its calls ended (at most ``grace`` s)."""
+        task = asyncio.create_task(self._close_channel(channel, grace))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_channel(self, channel: grpc.aio.Channel, grace: float | None) -> None:
+        await channel.close(grace)
+        self.channels_closed += 1
+
     async def close(self) -> None:
-        """Close the channel if this client opened it."""
+        """Close the channel if this client opened it (and any being replaced or retired)."""
+        if self._replacing is not None:
+            self._replacing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replacing
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         if self._own_channel:
-            await self._channel.close()
+            await self._close_channel(self._channel, None)

@@ -4,13 +4,15 @@ Starts an indexer in-process on a free port (its own event loop on a thread),
 installs the client's pinned packages with ``npm ci`` when node_modules is
 missing, and runs ``node --test``: the block-key vectors, then register,
 PublishEventsStream, Match by token ids and by keys computed in JavaScript, and
-the INVALID_ARGUMENT field contract. Skipped when ``node`` (or ``npm``, for a
-first install) is not on PATH.
+the INVALID_ARGUMENT field contract. Fails when ``node`` (or ``npm``, for a
+first install) is not on PATH. The same tests over mutual TLS with an
+authorization policy, and the TLS tests: tests/security/test_node_tls.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -18,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,9 +31,8 @@ CLIENT = Path(__file__).resolve().parents[2] / "clients" / "node"
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def node_client() -> Path:
-    """The client directory with its node_modules installed."""
+def install_node_client() -> Path:
+    """The client directory with its node_modules installed (``npm ci`` when missing)."""
     assert shutil.which("node") is not None, "node is not on PATH (the Node.js client needs 18+)"
     if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir():
         npm = shutil.which("npm")
@@ -44,34 +46,39 @@ def node_client() -> Path:
     return CLIENT
 
 
-@pytest.fixture(scope="module")
-def indexer_address() -> Iterator[str]:
-    """A memory-backed indexer on a free 127.0.0.1 port, served from its own thread."""
+@contextlib.contextmanager
+def serve_indexer(**overrides: Any) -> Iterator[str]:
+    """A memory-backed indexer on a free 127.0.0.1 port, served from its own thread.
+
+    ``overrides`` are config keys (``tls``, ``auth``...); yields its address.
+    """
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="indexer", daemon=True)
     thread.start()
     config = IndexerConfig.model_validate(
-        {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "block_size": BLOCK}
+        {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "block_size": BLOCK, **overrides}
     )
-    started: Future[IndexerServer] = asyncio.run_coroutine_threadsafe(start_server(config), loop)
-    server = started.result(timeout=15)
     try:
-        yield server.address
+        started: Future[IndexerServer] = asyncio.run_coroutine_threadsafe(
+            start_server(config), loop
+        )
+        server = started.result(timeout=15)
+        try:
+            yield server.address
+        finally:
+            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=15)
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=15)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
         loop.close()
 
 
-def test_node_client_against_a_running_indexer(node_client: Path, indexer_address: str) -> None:
-    env = dict(os.environ)
-    env["KVMESH_INDEXER_ADDR"] = indexer_address
-    env["KVMESH_INDEXER_BLOCK_SIZE"] = str(BLOCK)
+def run_node_tests(client: Path, env: dict[str, str]) -> list[str]:
+    """``node --test test/`` with ``env`` added; asserts it passed, returns the TAP lines."""
     proc = subprocess.run(
         ["node", "--test", "test/"],
-        cwd=node_client,
-        env=env,
+        cwd=client,
+        env={**os.environ, "KVMESH_INDEXER_BLOCK_SIZE": str(BLOCK), **env},
         capture_output=True,
         text=True,
         timeout=120,
@@ -79,9 +86,37 @@ def test_node_client_against_a_running_indexer(node_client: Path, indexer_addres
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     lines = out.splitlines()
-    # The indexer tests ran (none skipped for a missing address) and all passed.
     assert "# fail 0" in lines, out
-    assert "# skipped 0" in lines, out
-    assert any(line.startswith("ok ") and "indexer: register" in line for line in lines), out
-    assert any(line.startswith("ok ") and "INVALID_ARGUMENT names" in line for line in lines), out
-    assert any(line.startswith("ok ") and "vector: extreme token ids" in line for line in lines)
+    return lines
+
+
+def passed(lines: list[str], name: str) -> bool:
+    """Whether the TAP ``lines`` report the test ``name`` as passed, not skipped."""
+    return any(
+        line.lstrip().startswith("ok ") and name in line and "# SKIP" not in line for line in lines
+    )
+
+
+@pytest.fixture(scope="module")
+def node_client() -> Path:
+    """The client directory with its node_modules installed."""
+    return install_node_client()
+
+
+@pytest.fixture(scope="module")
+def indexer_address() -> Iterator[str]:
+    """A plaintext indexer without an authorization policy."""
+    with serve_indexer() as address:
+        yield address
+
+
+def test_node_client_against_a_running_indexer(node_client: Path, indexer_address: str) -> None:
+    lines = run_node_tests(node_client, {"KVMESH_INDEXER_ADDR": indexer_address})
+    out = "\n".join(lines)
+    # The indexer tests ran (none skipped for a missing address) and all passed; only the
+    # TLS tests, which need the test PKI (tests/security/test_node_tls.py), are skipped.
+    skipped = [line for line in lines if "# SKIP" in line]
+    assert skipped and all("tls: " in line for line in skipped), out
+    assert passed(lines, "indexer: register"), out
+    assert passed(lines, "INVALID_ARGUMENT names"), out
+    assert passed(lines, "vector: extreme token ids"), out

@@ -3,6 +3,7 @@
 // loaded from proto/ at run time (@grpc/proto-loader), so there is no
 // generated code to keep fresh: the .proto files are the contract.
 
+const fs = require('node:fs');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -28,10 +29,143 @@ function loadProto(file) {
   return grpc.loadPackageDefinition(protoLoader.loadSync(file, LOADER_OPTIONS));
 }
 
-/** An IndexerService client for `address` (host:port), over plaintext. */
+/** Read a PEM file, naming the option in the error. */
+function readPem(file, what) {
+  let data;
+  try {
+    data = fs.readFileSync(file);
+  } catch (err) {
+    throw new Error(`cannot read ${what} ${JSON.stringify(file)}: ${err.message}`);
+  }
+  if (!data.includes('-----BEGIN')) throw new Error(`${what} ${JSON.stringify(file)} is not PEM`);
+  return data;
+}
+
+/**
+ * A function returning the bearer token: `token` as given, or the content of
+ * `tokenFile`, read again whenever the file changes (a rotated Secret).
+ */
+function tokenSource({ token, tokenFile }) {
+  if (token) return () => token;
+  let stamp = '';
+  let current = '';
+  const read = () => {
+    const st = fs.statSync(tokenFile);
+    const now = `${st.mtimeMs}/${st.ctimeMs}/${st.ino}/${st.size}`;
+    if (now !== stamp) {
+      const value = fs.readFileSync(tokenFile, 'utf8').trim();
+      if (!value) throw new Error(`tokenFile ${JSON.stringify(tokenFile)} is empty`);
+      current = value;
+      stamp = now;
+    }
+    return current;
+  };
+  read(); // fail now, naming the file, rather than on the first call
+  return read;
+}
+
+/**
+ * Channel credentials and options for a kvmesh server.
+ *
+ * `options.tls`: `true` (system CA roots) or an object with
+ *   - `caFile` / `ca`: PEM CA bundle that signs the server's certificate;
+ *   - `certFile` + `keyFile` / `cert` + `key`: this client's certificate (mutual TLS);
+ *   - `serverName`: name to verify the server certificate against, and send as
+ *     SNI, instead of the address's host (`grpc.ssl_target_name_override`);
+ *   - `reloadIntervalMs`: re-read `caFile`, `certFile` and `keyFile` this often;
+ *     new connections use the files as they are then (grpc-js's experimental
+ *     FileWatcherCertificateProvider). Needs `caFile`.
+ * `options.token` / `options.tokenFile`: a bearer token sent as
+ *   `authorization: Bearer <token>` call credentials (the file is re-read when it
+ *   changes). Needs TLS: kvmesh servers ignore a token that arrives in plaintext.
+ * `options.channelOptions`: further grpc-js channel options.
+ *
+ * Without `tls` and a token the channel is plaintext.
+ */
+function connection(options = {}) {
+  const { tls, token, tokenFile } = options;
+  const channelOptions = { ...(options.channelOptions || {}) };
+  if (!tls) {
+    if (token || tokenFile) throw new Error('a bearer token needs tls (it is never sent in plaintext)');
+    return { credentials: grpc.credentials.createInsecure(), channelOptions };
+  }
+  const t = tls === true ? {} : tls;
+  if (Boolean(t.certFile || t.cert) !== Boolean(t.keyFile || t.key)) {
+    throw new Error('tls: a client certificate needs its key, and a key its certificate');
+  }
+  let credentials;
+  if (t.reloadIntervalMs) {
+    if (!t.caFile) throw new Error('tls.reloadIntervalMs needs tls.caFile (and files, not PEM values)');
+    // Read once here so that a wrong path fails now rather than on every connection.
+    readPem(t.caFile, 'tls.caFile');
+    if (t.certFile) {
+      readPem(t.certFile, 'tls.certFile');
+      readPem(t.keyFile, 'tls.keyFile');
+    }
+    const { FileWatcherCertificateProvider, createCertificateProviderChannelCredentials } = grpc.experimental;
+    const caProvider = new FileWatcherCertificateProvider({
+      caCertificateFile: t.caFile,
+      refreshIntervalMs: t.reloadIntervalMs,
+    });
+    const identityProvider = t.certFile
+      ? new FileWatcherCertificateProvider({
+          certificateFile: t.certFile,
+          privateKeyFile: t.keyFile,
+          refreshIntervalMs: t.reloadIntervalMs,
+        })
+      : null;
+    credentials = createCertificateProviderChannelCredentials(caProvider, identityProvider);
+  } else {
+    const ca = t.ca || (t.caFile ? readPem(t.caFile, 'tls.caFile') : null);
+    const cert = t.cert || (t.certFile ? readPem(t.certFile, 'tls.certFile') : null);
+    const key = t.key || (t.keyFile ? readPem(t.keyFile, 'tls.keyFile') : null);
+    credentials = grpc.credentials.createSsl(ca, key, cert);
+  }
+  if (t.serverName) {
+    channelOptions['grpc.ssl_target_name_override'] = t.serverName;
+    channelOptions['grpc.default_authority'] = t.serverName;
+  }
+  if (token || tokenFile) {
+    const current = tokenSource({ token, tokenFile });
+    const bearer = grpc.credentials.createFromMetadataGenerator((_params, callback) => {
+      try {
+        const md = new grpc.Metadata();
+        md.set('authorization', `Bearer ${current()}`);
+        callback(null, md);
+      } catch (err) {
+        callback(err);
+      }
+    });
+    credentials = grpc.credentials.combineChannelCredentials(credentials, bearer);
+  }
+  return { credentials, channelOptions };
+}
+
+/**
+ * Client options from the environment (for scripts and the tests):
+ * KVMESH_CLIENT_CA_FILE, KVMESH_CLIENT_CERT_FILE, KVMESH_CLIENT_KEY_FILE,
+ * KVMESH_CLIENT_SERVER_NAME, KVMESH_CLIENT_TOKEN_FILE. None set: plaintext.
+ */
+function optionsFromEnv(env = process.env) {
+  const tls = {};
+  if (env.KVMESH_CLIENT_CA_FILE) tls.caFile = env.KVMESH_CLIENT_CA_FILE;
+  if (env.KVMESH_CLIENT_CERT_FILE) tls.certFile = env.KVMESH_CLIENT_CERT_FILE;
+  if (env.KVMESH_CLIENT_KEY_FILE) tls.keyFile = env.KVMESH_CLIENT_KEY_FILE;
+  if (env.KVMESH_CLIENT_SERVER_NAME) tls.serverName = env.KVMESH_CLIENT_SERVER_NAME;
+  const options = {};
+  if (Object.keys(tls).length) options.tls = tls;
+  if (env.KVMESH_CLIENT_TOKEN_FILE) {
+    options.tokenFile = env.KVMESH_CLIENT_TOKEN_FILE;
+    options.tls = options.tls || true;
+  }
+  return options;
+}
+
+/** An IndexerService client for `address` (host:port); `options` as for `connection`. */
 function indexerClient(address, options = {}) {
   const pkg = loadProto('kvmesh/indexer/v1/indexer.proto');
-  return new pkg.kvmesh.indexer.v1.IndexerService(address, grpc.credentials.createInsecure(), options);
+  const { credentials, channelOptions } = connection(options);
+  return new pkg.kvmesh.indexer.v1.IndexerService(address, credentials, channelOptions);
 }
 
 /** Call a unary method as a Promise; `deadlineMs` bounds it. */
@@ -73,6 +207,8 @@ module.exports = {
   ERROR_FIELD_METADATA,
   grpc,
   loadProto,
+  connection,
+  optionsFromEnv,
   indexerClient,
   unary,
   publishStream,

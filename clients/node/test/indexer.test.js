@@ -2,12 +2,24 @@
 // Against a running indexer (KVMESH_INDEXER_ADDR=host:port, block size 16):
 // register instances, publish events over PublishEventsStream, Match by token
 // ids and by block keys computed here, and check the error contract.
-// Skipped when KVMESH_INDEXER_ADDR is not set.
+// Skipped when KVMESH_INDEXER_ADDR is not set. Over TLS with the
+// KVMESH_CLIENT_* variables (see optionsFromEnv in src/index.js); with an
+// authorization policy the identity needs the admin role (these tests register
+// instances, publish, Match and remove instances).
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const crypto = require('node:crypto');
-const { grpc, indexerClient, unary, publishStream, errorField, keysToWire, blockKeys } = require('../src');
+const {
+  grpc,
+  indexerClient,
+  optionsFromEnv,
+  unary,
+  publishStream,
+  errorField,
+  keysToWire,
+  blockKeys,
+} = require('../src');
 
 const ADDR = process.env.KVMESH_INDEXER_ADDR;
 const BLOCK = Number(process.env.KVMESH_INDEXER_BLOCK_SIZE || 16);
@@ -22,7 +34,7 @@ function instance(worker) {
 }
 
 test('indexer: register, publish over a stream, match', opts, async (t) => {
-  const client = indexerClient(ADDR);
+  const client = indexerClient(ADDR, optionsFromEnv());
   t.after(() => client.close());
   await new Promise((resolve, reject) =>
     client.waitForReady(Date.now() + 5000, (err) => (err ? reject(err) : resolve())),
@@ -143,7 +155,7 @@ test('indexer: register, publish over a stream, match', opts, async (t) => {
 });
 
 test('indexer: INVALID_ARGUMENT names the offending field', opts, async (t) => {
-  const client = indexerClient(ADDR);
+  const client = indexerClient(ADDR, optionsFromEnv());
   t.after(() => client.close());
 
   const tokens = Array.from({ length: BLOCK }, () => 7);

@@ -36,13 +36,12 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-import grpc.aio
 
 from indexer.config import IndexerConfig, Limits, RedisSettings
 from indexer.workload import (
@@ -56,8 +55,10 @@ from indexer.workload import (
     register_all,
     sample_prompts,
 )
+from kvmesh.configfile import merge
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.tls import ChannelFactory, ClientTLS
 from kvmesh.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake
 
 
@@ -89,14 +90,16 @@ QUICK_PARAMS = BenchParams(
 )
 
 
-def server_config(backend: str, redis_url: str = "") -> IndexerConfig:
-    """Config of the benchmarked server.
+def server_config(
+    backend: str, redis_url: str = "", overrides: Mapping[str, Any] | None = None
+) -> IndexerConfig:
+    """Config of the benchmarked server, with ``overrides`` (nested: tls, auth...) on top.
 
     Background work that would touch Redis during a measurement (health pings,
     reaping) is pushed out to an hour: it is not what a figure measures, and
     it would add commands to the round-trip count.
     """
-    return IndexerConfig(
+    config = IndexerConfig(
         host="127.0.0.1",
         port=0,
         metrics_port=0,
@@ -112,15 +115,19 @@ def server_config(backend: str, redis_url: str = "") -> IndexerConfig:
         health_check_interval_s=3600.0,
         log_level="WARNING",
     )
+    if not overrides:
+        return config
+    return IndexerConfig.model_validate(merge(config.model_dump(), overrides))
 
 
-def _serve_child(backend: str, redis_url: str) -> int:
+def _serve_child(backend: str, redis_url: str, overrides: str = "") -> int:
     """Child process: serve, print ``PORT n``, stop when stdin closes."""
     from indexer.server import start_server
     from kvmesh.runtime import new_event_loop
 
     async def run() -> None:
-        server = await start_server(server_config(backend, redis_url))
+        config = server_config(backend, redis_url, json.loads(overrides) if overrides else None)
+        server = await start_server(config)
         print(f"PORT {server.port}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await server.stop(0)
@@ -131,12 +138,19 @@ def _serve_child(backend: str, redis_url: str) -> int:
 
 
 class ServerChild:
-    """An indexer server in a child process (context manager); ``target`` to dial."""
+    """An indexer server in a child process (context manager); ``target`` to dial.
 
-    def __init__(self, backend: str, redis_url: str = "") -> None:
+    ``overrides`` go over :func:`server_config` (e.g. ``tls``, ``auth``, ``limits``).
+    """
+
+    def __init__(
+        self, backend: str, redis_url: str = "", overrides: Mapping[str, Any] | None = None
+    ) -> None:
         self._args = [sys.executable, "-m", "indexer.bench", "--serve", backend]
         if redis_url:
             self._args += ["--redis-url", redis_url]
+        if overrides:
+            self._args += ["--server-config", json.dumps(overrides)]
         self._proc: subprocess.Popen[str] | None = None
         self.target = ""
         self.pid = 0
@@ -153,6 +167,15 @@ class ServerChild:
         self.target = f"127.0.0.1:{int(line.split()[1])}"
         self.pid = self._proc.pid
         return self
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system, every thread) the server has used so far; None off Linux."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
@@ -199,9 +222,13 @@ def interleaved_latency(
 
 
 async def _throughput(
-    target: str, reqs: Sequence[pb.MatchRequest], concurrency: int, seconds: float
+    target: str,
+    reqs: Sequence[pb.MatchRequest],
+    concurrency: int,
+    seconds: float,
+    tls: ClientTLS | None = None,
 ) -> float:
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with ChannelFactory(target, tls, what="bench").channel() as channel:
         stub = pb_grpc.IndexerServiceStub(channel)
         for r in reqs[:concurrency]:
             await stub.Match(r)
@@ -223,19 +250,22 @@ async def _throughput(
 
 
 def match_throughput(
-    target: str, reqs: Sequence[pb.MatchRequest], concurrency: int, seconds: float
+    target: str,
+    reqs: Sequence[pb.MatchRequest],
+    concurrency: int,
+    seconds: float,
+    tls: ClientTLS | None = None,
 ) -> float:
     """Matches per second with ``concurrency`` calls in flight from one grpc.aio client."""
-    return asyncio.run(_throughput(target, reqs, concurrency, seconds))
+    return asyncio.run(_throughput(target, reqs, concurrency, seconds, tls))
 
 
-async def _build(target: str, plan: PublishPlan) -> tuple[float, pb.GetStatsResponse]:
-    async with grpc.aio.insecure_channel(target) as channel:
+async def _build(target: str, plan: PublishPlan, tls: ClientTLS | None = None) -> float:
+    """Register the plan's instances and publish it; return the publish seconds."""
+    async with ChannelFactory(target, tls, what="bench").channel() as channel:
         stub = pb_grpc.IndexerServiceStub(channel)
         await register_all(stub, plan.instances)
-        elapsed = await publish_plan(stub, plan)
-        stats = await stub.GetStats(pb.GetStatsRequest())
-        return elapsed, stats
+        return await publish_plan(stub, plan)
 
 
 def _commandstats(client: Any) -> dict[str, int]:
@@ -328,46 +358,68 @@ def bench_backend(
     extra: dict[str, Any],
     redis_url: str = "",
     redis_client: Any = None,
+    *,
+    label: str = "",
+    server: Mapping[str, Any] | None = None,
+    engine_tls: ClientTLS | None = None,
+    router_tls: ClientTLS | None = None,
+    probe: Callable[[str], dict[str, float]] | None = None,
 ) -> None:
-    """Run every gRPC measurement against one backend; add its figures."""
+    """Run every gRPC measurement against one backend; add its figures.
+
+    Figures are named ``<label>_...`` (default: the backend). ``server`` goes
+    over the server's config (:class:`ServerChild`); the index is published
+    with ``engine_tls`` and read (Match, Ping, GetStats) with ``router_tls``
+    (None: plaintext). ``probe(target)``, last, adds figures of its own.
+    """
+    name = label or backend
     reqs32 = [match_request(k) for k in prompts32]
     reqs256 = [match_request(k) for k in prompts256]
-    with ServerChild(backend, redis_url) as srv:
+    with ServerChild(backend, redis_url, server) as srv:
         mem_before = int(redis_client.info("memory")["used_memory"]) if redis_client else 0
-        publish_s, stats = asyncio.run(_build(srv.target, plan))
-        figures[f"{backend}_ingest_blocks_per_s"] = plan.blocks / publish_s
-        extra[f"{backend}_block_instances"] = stats.block_instances
-        if redis_client is not None:
-            used = int(redis_client.info("memory")["used_memory"]) - mem_before
-            figures[f"{backend}_bytes_per_block_instance"] = used / max(1, stats.block_instances)
-            if backend == "cluster":
-                figures["cluster_shard_key_share_max"] = redis_client.key_share_max()
-
-        with grpc.insecure_channel(srv.target) as channel:
+        publish_s = asyncio.run(_build(srv.target, plan, engine_tls))
+        figures[f"{name}_ingest_blocks_per_s"] = plan.blocks / publish_s
+        with ChannelFactory(srv.target, router_tls, what="bench").sync_channel() as channel:
             stub = pb_grpc.IndexerServiceStub(channel)
+            stats = stub.GetStats(pb.GetStatsRequest())
+            extra[f"{name}_block_instances"] = stats.block_instances
+            if redis_client is not None:
+                used = int(redis_client.info("memory")["used_memory"]) - mem_before
+                figures[f"{name}_bytes_per_block_instance"] = used / max(1, stats.block_instances)
+                if backend == "cluster":
+                    figures["cluster_shard_key_share_max"] = redis_client.key_share_max()
             m32, ping = interleaved_latency(stub, reqs32, params.latency_calls)
             m256, ping256 = interleaved_latency(stub, reqs256, params.latency_calls_256)
             resp = stub.Match(reqs32[0])
-            extra[f"{backend}_instances_per_32_block_match"] = len(resp.matches)
+            extra[f"{name}_instances_per_32_block_match"] = len(resp.matches)
             if redis_client is not None:
                 rt, cmds, per_cmd = count_roundtrips(
                     redis_client, stub, reqs32, params.roundtrip_calls
                 )
-                figures[f"{backend}_roundtrips_per_match"] = rt
-                figures[f"{backend}_commands_per_match"] = cmds
-                extra[f"{backend}_commands_during_matches"] = per_cmd
-        figures[f"{backend}_grpc_match_p50_us"] = percentile(m32, 0.5)
-        figures[f"{backend}_grpc_match_p99_us"] = percentile(m32, 0.99)
-        figures[f"{backend}_grpc_match_256_p50_us"] = percentile(m256, 0.5)
-        figures[f"{backend}_grpc_match_256_p99_us"] = percentile(m256, 0.99)
-        figures[f"{backend}_grpc_empty_rpc_p50_us"] = percentile(ping + ping256, 0.5)
-        figures[f"{backend}_grpc_empty_rpc_p99_us"] = percentile(ping + ping256, 0.99)
-        figures[f"{backend}_grpc_matches_per_s"] = match_throughput(
-            srv.target, reqs32, params.concurrency, params.throughput_s
+                figures[f"{name}_roundtrips_per_match"] = rt
+                figures[f"{name}_commands_per_match"] = cmds
+                extra[f"{name}_commands_during_matches"] = per_cmd
+        figures[f"{name}_grpc_match_p50_us"] = percentile(m32, 0.5)
+        figures[f"{name}_grpc_match_p99_us"] = percentile(m32, 0.99)
+        figures[f"{name}_grpc_match_256_p50_us"] = percentile(m256, 0.5)
+        figures[f"{name}_grpc_match_256_p99_us"] = percentile(m256, 0.99)
+        figures[f"{name}_grpc_empty_rpc_p50_us"] = percentile(ping + ping256, 0.5)
+        figures[f"{name}_grpc_empty_rpc_p99_us"] = percentile(ping + ping256, 0.99)
+        cpu0 = srv.cpu_seconds()
+        rate = match_throughput(
+            srv.target, reqs32, params.concurrency, params.throughput_s, router_tls
         )
-        figures[f"{backend}_match_over_empty_rpc"] = (
-            figures[f"{backend}_grpc_match_p50_us"] / figures[f"{backend}_grpc_empty_rpc_p50_us"]
+        cpu1 = srv.cpu_seconds()
+        figures[f"{name}_grpc_matches_per_s"] = rate
+        if cpu0 is not None and cpu1 is not None:
+            # The run's Matches: the timed ones plus one warm-up per worker.
+            calls = rate * params.throughput_s + params.concurrency
+            figures[f"{name}_server_cpu_us_per_match"] = (cpu1 - cpu0) * 1e6 / calls
+        figures[f"{name}_match_over_empty_rpc"] = (
+            figures[f"{name}_grpc_match_p50_us"] / figures[f"{name}_grpc_empty_rpc_p50_us"]
         )
+        if probe is not None:
+            figures.update({f"{name}_{k}": v for k, v in probe(srv.target).items()})
 
 
 # -- report -----------------------------------------------------------------------
@@ -521,15 +573,57 @@ def format_table(figures: dict[str, float]) -> str:
 # -- entry point ------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What a run publishes and asks: trace requests, their publish plan, the prompts."""
+
+    trace: list[TraceRequest]
+    plan: PublishPlan
+    prompts32: list[list[int]]
+    prompts256: list[list[int]]
+
+    @classmethod
+    def load(cls, params: BenchParams) -> Workload:
+        """The workload of ``params`` (trace prefix, instances, batching)."""
+        trace = load_mooncake(limit=params.requests)
+        instances = make_instances(params.instances)
+        plan = plan_publish(trace, instances, requests_per_batch=params.requests_per_batch)
+        return cls(trace, plan, sample_prompts(trace, 32, 256), sample_prompts(trace, 256, 64))
+
+    def describe(self, params: BenchParams) -> dict[str, Any]:
+        """The run parameters every indexer benchmark writes to its JSON."""
+        return {
+            "trace": "mooncake_conversation_trace",
+            "requests": len(self.trace),
+            "instances": params.instances,
+            "assignment": "sticky per conversation (hash of the second block id)",
+            "blocks_published": self.plan.blocks,
+            "batches": self.plan.batch_count,
+            "requests_per_batch": params.requests_per_batch,
+            "publish_streams": len(self.plan.batches),
+            "block_size": MOONCAKE_BLOCK_SIZE,
+            "prompts_32": len(self.prompts32),
+            "prompts_256": len(self.prompts256),
+            "prompt_method": "32: first 32 keys of requests with >= 32 blocks; 256: longest "
+            "requests extended with unheld keys",
+            "latency_calls": params.latency_calls,
+            "latency_calls_256": params.latency_calls_256,
+            "latency_client": "grpc blocking stub, one call in flight, Match and Ping alternating",
+            "throughput_client": f"grpc.aio, {params.concurrency} calls in flight, one process",
+            "throughput_s": params.throughput_s,
+            "server": "indexer.server in a child process (grpc.aio on uvloop)",
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+        }
+
+
 def run_bench(
     params: BenchParams, backends: Sequence[str], cluster: bool = False
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Run the benchmark; return ``(figures, params)`` as written to JSON."""
-    trace: list[TraceRequest] = load_mooncake(limit=params.requests)
-    instances = make_instances(params.instances)
-    plan = plan_publish(trace, instances, requests_per_batch=params.requests_per_batch)
-    prompts32 = sample_prompts(trace, 32, 256)
-    prompts256 = sample_prompts(trace, 256, 64)
+    work = Workload.load(params)
+    trace, plan, prompts32, prompts256 = work.trace, work.plan, work.prompts32, work.prompts256
     figures: dict[str, float] = {}
     extra: dict[str, Any] = {}
     if "memory" in backends:
@@ -565,32 +659,7 @@ def run_bench(
                 cc.close()
         figures["cluster_shard_key_share_root_tag"] = root_tag_share_max(trace)
         extra["cluster"] = "3 masters, no replicas, anchor depth 1 (RedisSettings default)"
-    run_params: dict[str, Any] = {
-        "trace": "mooncake_conversation_trace",
-        "requests": len(trace),
-        "instances": params.instances,
-        "assignment": "sticky per conversation (hash of the second block id)",
-        "blocks_published": plan.blocks,
-        "batches": plan.batch_count,
-        "requests_per_batch": params.requests_per_batch,
-        "publish_streams": len(plan.batches),
-        "block_size": MOONCAKE_BLOCK_SIZE,
-        "prompts_32": len(prompts32),
-        "prompts_256": len(prompts256),
-        "prompt_method": "32: first 32 keys of requests with >= 32 blocks; 256: longest "
-        "requests extended with unheld keys",
-        "latency_calls": params.latency_calls,
-        "latency_calls_256": params.latency_calls_256,
-        "latency_client": "grpc blocking stub, one call in flight, Match and Ping alternating",
-        "throughput_client": f"grpc.aio, {params.concurrency} calls in flight, one process",
-        "throughput_s": params.throughput_s,
-        "roundtrip_calls": params.roundtrip_calls,
-        "server": "indexer.server in a child process (grpc.aio on uvloop)",
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "grpcio": grpc.__version__,
-        **extra,
-    }
+    run_params = {**work.describe(params), "roundtrip_calls": params.roundtrip_calls, **extra}
     return figures, run_params
 
 
@@ -612,15 +681,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--floor", action="store_true", help="instead: the empty-RPC floor under gRPC variants"
     )
+    p.add_argument(
+        "--tls", action="store_true", help="instead: plaintext vs mTLS vs mTLS + client limits"
+    )
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
+    p.add_argument("--server-config", default="", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
     if args.serve:
-        return _serve_child(args.serve, args.redis_url)
+        return _serve_child(args.serve, args.redis_url, args.server_config)
     if args.floor:
         from indexer import bench_floor
 
         return bench_floor.main(rest + (["--json", args.json_path] if args.json_path else []))
+    if args.tls:
+        from indexer import bench_tls
+
+        flags = (["--quick"] if args.quick else []) + (
+            ["--requests", str(args.requests)] if args.requests is not None else []
+        )
+        return bench_tls.main(rest + flags + (["--json", args.json_path] if args.json_path else []))
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     params = QUICK_PARAMS if args.quick else DEFAULT_PARAMS

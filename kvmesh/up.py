@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvmesh.up_view import (
     LiveView,
@@ -169,6 +169,7 @@ class UpSettings:
     json_path: str | None = None
     log_dir: str | None = None
     hold: bool = False
+    tls: bool = False
 
 
 def _speed(text: str) -> float | None:
@@ -229,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--log-dir", metavar="DIR", help="keep the processes' logs here")
     p.add_argument(
+        "--tls",
+        action="store_true",
+        help="run every service with mutual TLS and an authorization policy (a development "
+        "CA and one certificate per role are written to the run directory)",
+    )
+    p.add_argument(
         "--hold",
         action="store_true",
         help="after the replay keep the cluster running until Ctrl-C (to poke at it)",
@@ -255,6 +262,7 @@ def parse_settings(argv: Sequence[str]) -> UpSettings:
         json_path=a.json_path,
         log_dir=a.log_dir,
         hold=a.hold,
+        tls=a.tls,
     )
     problems = []
     if s.requests < 1:
@@ -492,12 +500,11 @@ async def _wait_ready(
         await asyncio.sleep(0.05)
 
 
-def _grpc_health(address: str) -> Callable[[], Any]:
+def _grpc_health(address: str, pki: DevPki | None = None) -> Callable[[], Any]:
     async def check() -> bool:
-        import grpc.aio
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with DevPki.channel(pki, address, "admin") as ch:
             resp = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=1.0
             )
@@ -506,12 +513,15 @@ def _grpc_health(address: str) -> Callable[[], Any]:
     return check
 
 
-def _http_ok(url: str) -> Callable[[], Any]:
+def _http_ok(url: str, pki: DevPki | None = None) -> Callable[[], Any]:
     async def check() -> bool:
         import aiohttp
 
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s,
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=1.0),
+                connector=aiohttp.TCPConnector(ssl=DevPki.ssl_context(pki, "admin")),
+            ) as s,
             s.get(url) as r,
         ):
             return r.status == 200
@@ -536,6 +546,100 @@ def _file_exists(path: Path) -> Callable[[], Any]:
 
 
 # -- the cluster -------------------------------------------------------------------------
+
+
+class DevPki:
+    """``kvmesh up --tls``: a development CA, a certificate per role and the policy.
+
+    Every server presents ``server`` and requires client certificates from
+    the CA; the driver dials as ``engine`` (publishing, driving transfers),
+    ``router`` (Match, tee offers, reports), the tee forwards as ``tee``, the
+    xfer sidecars call each other as ``server`` (role ``peer``), and health
+    checks present ``admin``.
+    """
+
+    IDENTITIES: ClassVar[dict[str, list[str]]] = {
+        "server": [HOST, "localhost", "spiffe://kvmesh-up/server"],
+        "engine": ["spiffe://kvmesh-up/engine"],
+        "router": ["spiffe://kvmesh-up/router"],
+        "tee": ["spiffe://kvmesh-up/tee"],
+        "admin": ["spiffe://kvmesh-up/admin"],
+    }
+    ROLES: ClassVar[dict[str, str]] = {
+        "server": "peer",
+        "engine": "engine",
+        "router": "router",
+        "tee": "tee",
+        "admin": "admin",
+    }
+
+    def __init__(self, root: Path) -> None:
+        import json
+
+        from kvmesh.devcerts import write_bundle
+
+        self.root = root
+        write_bundle(root, self.IDENTITIES)
+        policy = {
+            "identities": [
+                {
+                    "name": name,
+                    "roles": [self.ROLES[name]],
+                    "san": [san for san in sans if "://" in san],
+                    **({"instances": ["engine-*"]} if name == "engine" else {}),
+                }
+                for name, sans in self.IDENTITIES.items()
+            ]
+        }
+        self.policy = root / "policy.json"
+        self.policy.write_text(json.dumps(policy, indent=2))
+
+    def path(self, name: str, ext: str) -> str:
+        return str(self.root / f"{name}.{ext}")
+
+    def server_flags(self) -> list[str]:
+        """``--tls-cert --tls-key --tls-client-ca --auth-policy`` of every server."""
+        return [
+            "--tls-cert", self.path("server", "crt"), "--tls-key", self.path("server", "key"),
+            "--tls-client-ca", self.path("ca", "crt"), "--auth-policy", str(self.policy),
+        ]  # fmt: skip
+
+    def client(self, name: str) -> Any:
+        """The :class:`~kvmesh.tls.ClientTLS` presenting ``name``."""
+        from kvmesh.tls import ClientTLS
+
+        return ClientTLS(
+            ca_file=self.path("ca", "crt"),
+            cert_file=self.path(name, "crt"),
+            key_file=self.path(name, "key"),
+        )
+
+    @staticmethod
+    def client_of(pki: DevPki | None, name: str) -> Any:
+        """``pki.client(name)``, or None (plaintext) without a PKI."""
+        return None if pki is None else pki.client(name)
+
+    @staticmethod
+    def channel(pki: DevPki | None, address: str, name: str) -> Any:
+        """A grpc.aio channel to ``address`` as ``name`` (plaintext without a PKI)."""
+        from kvmesh.tls import ChannelFactory
+
+        return ChannelFactory(address, DevPki.client_of(pki, name), what=f"up {name}").channel()
+
+    @staticmethod
+    def ssl_context(pki: DevPki | None, name: str) -> Any:
+        """An aiohttp client SSL context presenting ``name`` (None: plaintext)."""
+        if pki is None:
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=pki.path("ca", "crt"))
+        ctx.load_cert_chain(pki.path(name, "crt"), pki.path(name, "key"))
+        return ctx
+
+    @staticmethod
+    def scheme(pki: DevPki | None) -> str:
+        return "http" if pki is None else "https"
 
 
 def find_redis(explicit: str | None) -> str:
@@ -563,16 +667,21 @@ class Cluster:
     transport: str
     children: list[Child] = field(default_factory=list)
     pool_paths: tuple[str, str] = ("", "")
+    #: Set by ``build(tls=True)``: every service runs with mutual TLS and the policy.
+    pki: DevPki | None = None
 
     def addr(self, key: str) -> str:
         """``127.0.0.1:<port>`` of a listener."""
         return f"{HOST}:{self.ports[key]}"
 
-    def build(self, capacity: int) -> None:
+    def build(self, capacity: int, *, tls: bool = False) -> None:
         """Create the children's command lines (nothing runs yet)."""
         py = [sys.executable, "-m", "kvmesh.cli"]
         p = self.ports
         d = self.run_dir
+        if tls:
+            self.pki = DevPki(d / "pki")
+        sec = self.pki.server_flags() if self.pki is not None else []
         redis_dir = d / "redis"
         redis_dir.mkdir(exist_ok=True)
         redis_url = f"redis://{HOST}:{p['redis']}/0"
@@ -592,20 +701,29 @@ class Cluster:
                 # The trace's blocks are 512 tokens; a Match of 1024 of them fits
                 # the default message size (the config checks it).
                 "--block-size", "512", "--max-match-blocks", "1024",
-                "--shutdown-grace", "1",
+                "--shutdown-grace", "1", *sec,
             ], (p[name], p[f"{name}.metrics"])))  # fmt: skip
         specs.append(("cachesim", [
             *py, "cachesim", "serve", "--host", HOST,
             "--http-port", str(p["cachesim"]), "--grpc-port", str(p["cachesim.grpc"]),
             # One teed id per 512-token trace block (see Driver): block size 1,
             # and each engine's capacity in blocks.
-            "--block-size", "1", "--worker-capacity", str(capacity), "--window", "10",
+            "--block-size", "1", "--worker-capacity", str(capacity), "--window", "10", *sec,
         ], (p["cachesim"], p["cachesim.grpc"])))  # fmt: skip
+        # The tee forwards to the simulator's HTTP port, as the tee identity over TLS.
+        sink: dict[str, Any] = {
+            "type": "http",
+            "url": f"{DevPki.scheme(self.pki)}://{HOST}:{p['cachesim']}",
+            "name": "cachesim",
+        }
+        if self.pki is not None:
+            sink["tls"] = self.pki.client("tee").model_dump()
+        tee_config = d / "tee.json"
+        tee_config.write_text(json.dumps({"sinks": [sink]}))
         specs.append(("tee", [
-            *py, "tee", "serve", "--host", HOST,
+            *py, "tee", "serve", "--config", str(tee_config), "--host", HOST,
             "--port", str(p["tee"]), "--metrics-port", str(p["tee.metrics"]),
-            "--sink-http", f"http://{HOST}:{p['cachesim']}", "--send-concurrency", "8",
-            "--shutdown-deadline", "2",
+            "--send-concurrency", "8", "--shutdown-deadline", "2", *sec,
         ], (p["tee"], p["tee.metrics"])))  # fmt: skip
         for role, path in zip(("prefill", "decode"), self.pool_paths, strict=True):
             name = f"xfer-{role}"
@@ -615,7 +733,7 @@ class Cluster:
                 "--transport", self.transport, "--pool-path", path,
                 "--page-size", str(PAGE_SIZE), "--page-count", str(PAGE_COUNT),
                 "--aux-size", str(AUX_SIZE), "--aux-count", str(AUX_COUNT),
-                "--heartbeat-interval-s", "1", "--ready-file", str(d / f"{name}.ready"),
+                "--heartbeat-interval-s", "1", "--ready-file", str(d / f"{name}.ready"), *sec,
             ], (p[name], p[f"{name}.metrics"])))  # fmt: skip
         self.children = [Child(n, argv, d / f"{n}.log", ports) for n, argv, ports in specs]
 
@@ -635,10 +753,12 @@ class Cluster:
         for c in rest:
             c.start(env)
         checks: dict[str, Callable[[], Any]] = {
-            "indexer-0": _grpc_health(self.addr("indexer-0")),
-            "indexer-1": _grpc_health(self.addr("indexer-1")),
-            "tee": _grpc_health(self.addr("tee")),
-            "cachesim": _http_ok(f"http://{self.addr('cachesim')}/healthz"),
+            "indexer-0": _grpc_health(self.addr("indexer-0"), self.pki),
+            "indexer-1": _grpc_health(self.addr("indexer-1"), self.pki),
+            "tee": _grpc_health(self.addr("tee"), self.pki),
+            "cachesim": _http_ok(
+                f"{DevPki.scheme(self.pki)}://{self.addr('cachesim')}/healthz", self.pki
+            ),
             "xfer-prefill": _file_exists(self.run_dir / "xfer-prefill.ready"),
             "xfer-decode": _file_exists(self.run_dir / "xfer-decode.ready"),
         }
@@ -695,7 +815,13 @@ class TransferDemo:
     in a worker thread (the engine-side client is blocking, as engines are).
     """
 
-    def __init__(self, prefill_addr: str, decode_addr: str, pool_paths: tuple[str, str]) -> None:
+    def __init__(
+        self,
+        prefill_addr: str,
+        decode_addr: str,
+        pool_paths: tuple[str, str],
+        tls: Any = None,
+    ) -> None:
         from xfer.client import XferClient
         from xfer.pool import KVPool, PoolGeometry
 
@@ -703,8 +829,8 @@ class TransferDemo:
         self.prefill_addr = prefill_addr
         self.src = KVPool.attach(pool_paths[0], geo)
         self.dst = KVPool.attach(pool_paths[1], geo)
-        self.pc = XferClient(prefill_addr)
-        self.dc = XferClient(decode_addr)
+        self.pc = XferClient(prefill_addr, tls=tls)
+        self.dc = XferClient(decode_addr, tls=tls)
         self.stats = TransferStats()
         self._free_src = collections.deque(range(PAGE_COUNT))
         self._free_dst = collections.deque(range(PAGE_COUNT))
@@ -845,6 +971,7 @@ class Driver:
         self.notes: list[str] = []
         # Filled by start().
         self.channels: list[Any] = []
+        self.router_channels: list[Any] = []
         self.publishers: list[Any] = []
         self.routers: list[Any] = []
         self.indexer_clients: list[Any] = []
@@ -864,7 +991,6 @@ class Driver:
 
     async def start(self) -> None:
         """Open channels, register the engines, start the routers' tees."""
-        import grpc.aio
         from prometheus_client import CollectorRegistry
 
         from kvmesh.sim.engine import SimEngine
@@ -877,7 +1003,12 @@ class Driver:
 
         c = self.cluster
         s = self.s
-        self.channels = [grpc.aio.insecure_channel(c.addr(f"indexer-{i}")) for i in (0, 1)]
+        # Engines publish as the engine identity, routers match as the router
+        # identity (one channel each per replica; plaintext without --tls).
+        self.channels = [DevPki.channel(c.pki, c.addr(f"indexer-{i}"), "engine") for i in (0, 1)]
+        self.router_channels = [
+            DevPki.channel(c.pki, c.addr(f"indexer-{i}"), "router") for i in (0, 1)
+        ]
         self.publishers = [GrpcPublisher(ch, MODEL) for ch in self.channels]
         config = RouterConfig(
             model=MODEL, indexer=IndexerClientSettings(deadline_ms=MATCH_DEADLINE_MS)
@@ -896,10 +1027,11 @@ class Driver:
 
         for i in range(s.routers):
             client = TimedIndexerClient(
-                channel=self.channels[i % 2], settings=config.indexer, model=MODEL
+                channel=self.router_channels[i % 2], settings=config.indexer, model=MODEL
             )
             self.indexer_clients.append(client)
-            tee = await Tee([GrpcSink(c.addr("tee"), name="tee")], concurrency=4).start()
+            sink = GrpcSink(c.addr("tee"), name="tee", tls=DevPki.client_of(c.pki, "router"))
+            tee = await Tee([sink], concurrency=4).start()
             self.tees.append(tee)
             self.routers.append(
                 Router(
@@ -940,7 +1072,12 @@ class Driver:
                 on_finish=on_finish,
             )
         if s.transfer_every:
-            self.xfer = TransferDemo(c.addr("xfer-prefill"), c.addr("xfer-decode"), c.pool_paths)
+            self.xfer = TransferDemo(
+                c.addr("xfer-prefill"),
+                c.addr("xfer-decode"),
+                c.pool_paths,
+                tls=DevPki.client_of(c.pki, "engine"),
+            )
 
     async def replay(self) -> None:
         """Send the trace's requests at their (sped-up) times until done or stopped."""
@@ -1011,11 +1148,9 @@ class Driver:
                 self.error(f"{child.name} exited with code {child.exit_code()} (see its log)")
 
     async def _poll_tee(self) -> None:
-        import grpc.aio
-
         from kvmesh.tee.v1 import tee_pb2, tee_pb2_grpc
 
-        async with grpc.aio.insecure_channel(self.cluster.addr("tee")) as ch:
+        async with DevPki.channel(self.cluster.pki, self.cluster.addr("tee"), "router") as ch:
             resp = await tee_pb2_grpc.TeeServiceStub(ch).GetTeeStats(
                 tee_pb2.GetTeeStatsRequest(), timeout=1.0
             )
@@ -1034,9 +1169,13 @@ class Driver:
     async def _poll_sim(self) -> None:
         import aiohttp
 
-        url = f"http://{self.cluster.addr('cachesim')}/report?model={MODEL}"
+        pki = self.cluster.pki
+        url = f"{DevPki.scheme(pki)}://{self.cluster.addr('cachesim')}/report?model={MODEL}"
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session,
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=1.0),
+                connector=aiohttp.TCPConnector(ssl=DevPki.ssl_context(pki, "router")),
+            ) as session,
             session.get(url) as r,
         ):
             if r.status == 200:
@@ -1203,7 +1342,7 @@ class Driver:
             await pub.close()
         for r in self.routers:
             r.indexer = None
-        for ch in self.channels:
+        for ch in [*self.channels, *self.router_channels]:
             await ch.close()
         if self.xfer is not None:
             self.xfer.close()
@@ -1227,13 +1366,18 @@ def _print_banner(cluster: Cluster, settings: UpSettings, ready_s: float) -> Non
     lines += [
         f"  tee           {HOST}:{p['tee']:<6}  metrics :{p['tee.metrics']}  -> cachesim HTTP",
         f"  cachesim      {HOST}:{p['cachesim']:<6}  gRPC :{p['cachesim.grpc']}"
-        f"  (kvmesh cachesim report --url http://{HOST}:{p['cachesim']})",
+        f"  (kvmesh cachesim report --url {DevPki.scheme(cluster.pki)}://{HOST}:{p['cachesim']})",
         f"  xfer-prefill  {HOST}:{p['xfer-prefill']:<6}  metrics :{p['xfer-prefill.metrics']}"
         f"  ({cluster.transport})",
         f"  xfer-decode   {HOST}:{p['xfer-decode']:<6}  metrics :{p['xfer-decode.metrics']}"
         f"  ({cluster.transport})",
         f"  in this process: {settings.workers} simulated engines, {settings.routers} routers",
     ]
+    if cluster.pki is not None:
+        lines.append(
+            f"  mutual TLS everywhere, policy {cluster.pki.policy} (certificates in "
+            f"{cluster.pki.root}; report: --url https://... --ca-file/--cert-file/--key-file)"
+        )
     speed = "as fast as possible" if settings.speed is None else f"x{settings.speed:g}"
     lines.append(
         f"replaying {settings.requests} requests of the Mooncake conversation trace at {speed}"
@@ -1373,7 +1517,7 @@ def main(argv: Sequence[str]) -> int:
     cluster.pool_paths = (str(shm / f"{tag}-prefill"), str(shm / f"{tag}-decode"))
     geo = PoolGeometry(PAGE_SIZE, PAGE_COUNT, AUX_SIZE, AUX_COUNT)
     pools = [KVPool.create(path, geo) for path in cluster.pool_paths]
-    cluster.build(settings.capacity)
+    cluster.build(settings.capacity, tls=settings.tls)
     code = 1
     try:
         from kvmesh.runtime import new_event_loop

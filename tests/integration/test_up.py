@@ -73,12 +73,23 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return left
 
 
-def test_up_runs_the_cluster_and_ends_with_its_summary(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mtls"])
+def test_up_runs_the_cluster_and_ends_with_its_summary(tmp_path: Path, tls: bool) -> None:
     out = tmp_path / "summary.json"
+    logs = tmp_path / "logs"
+    extra = ["--tls", "--log-dir", str(logs)] if tls else []
     t0 = time.monotonic()
     proc = subprocess.run(
         _kvmesh(
-            "up", "--requests", str(REQUESTS), "--speed", "max", "--no-tty", "--json", str(out)
+            "up",
+            "--requests",
+            str(REQUESTS),
+            "--speed",
+            "max",
+            "--no-tty",
+            "--json",
+            str(out),
+            *extra,
         ),
         capture_output=True,
         text=True,
@@ -127,6 +138,14 @@ def test_up_runs_the_cluster_and_ends_with_its_summary(tmp_path: Path) -> None:
 
     pids = [p["pid"] for p in procs]
     assert _left_over(pids) == []
+    if tls:
+        # Every gRPC and HTTP server ran with mutual TLS and the policy, none in plaintext.
+        assert s["settings"]["tls"] is True
+        for name in ("indexer-0", "indexer-1", "tee", "cachesim", "xfer-prefill", "xfer-decode"):
+            text = (logs / f"{name}.log").read_text()
+            assert "PLAINTEXT" not in text and "authorization is OFF" not in text, name
+            assert "mutual TLS" in text, (name, text[-2000:])
+        return
     assert not Path(s["log_dir"]).exists()  # removed after a clean run
     assert s["pool_paths"] and not any(Path(p).exists() for p in s["pool_paths"])
     assert took < 120, f"took {took:.1f} s"

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from opentelemetry import propagate, trace
 
 from indexer import convert
@@ -47,7 +47,13 @@ from indexer.instrumented import InstrumentedIndex, Metrics, configure_tracing, 
 from indexer.service import IndexerLogic
 from kvmesh.auth import Authorizer, current_client
 from kvmesh.errors import PermissionDenied, Unauthenticated
-from kvmesh.grpcsvc import Guard, MethodRule, add_guarded, add_health_and_reflection
+from kvmesh.grpcsvc import (
+    Guard,
+    HealthPort,
+    MethodRule,
+    add_guarded,
+    add_health_and_reflection,
+)
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.runtime import ERROR_FIELD_METADATA as ERROR_FIELD_METADATA
@@ -444,11 +450,12 @@ class IndexerServer:
             # their names with the replica counters above.
             self.metrics.watch_counters(self._subscriber_counter_values)
         add_health_and_reflection(self._server, self.health, self._health_names[1:], self.guard)
-        #: Plaintext health-only server for kubelet probes (config.health_port).
-        self._health_server: grpc.aio.Server | None = None
-        if config.health_port:
-            self._health_server = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        #: Plaintext health-only port for kubelet probes (config.health_port).
+        self._health_port = (
+            HealthPort(self.health, _host_port(config.host, config.health_port))
+            if config.health_port
+            else None
+        )
         self.health_port = 0
         self.tls_reloader: Any = None
         self.port = 0
@@ -504,13 +511,8 @@ class IndexerServer:
         self.port, self.tls_reloader = add_port(
             self._server, _host_port(cfg.host, cfg.port), cfg.tls, what="indexer"
         )
-        if self._health_server is not None:
-            addr = _host_port(cfg.host, cfg.health_port)
-            try:
-                self.health_port = self._health_server.add_insecure_port(addr)
-            except RuntimeError as e:
-                raise OSError(f"cannot listen on {addr}: {e}") from e
-            await self._health_server.start()
+        if self._health_port is not None:
+            self.health_port = await self._health_port.start()
         await self._server.start()
         await self.logic.check_backend()
         if cfg.backend == "redis":
@@ -569,8 +571,8 @@ class IndexerServer:
         try:
             await self.health.enter_graceful_shutdown()
             await self._server.stop(grace)
-            if self._health_server is not None:
-                await self._health_server.stop(0)
+            if self._health_port is not None:
+                await self._health_port.stop()
             if self.subscribers is not None:
                 await self.subscribers.stop()
             await self.logic.stop()

@@ -587,3 +587,36 @@ def add_health_and_reflection(
         ANY_RULE,
         guard,
     )
+
+
+class HealthPort:
+    """A plaintext port serving only ``grpc.health.v1`` from a server's health servicer.
+
+    For kubelet gRPC probes, which present no certificate: with TLS on, the
+    main port refuses them at the handshake. Nothing but health is served
+    here, so it reveals only SERVING / NOT_SERVING.
+    """
+
+    def __init__(self, health_servicer: Any, address: str) -> None:
+        from grpc_health.v1 import health_pb2_grpc
+
+        self.address = address
+        self.port = 0
+        self._server: grpc.aio.Server | None = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+
+    async def start(self) -> int:
+        """Bind and serve; return the bound port."""
+        assert self._server is not None
+        try:
+            self.port = self._server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {self.address}: {e}") from e
+        await self._server.start()
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop at once (probes need no grace). Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(0)

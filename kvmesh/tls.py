@@ -160,7 +160,7 @@ def _read(path: str, what: str) -> bytes:
     return data
 
 
-def _mtimes(paths: Sequence[str]) -> tuple[tuple[int, int, int, int], ...]:
+def file_stamp(paths: Sequence[str]) -> tuple[tuple[int, int, int, int], ...]:
     """A stamp of ``paths`` that changes when any file is replaced or rewritten.
 
     ctime and inode too: a Kubernetes Secret update swaps a symlink
@@ -208,7 +208,7 @@ class _ServerCertReloader:
         self._paths = [p for p in (tls.cert_file, tls.key_file, tls.client_ca_file) if p]
         self._lock = threading.Lock()
         self._checked = time.monotonic()
-        self._stamp = _mtimes(self._paths)
+        self._stamp = file_stamp(self._paths)
         self.reloads = 0
         self.reload_failures = 0
         self.current = self._load()
@@ -232,7 +232,7 @@ class _ServerCertReloader:
             return None
         with self._lock:
             self._checked = now
-            stamp = _mtimes(self._paths)
+            stamp = file_stamp(self._paths)
             if stamp == self._stamp:
                 return None
             self._stamp = stamp
@@ -295,6 +295,18 @@ def add_port(
     return port, reloader
 
 
+def read_token_file(path: str) -> str:
+    """The bearer token in ``path`` (surrounding whitespace dropped); TLSFileError if none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise TLSFileError(f"cannot read tls.token_file {path!r}: {e.strerror or e}") from e
+    if not token:
+        raise TLSFileError(f"tls.token_file {path!r} is empty")
+    return token
+
+
 class _TokenPlugin(grpc.AuthMetadataPlugin):
     """Call credentials: ``authorization: Bearer <token>`` read from a file on change."""
 
@@ -306,19 +318,10 @@ class _TokenPlugin(grpc.AuthMetadataPlugin):
         self.token()  # fail at construction when unreadable
 
     def token(self) -> str:
-        stamp = _mtimes([self.path])
+        stamp = file_stamp([self.path])
         with self._lock:
             if stamp != self._stamp:
-                try:
-                    with open(self.path, encoding="utf-8") as f:
-                        tok = f.read().strip()
-                except OSError as e:
-                    raise TLSFileError(
-                        f"cannot read tls.token_file {self.path!r}: {e.strerror or e}"
-                    ) from e
-                if not tok:
-                    raise TLSFileError(f"tls.token_file {self.path!r} is empty")
-                self._token, self._stamp = tok, stamp
+                self._token, self._stamp = read_token_file(self.path), stamp
             return self._token
 
     def __call__(
@@ -346,7 +349,7 @@ class ChannelFactory:
         self.what = what
         self._options = list(options)
         self._paths = [p for p in (self.tls.ca_file, self.tls.cert_file, self.tls.key_file) if p]
-        self._stamp = _mtimes(self._paths)
+        self._stamp = file_stamp(self._paths)
         self._checked = time.monotonic()
         self._plugin = _TokenPlugin(self.tls.token_file) if self.tls.token_file else None
         if self.tls.active:
@@ -379,14 +382,14 @@ class ChannelFactory:
 
     def channel(self) -> grpc.aio.Channel:
         """A new channel to the target (secure when TLS is configured)."""
-        self._stamp = _mtimes(self._paths)
+        self._stamp = file_stamp(self._paths)
         if not self.tls.active:
             return grpc.aio.insecure_channel(self.target, options=self.options())
         return grpc.aio.secure_channel(self.target, self._credentials(), options=self.options())
 
     def sync_channel(self) -> grpc.Channel:
         """A blocking-API channel (for the engine-side clients that are not asyncio)."""
-        self._stamp = _mtimes(self._paths)
+        self._stamp = file_stamp(self._paths)
         if not self.tls.active:
             return grpc.insecure_channel(self.target, options=self.options())
         return grpc.secure_channel(self.target, self._credentials(), options=self.options())
@@ -404,7 +407,7 @@ class ChannelFactory:
         if now - self._checked < self.tls.reload_interval_s:
             return False
         self._checked = now
-        return _mtimes(self._paths) != self._stamp
+        return file_stamp(self._paths) != self._stamp
 
 
 def add_server_tls_args(parser: Any) -> None:

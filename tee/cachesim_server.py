@@ -33,7 +33,7 @@ import grpc
 import grpc.aio
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -43,6 +43,7 @@ from kvmesh.configfile import ConfigError
 from kvmesh.errors import KvmeshError
 from kvmesh.grpcsvc import (
     Guard,
+    HealthPort,
     MethodRule,
     add_guarded,
     add_health_and_reflection,
@@ -240,7 +241,7 @@ class CacheSimServer:
         self.health_port = 0
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
-        self._health_server: grpc.aio.Server | None = None
+        self._health_port: HealthPort | None = None
         self.health = health.aio.HealthServicer()
         #: The HTTP port's TLS context and reloader (None in plaintext).
         self.http_tls: ServerSSL | None = None
@@ -386,15 +387,8 @@ class CacheSimServer:
                 server, _host_port(c.host, c.grpc_port), c.tls, what="cachesim gRPC"
             )
             if c.health_port:
-                hs = grpc.aio.server()
-                health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
-                addr = _host_port(c.host, c.health_port)
-                try:
-                    self.health_port = hs.add_insecure_port(addr)
-                except RuntimeError as e:
-                    raise OSError(f"cannot listen on {addr}: {e}") from e
-                await hs.start()
-                self._health_server = hs
+                self._health_port = HealthPort(self.health, _host_port(c.host, c.health_port))
+                self.health_port = await self._health_port.start()
             await server.start()
             self._grpc = server
             for name in ("", TEE_SERVICE, CACHESIM_SERVICE):
@@ -409,9 +403,9 @@ class CacheSimServer:
             await self.health.enter_graceful_shutdown()
             await self._grpc.stop(grace)
             self._grpc = None
-        if self._health_server is not None:
-            await self._health_server.stop(0)
-            self._health_server = None
+        if self._health_port is not None:
+            await self._health_port.stop()
+            self._health_port = None
         if self._http_tls_watch is not None:
             self._http_tls_watch.cancel()
             await asyncio.gather(self._http_tls_watch, return_exceptions=True)

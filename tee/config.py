@@ -95,7 +95,36 @@ class GrpcSinkConfig(_Strict):
 SinkConfig = Annotated[HttpSinkConfig | GrpcSinkConfig, Field(discriminator="type")]
 
 
-class TeeConfig(_Strict):
+class _Served(_Strict):
+    """Settings every served component shares: transport security, callers, probes, logs."""
+
+    tls: ServerTLS = Field(
+        default_factory=ServerTLS,
+        description="Certificate, key and client CA (mutual TLS) of the gRPC port (and the "
+        "cache simulator's HTTP port); empty: plaintext. Changed files are loaded for new "
+        "connections.",
+    )
+    auth: AuthSettings = Field(
+        default_factory=AuthSettings,
+        description="Policy file mapping caller identities to roles; empty: authorization off.",
+    )
+    per_client: ClientLimits = Field(
+        default_factory=ClientLimits,
+        description="Per-client in-flight cap and rates (a client is a policy identity, or a "
+        "peer host when authorization is off).",
+    )
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Extra plaintext port serving only grpc.health.v1 (for kubelet gRPC "
+        "probes, which present no certificate); 0: none.",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+
+
+class TeeConfig(_Served):
     """Configuration of ``kvmesh tee serve`` (and of an embedded tee)."""
 
     host: str = Field(default="127.0.0.1", min_length=1, description="gRPC/metrics address.")
@@ -124,29 +153,6 @@ class TeeConfig(_Strict):
     shutdown_deadline_s: float = Field(
         default=5.0, ge=0, le=3600, description="On SIGTERM, how long queued events may drain."
     )
-    tls: ServerTLS = Field(
-        default_factory=ServerTLS,
-        description="Certificate, key and client CA (mutual TLS) of the gRPC port; empty: "
-        "plaintext.",
-    )
-    auth: AuthSettings = Field(
-        default_factory=AuthSettings,
-        description="Policy file mapping caller identities to roles; empty: authorization off.",
-    )
-    per_client: ClientLimits = Field(
-        default_factory=ClientLimits,
-        description="Per-client in-flight cap and rates (a client is a policy identity, or a "
-        "peer host when authorization is off).",
-    )
-    health_port: int = Field(
-        default=0,
-        ge=0,
-        le=65535,
-        description="Extra plaintext port serving only grpc.health.v1 (for kubelet gRPC "
-        "probes, which present no certificate); 0: none.",
-    )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["text", "json"] = "text"
 
     @model_validator(mode="after")
     def _checks(self) -> TeeConfig:
@@ -160,7 +166,7 @@ class TeeConfig(_Strict):
         return self
 
 
-class CacheSimConfig(_Strict):
+class CacheSimConfig(_Served):
     """Configuration of ``kvmesh cachesim serve``."""
 
     host: str = Field(default="127.0.0.1", min_length=1, description="Listen address.")
@@ -187,29 +193,6 @@ class CacheSimConfig(_Strict):
     max_events_per_call: int = Field(default=4096, ge=1)
     max_message_bytes: int = Field(default=64 << 20, ge=4096)
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=3600)
-    tls: ServerTLS = Field(
-        default_factory=ServerTLS,
-        description="Certificate, key and client CA (mutual TLS) of the gRPC and HTTP ports; "
-        "empty: plaintext. Both ports load changed files for new connections.",
-    )
-    auth: AuthSettings = Field(
-        default_factory=AuthSettings,
-        description="Policy file mapping caller identities to roles; empty: authorization off.",
-    )
-    per_client: ClientLimits = Field(
-        default_factory=ClientLimits,
-        description="Per-client in-flight cap and rates (a client is a policy identity, or a "
-        "peer host when authorization is off).",
-    )
-    health_port: int = Field(
-        default=0,
-        ge=0,
-        le=65535,
-        description="Extra plaintext port serving only grpc.health.v1 (for kubelet gRPC "
-        "probes, which present no certificate); 0: none.",
-    )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["text", "json"] = "text"
 
     @model_validator(mode="after")
     def _checks(self) -> CacheSimConfig:

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvmesh.tls import ClientTLS, ServerTLS, TLSFileError, _mtimes
+from kvmesh.tls import ClientTLS, ServerTLS, TLSFileError, file_stamp, read_token_file
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ServerSSL:
         self.tls = tls
         self.what = what
         self._paths = [p for p in (tls.cert_file, tls.key_file, tls.client_ca_file) if p]
-        self._stamp = _mtimes(self._paths)
+        self._stamp = file_stamp(self._paths)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load_server_files(ctx, tls)
@@ -82,7 +82,7 @@ class ServerSSL:
 
     def check(self) -> bool:
         """Load the files into :attr:`context` if they changed; whether they were loaded."""
-        stamp = _mtimes(self._paths)
+        stamp = file_stamp(self._paths)
         if stamp == self._stamp:
             return False
         self._stamp = stamp
@@ -120,7 +120,7 @@ class ClientSSL:
         self.what = what
         self.reload_failures = 0
         self._paths = [p for p in (tls.ca_file, tls.cert_file, tls.key_file, tls.token_file) if p]
-        self._stamp = _mtimes(self._paths)
+        self._stamp = file_stamp(self._paths)
         self._checked = time.monotonic()
         self.context, self.token = self._build()
 
@@ -138,17 +138,7 @@ class ClientSSL:
                     f"cannot load tls.cert_file {t.cert_file!r} with tls.key_file "
                     f"{t.key_file!r}: {e}"
                 ) from e
-        token = ""
-        if t.token_file:
-            try:
-                with open(t.token_file, encoding="utf-8") as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise TLSFileError(
-                    f"cannot read tls.token_file {t.token_file!r}: {e.strerror or e}"
-                ) from e
-            if not token:
-                raise TLSFileError(f"tls.token_file {t.token_file!r} is empty")
+        token = read_token_file(t.token_file) if t.token_file else ""
         return ctx, token
 
     def refresh(self) -> bool:
@@ -160,7 +150,7 @@ class ClientSSL:
         if now - self._checked < self.tls.reload_interval_s:
             return False
         self._checked = now
-        stamp = _mtimes(self._paths)
+        stamp = file_stamp(self._paths)
         if stamp == self._stamp:
             return False
         try:

@@ -23,13 +23,14 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from opentelemetry import context as otel_context
 
 from kvmesh.auth import Authorizer
 from kvmesh.configfile import ConfigError
 from kvmesh.grpcsvc import (
     Guard,
+    HealthPort,
     MethodRule,
     add_guarded,
     add_health_and_reflection,
@@ -158,11 +159,12 @@ class TeeServer:
         handlers = capture_handlers(pb_grpc.add_TeeServiceServicer_to_server, servicer)
         add_guarded(self._server, SERVICE_NAME, handlers[SERVICE_NAME], TEE_RULES, self.guard)
         add_health_and_reflection(self._server, self.health, [SERVICE_NAME], self.guard)
-        #: Plaintext health-only server for kubelet probes (config.health_port).
-        self._health_server: grpc.aio.Server | None = None
-        if config.health_port:
-            self._health_server = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        #: Plaintext health-only port for kubelet probes (config.health_port).
+        self._health_port = (
+            HealthPort(self.health, _host_port(config.host, config.health_port))
+            if config.health_port
+            else None
+        )
         self.health_port = 0
         #: The certificate reloader of the TLS port (None in plaintext).
         self.tls_reloader: Any = None
@@ -182,13 +184,8 @@ class TeeServer:
         self.port, self.tls_reloader = add_port(
             self._server, _host_port(cfg.host, cfg.port), cfg.tls, what="tee"
         )
-        if self._health_server is not None:
-            addr = _host_port(cfg.host, cfg.health_port)
-            try:
-                self.health_port = self._health_server.add_insecure_port(addr)
-            except RuntimeError as e:
-                raise OSError(f"cannot listen on {addr}: {e}") from e
-            await self._health_server.start()
+        if self._health_port is not None:
+            self.health_port = await self._health_port.start()
         await self.tee.start()
         await self._server.start()
         if self.config.metrics_port:
@@ -207,8 +204,8 @@ class TeeServer:
         """Refuse new calls, finish in-flight ones, then drain the tee within its deadline."""
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
-        if self._health_server is not None:
-            await self._health_server.stop(0)
+        if self._health_port is not None:
+            await self._health_port.stop()
         report = await self.tee.close(self.config.shutdown_deadline_s)
         self.close_report = report
         if self._metrics_http is not None:

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from opentelemetry import context as otel_context
 
 from kvmesh.auth import Authorizer, peer_host
@@ -47,6 +47,7 @@ from kvmesh.configfile import ConfigError
 from kvmesh.errors import KvmeshError, PermissionDenied, Unauthenticated
 from kvmesh.grpcsvc import (
     Guard,
+    HealthPort,
     MethodRule,
     add_guarded,
     add_health_and_reflection,
@@ -279,11 +280,12 @@ class XferServer:
         add_guarded(self._server, SERVICE_NAME, handlers[SERVICE_NAME], XFER_RULES, self.guard)
         self.health = health.aio.HealthServicer()
         add_health_and_reflection(self._server, self.health, [SERVICE_NAME], self.guard)
-        #: Plaintext health-only server for kubelet probes (config.health_port).
-        self._health_server: grpc.aio.Server | None = None
-        if config.health_port:
-            self._health_server = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        #: Plaintext health-only port for kubelet probes (config.health_port).
+        self._health_port = (
+            HealthPort(self.health, f"{config.host}:{config.health_port}")
+            if config.health_port
+            else None
+        )
         self.health_port = 0
         self.tls_reloader: Any = None
         self.port = 0
@@ -469,13 +471,8 @@ class XferServer:
         self.port, self.tls_reloader = add_port(
             self._server, f"{cfg.host}:{cfg.port}", cfg.tls, what="xfer"
         )
-        if self._health_server is not None:
-            addr = f"{cfg.host}:{cfg.health_port}"
-            try:
-                self.health_port = self._health_server.add_insecure_port(addr)
-            except RuntimeError as e:
-                raise OSError(f"cannot listen on {addr}: {e}") from e
-            await self._health_server.start()
+        if self._health_port is not None:
+            self.health_port = await self._health_port.start()
         self.logic.start()
         await self._server.start()
         for name in ("", SERVICE_NAME):
@@ -506,8 +503,8 @@ class XferServer:
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
-        if self._health_server is not None:
-            await self._health_server.stop(0)
+        if self._health_port is not None:
+            await self._health_port.stop()
         for t in list(self._tasks):
             t.cancel()
         for entry in self._channels.values():

@@ -25,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["prefill", "decode"])
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument(
+        "--advertise-address",
+        metavar="HOST:PORT",
+        help="address peers call this sidecar back at (default host:port; required on a "
+        "decode sidecar with --host 0.0.0.0 or ::)",
+    )
     p.add_argument("--metrics-port", type=int)
     p.add_argument("--transport", choices=["nixl", "tcp"])
     p.add_argument("--pool-path")
@@ -79,6 +85,7 @@ def overrides(ns: argparse.Namespace) -> dict[str, Any]:
         "role": ns.role,
         "host": ns.host,
         "port": ns.port,
+        "advertise_address": ns.advertise_address,
         "metrics_port": ns.metrics_port,
         "transport": ns.transport,
         "queues": ns.queues,

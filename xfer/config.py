@@ -15,6 +15,7 @@ Example file (YAML)::
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -31,6 +32,39 @@ from xfer.pool import PoolGeometry
 
 #: Prefix of the environment variables read by :func:`load_config`.
 ENV_PREFIX = "KVMESH_XFER_"
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal in brackets (``[::1]:50061``)."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is an unspecified address (``0.0.0.0``, ``::``): bindable on every
+    interface, but no address a peer can dial."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _check_advertise_address(value: str) -> None:
+    """``value`` must be ``host:port`` with a dialable host and a port in 1..65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"advertise_address {value!r}: expected host:port with a port in 1..65535 "
+            "(an IPv6 address in brackets, [fd00::1]:50061)"
+        )
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"advertise_address {value!r}: put an IPv6 address in brackets")
+    if is_wildcard(host):
+        raise ValueError(
+            f"advertise_address {value!r}: {host} is no address a peer can dial; give this "
+            "sidecar's own address (e.g. the pod IP)"
+        )
 
 
 class _Strict(BaseModel):
@@ -98,6 +132,16 @@ class XferConfig(_Strict):
     role: Literal["prefill", "decode"] = Field(description="Which side of the transfer.")
     host: str = Field(default="127.0.0.1", min_length=1, description="gRPC/metrics/TCP address.")
     port: int = Field(default=50061, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    advertise_address: str = Field(
+        default="",
+        description="host:port this sidecar gives its peers for calls back to it. Only a "
+        "decode sidecar gives one: it sends it in Bootstrap and the prefill sidecar "
+        "heartbeats it (the decode side reaches the prefill one at the address its engine "
+        "names in RegisterRoom). Empty: host:port (the bound port when port is 0); a "
+        "decode sidecar whose host is 0.0.0.0 or :: must set it, e.g. to the pod IP and "
+        "port. With TLS, peers verify this sidecar's certificate against its host (or "
+        "against peers.tls.server_name).",
+    )
     metrics_port: int = Field(
         default=9465, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it."
     )
@@ -168,6 +212,15 @@ class XferConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> XferConfig:
+        if self.advertise_address:
+            _check_advertise_address(self.advertise_address)
+        elif self.role == "decode" and is_wildcard(self.host):
+            raise ValueError(
+                f"advertise_address is required on a decode sidecar listening on {self.host}: "
+                "the prefill sidecar calls back (Heartbeat) at the address this sidecar "
+                f"advertises, and {self.host} is no address it can dial; set it to this "
+                "sidecar's reachable host:port (in Kubernetes, the pod IP and the port)"
+            )
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port and port are both {self.port}")
         if self.health_port and self.health_port in (self.port, self.metrics_port):

@@ -763,10 +763,11 @@ class XferLogic:
         """Decode: the prefill side accepted (``error`` empty) or refused the bootstrap.
 
         ``peer_agent`` is the prefill sidecar's transport agent named in its
-        answer: from now on only its notifications count for the room, and
-        those that arrived before (held) are replayed; the others are counted as
-        foreign and dropped. ``None`` does not check agents (the server always
-        passes the name).
+        answer (``BootstrapResponse.agent_name``): from now on only its
+        notifications count for the room, and those that arrived before (held)
+        are replayed; the others are counted as foreign and dropped. ``None``
+        does not check agents (the server always passes the name, and fails the
+        bootstrap of an answer without one).
         """
         with self._lock:
             r = self._rooms.get(room)

@@ -29,10 +29,6 @@ from xfer.config import PeerSettings
 #: Call metadata carrying the peer secret (sidecar to sidecar, over TLS only).
 SECRET_METADATA = "kvmesh-peer-secret"
 
-#: Trailing metadata of a Bootstrap answer naming the prefill sidecar's
-#: transport agent: the decode side accepts a room's notifications only from it.
-AGENT_METADATA = "kvmesh-xfer-agent"
-
 #: Shortest secret accepted: 16 characters (e.g. ``openssl rand -hex 32`` gives 64).
 MIN_SECRET_LEN = 16
 

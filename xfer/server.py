@@ -21,7 +21,9 @@ It serves ``grpc.health.v1`` and reflection (also health alone in plaintext
 on ``health_port``), Prometheus metrics on ``metrics_port`` and stops
 gracefully on SIGTERM. Calls to peers use ``config.peer_tls()`` and, when
 configured, the peer secret; a peer channel is rebuilt when its certificate
-files change.
+files change. The decode side dials the prefill address its engine names;
+the prefill side dials back (Heartbeat) the ``advertise_address`` the decode
+side sends in Bootstrap.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
 from kvmesh.tracing import register_metrics as register_tracing_metrics
 from kvmesh.xfer.v1 import xfer_pb2 as pb
 from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
-from xfer.config import XferConfig
+from xfer.config import XferConfig, join_host_port
 from xfer.engine import Room, XferLogic, XferMetrics
-from xfer.peers import AGENT_METADATA, SECRET_METADATA, PeerAdmission
+from xfer.peers import SECRET_METADATA, PeerAdmission
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import Transport, make_transport
 
@@ -199,8 +201,9 @@ class XferServicer(pb_grpc.XferServiceServicer):
             identity=identity,
         )
         # The decode side accepts this room's notifications only from this agent.
-        context.set_trailing_metadata(((AGENT_METADATA, self.server.transport.name),))
-        return pb.BootstrapResponse(instance_id=self.server.instance_id)
+        return pb.BootstrapResponse(
+            instance_id=self.server.instance_id, agent_name=self.server.transport.name
+        )
 
     @_rpc
     async def Abort(
@@ -263,6 +266,11 @@ class XferServer:
             config.transport,
             self.pool,
             host=config.host,
+            advertise_host=(
+                config.advertise_address.rsplit(":", 1)[0].strip("[]")
+                if config.advertise_address
+                else ""
+            ),
             nixl_threads=config.nixl_threads,
             nixl_progress_thread=config.nixl_progress_thread,
         )
@@ -299,8 +307,15 @@ class XferServer:
 
     @property
     def address(self) -> str:
-        """host:port of the gRPC endpoint."""
-        return f"{self.config.host}:{self.port}"
+        """host:port of the gRPC endpoint, as bound."""
+        return join_host_port(self.config.host, self.port)
+
+    @property
+    def advertise_address(self) -> str:
+        """host:port this sidecar gives its peers for calls back to it (the decode side
+        sends it in Bootstrap; the prefill side heartbeats it): ``config.advertise_address``,
+        else the bound address."""
+        return self.config.advertise_address or self.address
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run ``coro`` in the background (kept referenced until done)."""
@@ -377,7 +392,7 @@ class XferServer:
                 aux_index=room.aux_index,
                 peer_name=self.transport.name,
                 agent_metadata=self.transport.metadata() if send_md else b"",
-                peer_address=self.address,
+                peer_address=self.advertise_address,
                 page_size=geo.page_size,
                 page_count=geo.page_count,
                 aux_size=geo.aux_size,
@@ -385,13 +400,11 @@ class XferServer:
                 transport=self.transport.kind,
             )
             try:
-                call = stub.Bootstrap(
+                resp = await stub.Bootstrap(
                     req,
                     timeout=_PEER_CALL_TIMEOUT_S,
                     metadata=self._peer_metadata(room.trace_context),
                 )
-                resp = await call
-                trailing = await call.trailing_metadata()
             except grpc.aio.AioRpcError as e:
                 error = f"{e.code().name}: {e.details()}"
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not send_md:
@@ -401,7 +414,7 @@ class XferServer:
             if send_md:
                 self._md_sent.add(addr)
             self._peer_instance.setdefault(addr, resp.instance_id)
-            agent = next((str(v) for k, v in trailing or () if k == AGENT_METADATA), "")
+            agent = resp.agent_name
             error = "" if agent else "the prefill sidecar did not name its transport agent"
             break
         self.logic.bootstrap_done(room.room, room.generation, error, peer_agent=agent or None)
@@ -486,10 +499,13 @@ class XferServer:
                 cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry
             )
             self.metrics_port = self._metrics_http.server_port
+        # Only the decode side gives its address to a peer (prefill heartbeats it).
+        advertised = f", advertised as {self.advertise_address}" if cfg.role == "decode" else ""
         log.info(
-            "kvmesh xfer %s sidecar serving on %s (transport %s, agent %s, %d queues)",
+            "kvmesh xfer %s sidecar serving on %s%s (transport %s, agent %s, %d queues)",
             cfg.role,
             self.address,
+            advertised,
             self.transport.kind,
             self.transport.name,
             cfg.queues,

@@ -385,10 +385,19 @@ class TcpTransport(Transport):
 
     kind = "tcp"
 
-    def __init__(self, pool: KVPool, name: str | None = None, *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        name: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        advertise_host: str = "",
+    ) -> None:
         super().__init__(pool, name)
         self._lsock = socket.create_server((host, 0))
-        self.host = host
+        #: The host peers dial (the bind host unless advertised otherwise: a
+        #: sidecar bound to 0.0.0.0 advertises its pod IP).
+        self.host = advertise_host or host
         self.port: int = self._lsock.getsockname()[1]
         self._peers: dict[str, _TcpPeer] = {}
         self._peer_md: dict[str, bytes] = {}
@@ -580,6 +589,7 @@ def make_transport(
     pool: KVPool,
     *,
     host: str = "127.0.0.1",
+    advertise_host: str = "",
     nixl_threads: int = 0,
     nixl_progress_thread: bool = False,
 ) -> Transport:
@@ -587,7 +597,7 @@ def make_transport(
     if kind == "nixl":
         return NixlTransport(pool, num_threads=nixl_threads, progress_thread=nixl_progress_thread)
     if kind == "tcp":
-        return TcpTransport(pool, host=host)
+        return TcpTransport(pool, host=host, advertise_host=advertise_host)
     raise ValueError(f"unknown transport {kind!r}")
 
 

@@ -526,6 +526,25 @@ def test_sidecar_snippet_in_an_engine_chart(engine_chart: Path) -> None:
             assert {"name": "kvmesh-shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
+def test_sidecar_advertises_its_pod_ip_from_the_downward_api(engine_chart: Path) -> None:
+    """Peers call the sidecar back at KVMESH_XFER_ADVERTISE_ADDRESS: the pod IP from
+    status.podIP (defined earlier in env, so $(POD_IP) expands) and the sidecar's port."""
+    values = {"kvmesh": {"xfer": {"grpcPort": 50071, "metricsPort": 9475}}}
+    docs = manifests(render(values, chart=engine_chart))
+    validate_all(docs)
+    from xfer.config import load_config as load_xfer_config
+
+    for role in ("prefill", "decode"):
+        side = pod_spec(by_kind(docs, "Deployment")[f"rel-{role}"])["containers"][1]
+        names = [e["name"] for e in side["env"]]
+        env = env_of(side)
+        assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["KVMESH_XFER_ADVERTISE_ADDRESS"] == "$(POD_IP):50071"
+        assert names.index("POD_IP") < names.index("KVMESH_XFER_ADVERTISE_ADDRESS")
+        cfg = load_xfer_config(environ=env_for_loader(side), cli={"role": role})
+        assert cfg.advertise_address == "10.0.0.7:50071" and cfg.port == 50071
+
+
 def test_sidecar_snippet_rejects_a_bad_role(engine_chart: Path, tmp_path: Path) -> None:
     bad = tmp_path / "engine"
     shutil.copytree(engine_chart, bad)

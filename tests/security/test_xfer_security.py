@@ -22,6 +22,7 @@ import struct
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from xfer import cli
 from xfer.client import XferClient
 from xfer.config import XferConfig, load_config
 from xfer.engine import RoomStatus, XferLogic
-from xfer.peers import AGENT_METADATA, SECRET_METADATA
+from xfer.peers import SECRET_METADATA
 from xfer.pool import KVPool, PoolGeometry
 from xfer.procs import Sidecar, ThreadedSidecar
 from xfer.server import XferServer
@@ -168,16 +169,16 @@ def bootstrap_request(room: int, **kw: Any) -> pb.BootstrapRequest:
 
 def call_bootstrap(
     address: str, tls: ClientTLS | None, req: pb.BootstrapRequest, secret: str | None = None
-) -> tuple[grpc.StatusCode, str, dict[str, Any]]:
-    """Call Bootstrap as a peer would: (status code, details, trailing metadata)."""
+) -> tuple[grpc.StatusCode, str, pb.BootstrapResponse | None]:
+    """Call Bootstrap as a peer would: (status code, details, the answer when OK)."""
     ch = ChannelFactory(address, tls).sync_channel()
     md = ((SECRET_METADATA, secret),) if secret is not None else None
     try:
-        _, call = pb_grpc.XferServiceStub(ch).Bootstrap.with_call(req, timeout=10, metadata=md)
-        return grpc.StatusCode.OK, "", dict(call.trailing_metadata() or ())
+        resp = pb_grpc.XferServiceStub(ch).Bootstrap(req, timeout=10, metadata=md)
+        return grpc.StatusCode.OK, "", resp
     except grpc.RpcError as e:
         assert isinstance(e, grpc.Call)
-        return e.code(), e.details() or "", dict(e.trailing_metadata() or ())
+        return e.code(), e.details() or "", None
     finally:
         ch.close()
 
@@ -333,11 +334,12 @@ def test_bootstrap_from_unknown_peer_is_refused(
         assert not server.transport.has_peer("agent-x")
 
         # The allowed identity is accepted and learns the prefill agent's name.
-        code, details, trailing = call_bootstrap(
+        code, details, answer = call_bootstrap(
             tp.address, client_tls(pki, "decode"), bootstrap_request(5)
         )
         assert code == grpc.StatusCode.OK, details
-        assert trailing[AGENT_METADATA] == server.transport.name
+        assert answer is not None and answer.agent_name == server.transport.name
+        assert answer.instance_id == server.instance_id
         assert pc.poll(5)[0] == RoomStatus.WAITING_FOR_INPUT
 
         # End to end: a decode sidecar dialing with the stranger's certificate.
@@ -656,6 +658,39 @@ def test_notifications_before_the_bootstrap_answer_are_held_for_the_right_agent(
         pool.close()
 
 
+class _AnonymousPrefill(pb_grpc.XferServiceServicer):
+    """A prefill side that accepts every Bootstrap but names no transport agent (an
+    outdated or misbehaving sidecar)."""
+
+    def Bootstrap(
+        self, request: pb.BootstrapRequest, context: grpc.ServicerContext
+    ) -> pb.BootstrapResponse:
+        return pb.BootstrapResponse(instance_id="anonymous")
+
+
+def test_a_bootstrap_answer_without_the_agent_name_fails_the_room(pools: Pools) -> None:
+    """Without the prefill agent's name the decode side could not tell its notifications
+    from anyone else's: the room fails instead of accepting every agent."""
+    fake = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_XferServiceServicer_to_server(_AnonymousPrefill(), fake)
+    port = fake.add_insecure_port("127.0.0.1:0")
+    fake.start()
+    cfg = XferConfig.model_validate({
+        "role": "decode", "port": 0, "metrics_port": 0, "transport": "tcp",
+        "shutdown_grace_s": 0, "heartbeat_interval_s": 60,
+        "pool": {"path": pools.decode.path, "page_size": GEO.page_size,
+                 "page_count": GEO.page_count, "aux_size": GEO.aux_size,
+                 "aux_count": GEO.aux_count},
+    })  # fmt: skip
+    try:
+        with ThreadedSidecar(cfg) as td, XferClient(td.address) as dc:
+            dc.register_room(70, f"127.0.0.1:{port}", [3], 0)
+            reason = wait_status(dc, 70, RoomStatus.FAILED)
+            assert "did not name its transport agent" in reason
+    finally:
+        fake.stop(0)
+
+
 def test_tcp_data_port_refuses_a_sender_without_the_key(pki: Pki, pools: Pools) -> None:
     """Nothing reaches the decode pool through the TCP data port without the key that
     only a bootstrapped peer received (in the transport metadata, over TLS)."""
@@ -747,6 +782,80 @@ def test_security_flags_and_environment(pki: Pki, tmp_path: Path) -> None:
     ns = cli.build_parser().parse_args(base)
     cfg = load_config(environ=env, cli=cli.overrides(ns))
     assert cfg.peers.shared_secret_file == str(secret) and cfg.peer_tls().active
+
+
+def test_advertise_address_flag_environment_and_checks() -> None:
+    """--advertise-address and KVMESH_XFER_ADVERTISE_ADDRESS reach the config; a decode
+    sidecar on a wildcard host must name one (the prefill side dials it back), a prefill
+    sidecar need not (nobody dials it at an address it gives); undialable ones are refused."""
+    base = ["--pool-path", "/dev/shm/x", "--page-size", "64", "--page-count", "4"]
+    ns = cli.build_parser().parse_args(
+        [*base, "--role", "decode", "--host", "::", "--advertise-address", "[fd00::7]:50061"]
+    )
+    assert load_config(cli=cli.overrides(ns)).advertise_address == "[fd00::7]:50061"
+    ns = cli.build_parser().parse_args([*base, "--role", "decode", "--host", "0.0.0.0"])
+    env = {"KVMESH_XFER_ADVERTISE_ADDRESS": "10.1.2.3:50061"}
+    assert load_config(environ=env, cli=cli.overrides(ns)).advertise_address == "10.1.2.3:50061"
+    for host in ("0.0.0.0", "::"):
+        ns = cli.build_parser().parse_args([*base, "--role", "decode", "--host", host])
+        with pytest.raises(ConfigError, match="advertise_address is required on a decode"):
+            load_config(cli=cli.overrides(ns))
+        ns = cli.build_parser().parse_args([*base, "--role", "prefill", "--host", host])
+        assert load_config(cli=cli.overrides(ns)).advertise_address == ""
+    # A concrete host is its own default.
+    ns = cli.build_parser().parse_args([*base, "--role", "decode", "--host", "10.0.0.5"])
+    assert load_config(cli=cli.overrides(ns)).advertise_address == ""
+    bad = {
+        "0.0.0.0:50061": "no address a peer can dial",
+        "[::]:50061": "no address a peer can dial",
+        "10.0.0.5": "expected host:port",
+        "10.0.0.5:0": "expected host:port",
+        "10.0.0.5:http": "expected host:port",
+        ":50061": "expected host:port",
+        "fd00::7:50061": "IPv6 address in brackets",
+    }
+    for value, why in bad.items():
+        ns = cli.build_parser().parse_args(
+            [*base, "--role", "prefill", "--advertise-address", value]
+        )
+        with pytest.raises(ConfigError, match=why):
+            load_config(cli=cli.overrides(ns))
+    assert cli.main([*base, "--role", "decode", "--host", "0.0.0.0", "--print-config"]) == 2
+
+
+def test_a_decode_sidecar_on_a_wildcard_host_is_dialed_back_at_its_advertised_address(
+    pki: Pki, pools: Pools
+) -> None:
+    """A decode sidecar listening on 0.0.0.0 (as in a pod) sends its advertise address in
+    Bootstrap; the prefill sidecar heartbeats it there, verifying its certificate against
+    that host (127.0.0.1 is one of its SANs; 0.0.0.0 is not, so the old host:port would
+    fail every ping and with it the room), and the room completes."""
+    port = free_port()
+    advertised = f"127.0.0.1:{port}"
+    p_cfg = secure_config("prefill", pools.prefill[0].path, pki, "prefill")
+    d_cfg = secure_config("decode", pools.decode.path, pki, "decode",
+                          host="0.0.0.0", port=port, advertise_address=advertised)  # fmt: skip
+    with (
+        ThreadedSidecar(p_cfg) as tp,
+        ThreadedSidecar(d_cfg) as td,
+        engine(pki, tp.address) as pc,
+        engine(pki, advertised) as dc,
+    ):
+        p, d = tp.server, td.server
+        assert p is not None and d is not None
+        assert d.address == f"0.0.0.0:{port}" and d.advertise_address == advertised
+        dc.register_room(80, tp.address, [50, 51], 3)
+        wait_status(dc, 80, RoomStatus.WAITING_FOR_INPUT)
+        assert p.logic.active_peers() == {d.transport.name: advertised}
+        # The prefill side's first successful ping records the decode instance id.
+        deadline = time.monotonic() + 20
+        while p._peer_instance.get(advertised) != d.instance_id:
+            assert time.monotonic() < deadline, "the prefill sidecar never reached the decode one"
+            time.sleep(0.02)
+        assert pc.poll(80)[0] == RoomStatus.WAITING_FOR_INPUT
+        pc.add_transfer_request(80, [60, 61], (0, 2), True, 4, 0)
+        wait_status(dc, 80, RoomStatus.SUCCESS)
+        assert pools.same(0, [60, 61], [50, 51], 4, 3)
 
 
 def test_plaintext_health_port_serves_only_health(pki: Pki, pools: Pools) -> None:

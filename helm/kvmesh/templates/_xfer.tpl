@@ -21,12 +21,17 @@ or auth.existingSecret need none). The engine creates the pool file at
 xfer.pool.path and the sidecar attaches to it; until it exists the sidecar
 exits and is restarted.
 
-The sidecar listens on the pod IP and advertises it to its peer (the TCP
-transport's endpoint and the decode sidecar's Heartbeat address), so the
-engine calls it at $(POD_IP):grpcPort, not at 127.0.0.1. With a TLS Secret the
-port serves TLS (mutual with tls.mutual: the engine then presents a
-certificate, identity role engine; peer sidecars role peer) and the probes use
-the plaintext health-only port xfer.healthPort.
+The sidecar listens on the pod IP (POD_IP, from the downward API's
+status.podIP) and advertises $(POD_IP):grpcPort to its peer
+(KVMESH_XFER_ADVERTISE_ADDRESS: the decode sidecar's Heartbeat address; the
+TCP transport's endpoint is the pod IP too), so the engine calls it at
+$(POD_IP):grpcPort, not at 127.0.0.1. With a TLS Secret the port serves TLS
+(mutual with tls.mutual: the engine then presents a certificate, identity role
+engine; peer sidecars role peer) and the probes use the plaintext health-only
+port xfer.healthPort. Peer sidecars dial each other by pod IP, so each
+sidecar certificate must carry its pod IP as an IP SAN, or every sidecar
+certificate carries one DNS name set in xfer.peers.serverName, which peers
+then verify instead of the IP.
 */}}
 
 {{/* The sidecar's security context for the server helpers: (dict "values" ...). */}}
@@ -76,6 +81,9 @@ the plaintext health-only port xfer.healthPort.
       value: "$(POD_IP)"
     - name: KVMESH_XFER_PORT
       value: {{ int $x.grpcPort | quote }}
+    {{- /* Peers call back here: the pod IP (POD_IP above, so it expands) and the port. */}}
+    - name: KVMESH_XFER_ADVERTISE_ADDRESS
+      value: {{ printf "$(POD_IP):%d" (int $x.grpcPort) | quote }}
     - name: KVMESH_XFER_METRICS_PORT
       value: {{ int $x.metricsPort | quote }}
     - name: KVMESH_XFER_TRANSPORT

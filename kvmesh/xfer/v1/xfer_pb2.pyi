@@ -115,10 +115,12 @@ class BootstrapRequest(_message.Message):
     def __init__(self, room: _Optional[int] = ..., generation: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux_index: _Optional[int] = ..., peer_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., peer_address: _Optional[str] = ..., page_size: _Optional[int] = ..., page_count: _Optional[int] = ..., aux_size: _Optional[int] = ..., aux_count: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class BootstrapResponse(_message.Message):
-    __slots__ = ("instance_id",)
+    __slots__ = ("instance_id", "agent_name")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
-    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+    agent_name: str
+    def __init__(self, instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("room", "generation", "reason")

@@ -57,6 +57,7 @@ from kvmesh.grpcsvc import (
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.runtime import ERROR_FIELD_METADATA as ERROR_FIELD_METADATA
+from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import new_event_loop, status_code
 from kvmesh.runtime import setup_logging as _setup_logging
 from kvmesh.tls import add_port
@@ -377,14 +378,8 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
     async def Ping(
         self, request: pb.PingRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PingResponse:
-        """Does no work (not wrapped: it cannot fail, and it is the latency floor)."""
+        """Does no work (outside the _rpc wrapper: it cannot fail, and it is the latency floor)."""
         return _PING_RESPONSE
-
-
-def _host_port(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
 
 
 class IndexerServer:

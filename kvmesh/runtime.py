@@ -58,3 +58,10 @@ def status_code(name: str) -> grpc.StatusCode:
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
         return grpc.StatusCode.INTERNAL
     return code
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal in brackets (``[::1]:50051``)."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"

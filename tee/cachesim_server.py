@@ -49,6 +49,7 @@ from kvmesh.grpcsvc import (
     add_health_and_reflection,
     capture_handlers,
 )
+from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import new_event_loop, setup_logging
 from kvmesh.tee.v1 import tee_pb2 as pb
 from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
@@ -201,10 +202,6 @@ class CacheSimServicer(pb_grpc.TeeServiceServicer, pb_grpc.CacheSimServiceServic
             return report_to_pb(self.server.sim.report(request.model))
 
         return await guard(context, "GetReport", body)
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 class CacheSimServer:

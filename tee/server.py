@@ -36,6 +36,7 @@ from kvmesh.grpcsvc import (
     add_health_and_reflection,
     capture_handlers,
 )
+from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import new_event_loop, setup_logging
 from kvmesh.tee.v1 import tee_pb2 as pb
 from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
@@ -129,10 +130,6 @@ class TeeServicer(pb_grpc.TeeServiceServicer):
         return pb.GetTeeStatsResponse(
             sinks=[pb.SinkStats(**s.as_dict()) for s in self.tee.stats()]  # type: ignore[arg-type]
         )
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 class TeeServer:

@@ -34,13 +34,6 @@ from xfer.pool import PoolGeometry
 ENV_PREFIX = "KVMESH_XFER_"
 
 
-def join_host_port(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 literal in brackets (``[::1]:50061``)."""
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
-
-
 def is_wildcard(host: str) -> bool:
     """Whether ``host`` is an unspecified address (``0.0.0.0``, ``::``): bindable on every
     interface, but no address a peer can dial."""

@@ -55,13 +55,13 @@ from kvmesh.grpcsvc import (
     add_health_and_reflection,
     capture_handlers,
 )
-from kvmesh.runtime import ERROR_FIELD_METADATA, new_event_loop, status_code
+from kvmesh.runtime import ERROR_FIELD_METADATA, host_port, new_event_loop, status_code
 from kvmesh.tls import ChannelFactory, add_port
 from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
 from kvmesh.tracing import register_metrics as register_tracing_metrics
 from kvmesh.xfer.v1 import xfer_pb2 as pb
 from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
-from xfer.config import XferConfig, join_host_port
+from xfer.config import XferConfig
 from xfer.engine import Room, XferLogic, XferMetrics
 from xfer.peers import SECRET_METADATA, PeerAdmission
 from xfer.pool import KVPool, PoolGeometry
@@ -308,7 +308,7 @@ class XferServer:
     @property
     def address(self) -> str:
         """host:port of the gRPC endpoint, as bound."""
-        return join_host_port(self.config.host, self.port)
+        return host_port(self.config.host, self.port)
 
     @property
     def advertise_address(self) -> str:

@@ -117,6 +117,12 @@ class XferLimits(_Strict):
         description="Calls in flight per client (an identity, or a peer host without "
         "authorization); beyond it RESOURCE_EXHAUSTED.",
     )
+    max_message_bytes: int = Field(
+        default=4 << 20,
+        ge=4096,
+        description="Largest gRPC message; grpc answers RESOURCE_EXHAUSTED for a larger one "
+        "(a transfer request names pages, never carries them: 4 MiB is ample).",
+    )
 
 
 class XferConfig(_Strict):

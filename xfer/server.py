@@ -283,7 +283,12 @@ class XferServer:
         self.guard = Guard("xfer", self.authorizer, config.limits.per_client)
         refusals = self.metrics.refusals
         self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", config.limits.max_message_bytes),
+                ("grpc.max_send_message_length", config.limits.max_message_bytes),
+            ]
+        )
         handlers = capture_handlers(pb_grpc.add_XferServiceServicer_to_server, XferServicer(self))
         add_guarded(self._server, SERVICE_NAME, handlers[SERVICE_NAME], XFER_RULES, self.guard)
         self.health = health.aio.HealthServicer()

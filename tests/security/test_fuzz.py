@@ -308,8 +308,8 @@ def _tee_target() -> Iterator[Target]:
 
 XFER = xpb.DESCRIPTOR.services_by_name["XferService"]
 XFER_SERVICES = [XFER, HEALTH, REFLECTION]
-#: The xfer sidecar sets no receive limit: grpc's default.
-XFER_MAX_MESSAGE_BYTES = 4 << 20
+#: Below xfer's default (4 MiB): the fuzzed sidecar is configured with it.
+XFER_MAX_MESSAGE_BYTES = 1 << 20
 XFER_PAGE, XFER_PAGES, XFER_AUX, XFER_AUXN = 1024, 64, 32, 4
 
 
@@ -356,7 +356,16 @@ def _xfer_target() -> Iterator[Target]:
             aux_count=XFER_AUXN,
             create=True,
         )
-        config = XferConfig(role="prefill", port=0, metrics_port=0, transport="tcp", pool=pool)
+        config = XferConfig.model_validate(
+            {
+                "role": "prefill",
+                "port": 0,
+                "metrics_port": 0,
+                "transport": "tcp",
+                "pool": pool,
+                "limits": {"max_message_bytes": XFER_MAX_MESSAGE_BYTES},
+            }
+        )
         with (
             ServerThread(lambda: start_xfer(config), lambda s: s.stop(0)) as server,
             grpc.insecure_channel(server.address) as channel,

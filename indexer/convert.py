@@ -328,3 +328,19 @@ def stats_to_pb(stats: ServiceStats) -> pb.GetStatsResponse:
         matches=c.matches,
         matched_blocks=c.matched_blocks,
     )
+
+
+def dumped_block_to_pb(ns: Namespace, key: int, holders: dict[InstanceId, int]) -> pb.DumpedBlock:
+    """One block of a dump -> DumpedBlock (holders by worker id and rank, tiers fastest first)."""
+    return pb.DumpedBlock(
+        model=ns.model,
+        lora_name=ns.lora_name,
+        block_key=key,
+        holders=[
+            pb.DumpedHolder(
+                instance=pb.InstanceRef(worker_id=inst.worker_id, dp_rank=inst.dp_rank),
+                tiers=[pb.Tier.Name(t.value) for t in Tier if mask & t.bit],
+            )
+            for inst, mask in sorted(holders.items())
+        ],
+    )

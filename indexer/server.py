@@ -248,6 +248,7 @@ INDEXER_RULES: dict[str, MethodRule] = {
     "ListInstances": MethodRule(("router", "engine")),
     "Match": MethodRule(("router",), rate="match"),
     "GetStats": MethodRule(("router",)),
+    "DumpIndex": MethodRule(("admin",)),
     "Ping": MethodRule(("*",)),
 }
 
@@ -374,6 +375,20 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
     ) -> pb.GetStatsResponse:
         """Index sizes plus this replica's counters."""
         return convert.stats_to_pb(await self.logic.stats())
+
+    @_rpc_stream("DumpIndex")
+    async def DumpIndex(
+        self, request: pb.DumpIndexRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.DumpIndexResponse]:
+        """The index's content in chunks of 1,000 blocks (admin only)."""
+        blocks, truncated = await self.logic.dump(request.model, request.max_blocks)
+        chunk = 1000
+        for lo in range(0, max(1, len(blocks)), chunk):
+            part = blocks[lo : lo + chunk]
+            yield pb.DumpIndexResponse(
+                blocks=[convert.dumped_block_to_pb(ns, key, holders) for ns, key, holders in part],
+                truncated=truncated and lo + chunk >= len(blocks),
+            )
 
     async def Ping(
         self, request: pb.PingRequest, context: grpc.aio.ServicerContext[Any, Any]

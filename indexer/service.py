@@ -51,6 +51,8 @@ MAX_NAME_BYTES = 256
 MAX_ADDRESS_BYTES = 2048
 #: Largest data-parallel rank accepted (fits the proto's uint32).
 MAX_DP_RANK = (1 << 32) - 1
+#: Blocks one DumpIndex returns when it names no max_blocks.
+DUMP_MAX_BLOCKS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +490,28 @@ class IndexerLogic:
         if query.max_instances and len(hits) > query.max_instances:
             hits = hits[: query.max_instances]
         return MatchResult(hits, len(keys), bs)
+
+    # -- admin ---------------------------------------------------------------
+
+    async def dump(
+        self, model: str = "", max_blocks: int = 0
+    ) -> tuple[list[tuple[Namespace, int, dict[InstanceId, int]]], bool]:
+        """The index's blocks ``(namespace, key, {instance: tier mask})`` in order, and
+        whether ``max_blocks`` (0: :data:`DUMP_MAX_BLOCKS`) cut them short."""
+        _check_name(model, "model", required=False)
+        cap = max_blocks or DUMP_MAX_BLOCKS
+        # No health change on failure: a debugging read without SCAN rights
+        # must not take the replica out of service.
+        content = await self.index.dump()
+        out: list[tuple[Namespace, int, dict[InstanceId, int]]] = []
+        for ns in sorted(content.blocks):
+            if model and ns.model != model:
+                continue
+            for key in sorted(content.blocks[ns]):
+                if len(out) == cap:
+                    return out, True
+                out.append((ns, key, content.blocks[ns][key]))
+        return out, False
 
     # -- stats ---------------------------------------------------------------
 

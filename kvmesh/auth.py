@@ -172,8 +172,16 @@ def set_current_client(client: Client | None) -> contextvars.Token[Client | None
 
 
 def reset_current_client(token: contextvars.Token[Client | None]) -> None:
-    """Undo :func:`set_current_client`."""
-    _client.reset(token)
+    """Undo :func:`set_current_client`.
+
+    A streaming handler's generator may be finalized from another context
+    (grpc closes an abandoned generator elsewhere); the token is then foreign
+    and the variable is just cleared in the current one.
+    """
+    try:
+        _client.reset(token)
+    except ValueError:
+        _client.set(None)
 
 
 def require_owner(model: str, worker_id: str, field_name: str = "instance") -> None:

@@ -114,6 +114,7 @@ def _indexer_seeds() -> dict[str, list[Message]]:
         f"{svc}/PublishEvents": [pb.PublishEventsRequest(batch=batch)],
         f"{svc}/PublishEventsStream": [pb.PublishEventsStreamRequest(batch=batch)],
         f"{svc}/GetStats": [pb.GetStatsRequest()],
+        f"{svc}/DumpIndex": [pb.DumpIndexRequest(model=MODEL, max_blocks=10)],
         f"{svc}/Ping": [pb.PingRequest()],
         f"{svc}/Match": [pb.MatchRequest(model=MODEL, token_ids=list(range(1, 13)), max_blocks=8)],
         f"{sg}/ConfigureExpectedWorkers": [

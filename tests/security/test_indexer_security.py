@@ -591,3 +591,44 @@ async def test_namespace_and_instance_limits(pki: Pki) -> None:
     finally:
         await c.close()
         await s.stop(0)
+
+
+async def test_only_admins_dump_the_index(server: IndexerServer, callers: Any) -> None:
+    eng = callers("engine-a").stub
+    await register(eng, "engine-a-0")
+    await register(eng, "engine-a-1")
+    b = list(range(100, 100 + BLOCK))
+    await eng.PublishEvents(
+        pb.PublishEventsRequest(
+            batch=batch(1, stored([1], A), stored([2], b, parent=1), worker="engine-a-0")
+        ),
+        timeout=5,
+    )
+    await eng.PublishEvents(
+        pb.PublishEventsRequest(
+            batch=batch(1, stored([1], A, tier=pb.TIER_CPU), worker="engine-a-1")
+        ),
+        timeout=5,
+    )
+    admin = callers("admin").stub
+    resps = [r async for r in admin.DumpIndex(pb.DumpIndexRequest(), timeout=5)]
+    blocks = [blk for r in resps for blk in r.blocks]
+    assert not any(r.truncated for r in resps)
+    assert len(blocks) == 2 and {blk.model for blk in blocks} == {MODEL}
+    holders = sorted((h.instance.worker_id, tuple(h.tiers)) for blk in blocks for h in blk.holders)
+    assert holders == [
+        ("engine-a-0", (pb.TIER_GPU,)),
+        ("engine-a-0", (pb.TIER_GPU,)),
+        ("engine-a-1", (pb.TIER_CPU,)),
+    ]
+    cut = [r async for r in admin.DumpIndex(pb.DumpIndexRequest(max_blocks=1), timeout=5)]
+    assert sum(len(r.blocks) for r in cut) == 1 and cut[-1].truncated
+    other = [r async for r in admin.DumpIndex(pb.DumpIndexRequest(model="other"), timeout=5)]
+    assert sum(len(r.blocks) for r in other) == 0
+    for who in ("router-a", "engine-a"):
+        call = callers(who).stub.DumpIndex(pb.DumpIndexRequest(), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refusals(server, "DumpIndex", "PERMISSION_DENIED") == 2

@@ -325,6 +325,42 @@ class GetStatsResponse(_message.Message):
     matched_blocks: int
     def __init__(self, backend: _Optional[str] = ..., instances: _Optional[int] = ..., instances_live: _Optional[int] = ..., instances_stale: _Optional[int] = ..., blocks: _Optional[int] = ..., block_instances: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., sequence_gaps: _Optional[int] = ..., matches: _Optional[int] = ..., matched_blocks: _Optional[int] = ...) -> None: ...
 
+class DumpIndexRequest(_message.Message):
+    __slots__ = ("model", "max_blocks")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_blocks: int
+    def __init__(self, model: _Optional[str] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+
+class DumpedHolder(_message.Message):
+    __slots__ = ("instance", "tiers")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class DumpedBlock(_message.Message):
+    __slots__ = ("model", "lora_name", "block_key", "holders")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora_name: str
+    block_key: int
+    holders: _containers.RepeatedCompositeFieldContainer[DumpedHolder]
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_key: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[DumpedHolder, _Mapping]]] = ...) -> None: ...
+
+class DumpIndexResponse(_message.Message):
+    __slots__ = ("blocks", "truncated")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[DumpedBlock]
+    truncated: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[DumpedBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
 class PingRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -75,6 +75,11 @@ class IndexerServiceStub:
                 request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.DumpIndex = channel.unary_stream(
+                '/kvmesh.indexer.v1.IndexerService/DumpIndex',
+                request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.DumpIndexRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.DumpIndexResponse.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/kvmesh.indexer.v1.IndexerService/Ping',
                 request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PingRequest.SerializeToString,
@@ -141,6 +146,14 @@ class IndexerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DumpIndex(self, request, context):
+        """The index's content, for debugging: admin only. Reads the whole index
+        (on Redis: SCAN, which the indexer's ACL user then needs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """Does no work: the floor of a round trip to this server.
         """
@@ -190,6 +203,11 @@ def add_IndexerServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.GetStatsRequest.FromString,
                     response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'DumpIndex': grpc.unary_stream_rpc_method_handler(
+                    servicer.DumpIndex,
+                    request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.DumpIndexRequest.FromString,
+                    response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.DumpIndexResponse.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
@@ -414,6 +432,33 @@ class IndexerService:
             '/kvmesh.indexer.v1.IndexerService/GetStats',
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.GetStatsRequest.SerializeToString,
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DumpIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.indexer.v1.IndexerService/DumpIndex',
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.DumpIndexRequest.SerializeToString,
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.DumpIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,10 @@ class IndexerServiceStub:
     Match: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.MatchRequest, _indexer_pb2.MatchResponse]
     """Which live instances hold the longest prefix of a prompt."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.GetStatsRequest, _indexer_pb2.GetStatsResponse]
+    DumpIndex: _grpc.UnaryStreamMultiCallable[_indexer_pb2.DumpIndexRequest, _indexer_pb2.DumpIndexResponse]
+    """The index's content, for debugging: admin only. Reads the whole index
+    (on Redis: SCAN, which the indexer's ACL user then needs).
+    """
     Ping: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.PingRequest, _indexer_pb2.PingResponse]
     """Does no work: the floor of a round trip to this server."""
 
@@ -79,6 +83,10 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     Match: _aio.UnaryUnaryMultiCallable[_indexer_pb2.MatchRequest, _indexer_pb2.MatchResponse]  # type: ignore[assignment]
     """Which live instances hold the longest prefix of a prompt."""
     GetStats: _aio.UnaryUnaryMultiCallable[_indexer_pb2.GetStatsRequest, _indexer_pb2.GetStatsResponse]  # type: ignore[assignment]
+    DumpIndex: _aio.UnaryStreamMultiCallable[_indexer_pb2.DumpIndexRequest, _indexer_pb2.DumpIndexResponse]  # type: ignore[assignment]
+    """The index's content, for debugging: admin only. Reads the whole index
+    (on Redis: SCAN, which the indexer's ACL user then needs).
+    """
     Ping: _aio.UnaryUnaryMultiCallable[_indexer_pb2.PingRequest, _indexer_pb2.PingResponse]  # type: ignore[assignment]
     """Does no work: the floor of a round trip to this server."""
 
@@ -148,6 +156,16 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _indexer_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_indexer_pb2.GetStatsResponse, _abc.Awaitable[_indexer_pb2.GetStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DumpIndex(
+        self,
+        request: _indexer_pb2.DumpIndexRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_indexer_pb2.DumpIndexResponse], _abc.AsyncIterator[_indexer_pb2.DumpIndexResponse]]:
+        """The index's content, for debugging: admin only. Reads the whole index
+        (on Redis: SCAN, which the indexer's ACL user then needs).
+        """
 
     @_abc_1.abstractmethod
     def Ping(

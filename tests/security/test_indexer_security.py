@@ -7,6 +7,7 @@ unless the test is about something else; clients dial with real certificates.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -264,7 +265,8 @@ async def test_sglang_api_applies_only_owned_workers(server: IndexerServer, call
 # -- bearer tokens -------------------------------------------------------------------------
 
 
-async def test_bearer_tokens_over_tls(pki: Pki) -> None:
+async def test_bearer_tokens_over_tls(pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     s = await start_server(config(pki, tls={"client_auth": "optional"}))
     made: list[Caller] = []
     try:
@@ -298,6 +300,14 @@ async def test_bearer_tokens_over_tls(pki: Pki) -> None:
             grpc.StatusCode.UNAUTHENTICATED,
         )
         assert s.authorizer.refusals[("Ping", "UNAUTHENTICATED")] == 2
+        # Refusals are logged (who, what), never with a token.
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert any("UNAUTHENTICATED Ping refused" in m for m in refused), refused
+        assert any(
+            "PERMISSION_DENIED RemoveInstance refused for router-token" in m for m in refused
+        )
+        for token in (ADMIN_TOKEN, ROUTER_TOKEN, "not-a-token"):
+            assert token not in caplog.text
     finally:
         for c in made:
             await c.close()

@@ -24,16 +24,31 @@ in reverse order in the next round, and each figure is the median over rounds,
 so that slow drift on a shared machine weighs on every mode alike. The table
 gives each figure per mode and its ratio to plaintext; ``--json FILE`` writes
 ``{"figures", "ratios", "rounds", "params"}``.
+
+``--flood`` instead measures what one client's flood of Matches does to
+another client's latency (:data:`SCENARIOS`): a mutual-TLS server with two
+router identities; router-b, calm, sends sequential Matches (one in flight, at
+most :attr:`FloodParams.calm_rps` a second) and its p50/p99 are timed alone,
+while router-a keeps :attr:`FloodParams.in_flight` Matches in flight from a
+process of its own with per-client limits off, and with them on (an in-flight
+cap and a Match rate that the calm client stays under). Per scenario: the calm
+client's p50, p99 and p99 over its p99 alone, the flood's accepted Matches/s
+and refused (RESOURCE_EXHAUSTED) share, and the CPU the server and the flood
+client burnt, in cores. ``--json FILE`` writes ``{"flood", "params"}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -41,15 +56,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from indexer.bench import (
     DEFAULT_PARAMS,
     QUICK_PARAMS,
     BenchParams,
+    ServerChild,
     Workload,
     bench_backend,
 )
 from indexer.bench import _fmt as fmt
-from indexer.workload import percentile
+from indexer.workload import match_request, percentile, publish_plan, register_all
 from kvmesh.devcerts import Authority, write_bundle
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
@@ -85,15 +103,22 @@ QUICK_CONNECTIONS = 10
 
 ENGINE_SAN = "spiffe://kvmesh/engine/bench"
 ROUTER_SAN = "spiffe://kvmesh/router/bench"
+#: The two routers of ``--flood``: router-a floods, router-b is the calm neighbour.
+ROUTER_A_SAN = "spiffe://kvmesh/router/bench-a"
+ROUTER_B_SAN = "spiffe://kvmesh/router/bench-b"
 IDENTITIES = {
     "server": ["localhost", "127.0.0.1"],
     "engine": [ENGINE_SAN],
     "router": [ROUTER_SAN],
+    "router-a": [ROUTER_A_SAN],
+    "router-b": [ROUTER_B_SAN],
 }
 POLICY = {
     "identities": [
         {"name": "bench-engine", "roles": ["engine"], "san": [ENGINE_SAN], "instances": ["*"]},
         {"name": "bench-router", "roles": ["router"], "san": [ROUTER_SAN]},
+        {"name": "router-a", "roles": ["router"], "san": [ROUTER_A_SAN]},
+        {"name": "router-b", "roles": ["router"], "san": [ROUTER_B_SAN]},
     ]
 }
 
@@ -113,16 +138,18 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Credentials:
-    """The files of one run: server TLS and policy, the engine's and router's client TLS."""
+    """The files of one run: server TLS and policy, every client identity's TLS."""
 
     server_tls: dict[str, str]
     policy_file: str
     engine: ClientTLS
     router: ClientTLS
+    router_a: ClientTLS  # the flooding client of ``--flood``
+    router_b: ClientTLS  # its calm neighbour
 
     @classmethod
     def write(cls, folder: Path) -> Credentials:
-        """A fresh CA, the three identities and the policy under ``folder``."""
+        """A fresh CA, every identity of :data:`IDENTITIES` and the policy under ``folder``."""
         paths = write_bundle(folder, IDENTITIES, authority=Authority("kvmesh bench CA"))
         policy = folder / "policy.json"
         policy.write_text(json.dumps(POLICY), encoding="utf-8")
@@ -142,6 +169,8 @@ class Credentials:
             policy_file=str(policy),
             engine=client("engine"),
             router=client("router"),
+            router_a=client("router-a"),
+            router_b=client("router-b"),
         )
 
     def server(self, mode: Mode) -> dict[str, Any]:
@@ -271,6 +300,410 @@ def format_table(figures: dict[str, float], modes: Sequence[Mode] = MODES) -> st
     return "\n".join(lines)
 
 
+# -- a flood from one client ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FloodParams:
+    """Sizes of ``--flood``."""
+
+    #: Sequential Matches of the calm client per scenario: 1,000 give a p99 that
+    #: rests on its 10 slowest calls (alone they take 5 s at calm_rps; under a
+    #: flood every call waits longer).
+    calm_calls: int = 1000
+    #: The calm client's pace, one call in flight: a router placing 200 requests
+    #: a second, a fraction of what one replica serves (about 1,000-1,500
+    #: concurrent Matches/s on the 2-core host of docs/benchmarks.md), so alone
+    #: it leaves the server mostly idle.
+    calm_rps: float = 200.0
+    #: Matches router-a keeps in flight, retrying at once on every answer.
+    in_flight: int = 64
+    #: Seconds between the flood's start and the calm client's first timed call,
+    #: so that the calm client meets the flood in its steady state.
+    settle_s: float = 0.5
+    #: ``limits.per_client.max_in_flight`` of the limited scenario: the calm
+    #: client (one in flight) never comes near it. The guard counts a call in
+    #: flight from admission to answer, and a memory-backend Match does not
+    #: suspend in between, so this cap refuses none of the flood's Matches
+    #: (measured: docs/benchmarks.md); it is set as a deployment would set it.
+    limit_in_flight: int = 8
+    #: ``limits.per_client.match_rps`` of the limited scenario: 2.5x the calm
+    #: pace, so the calm client is never refused, and a third to a half of
+    #: what the server gives the flood unlimited, so most of the flood is refused.
+    limit_match_rps: float = 500.0
+    #: ``match_burst`` of the limited scenario: a tenth of a second's worth, so
+    #: the rate bites from the flood's start rather than after a one-second
+    #: burst (the default), which would be most of a ``--quick`` window.
+    limit_match_burst: int = 50
+
+
+FLOOD_PARAMS = FloodParams()
+#: A few seconds for the whole ``--flood --quick`` run; the figures are only indicative.
+QUICK_FLOOD_PARAMS = FloodParams(calm_calls=30, settle_s=0.2)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One server and neighbour configuration the calm client is measured under."""
+
+    key: str
+    label: str
+    flood: bool  # router-a floods during the calm client's calls
+    limits: bool  # per-client in-flight cap and Match rate on
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("alone", "calm alone", flood=False, limits=False),
+    Scenario("flood", "flood, limits off", flood=True, limits=False),
+    Scenario("flood_limited", "flood, limits on", flood=True, limits=True),
+)
+ALONE = SCENARIOS[0]
+
+
+def flood_server(creds: Credentials, scenario: Scenario, fp: FloodParams) -> dict[str, Any]:
+    """Server config overrides of ``scenario``: mutual TLS, the policy, its per-client limits."""
+    per_client: dict[str, Any] = (
+        {
+            "max_in_flight": fp.limit_in_flight,
+            "match_rps": fp.limit_match_rps,
+            "match_burst": fp.limit_match_burst,
+        }
+        if scenario.limits
+        else {"max_in_flight": 0}
+    )
+    return {
+        "tls": creds.server_tls,
+        "auth": {"policy_file": creds.policy_file},
+        "limits": {"per_client": per_client},
+    }
+
+
+def calm_latency(
+    stub: pb_grpc.IndexerServiceStub, reqs: Sequence[pb.MatchRequest], calls: int, rps: float
+) -> tuple[list[float], dict[str, int]]:
+    """µs of ``calls`` sequential Matches started at most ``rps`` a second; failures by code.
+
+    One call in flight: the next starts ``1/rps`` after the previous one
+    started, or as soon as it ends if it took longer (so a slow call delays
+    the ones after it rather than piling them up). Only answered calls are
+    timed.
+    """
+    interval = 1e9 / rps
+    clock = time.perf_counter_ns
+    lat: list[float] = []
+    errors: dict[str, int] = {}
+    for i in range(calls):
+        t0 = clock()
+        try:
+            stub.Match(reqs[i % len(reqs)], timeout=30)
+            lat.append((clock() - t0) / 1000)
+        except grpc.RpcError as e:
+            name = e.code().name if isinstance(e, grpc.Call) else type(e).__name__
+            errors[name] = errors.get(name, 0) + 1
+        pause = t0 + interval - clock()
+        if pause > 0:
+            time.sleep(pause / 1e9)
+    return lat, errors
+
+
+async def _flood(spec: dict[str, Any]) -> dict[str, Any]:
+    """router-a's flood: wait for ``go`` on stdin, keep the Matches in flight until EOF."""
+    reqs = [match_request(k) for k in spec["prompts"]]
+    n = int(spec["in_flight"])
+    tls = ClientTLS.model_validate(spec["tls"])
+    loop = asyncio.get_running_loop()
+    async with ChannelFactory(spec["target"], tls, what="bench flood").channel() as channel:
+        stub = pb_grpc.IndexerServiceStub(channel)
+        await stub.Ping(pb.PingRequest(), timeout=30)
+        print("READY", flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        ok = refused = 0
+        other: dict[str, int] = {}
+        stopping = False
+
+        async def worker(k: int) -> None:
+            nonlocal ok, refused
+            i = k
+            while not stopping:
+                try:
+                    await stub.Match(reqs[i % len(reqs)], timeout=30)
+                    code = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as e:
+                    code = e.code()
+                if stopping:  # answered after the window closed: not counted
+                    break
+                if code == grpc.StatusCode.OK:
+                    ok += 1
+                elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refused += 1
+                else:
+                    other[code.name] = other.get(code.name, 0) + 1
+                i += n
+
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        tasks = [asyncio.create_task(worker(k)) for k in range(n)]
+        await loop.run_in_executor(None, sys.stdin.readline)  # EOF: the window is over
+        stopping = True
+        seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+        await asyncio.gather(*tasks)
+    return {"ok": ok, "refused": refused, "other": other, "seconds": seconds, "cpu_s": cpu_s}
+
+
+def _flood_child(spec_file: str) -> int:
+    """Child process of :class:`FloodChild`: flood, then print the counts as one JSON line."""
+    spec = json.loads(Path(spec_file).read_text(encoding="utf-8"))
+    print(json.dumps(asyncio.run(_flood(spec))), flush=True)
+    return 0
+
+
+class FloodChild:
+    """router-a flooding from a process of its own (context manager).
+
+    A process of its own, so that the flood's grpc.aio loop shares neither the
+    event loop nor the interpreter lock of the calm client; it shares the
+    machine's cores with the server and the calm client, as a busy
+    neighbour on the same host would. ``start()`` begins the flood,
+    ``stop()`` ends it and returns its counts: ``ok``, ``refused``
+    (RESOURCE_EXHAUSTED), ``other`` (by code), ``seconds``, ``cpu_s`` (the
+    process's CPU time, every thread).
+    """
+
+    def __init__(self, spec_file: Path) -> None:
+        self._args = [sys.executable, "-m", "indexer.bench_tls", "--flood-child", str(spec_file)]
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> FloodChild:
+        self._proc = subprocess.Popen(
+            self._args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if line.strip() != "READY":
+            self.__exit__()
+            raise RuntimeError(f"flood client did not start (got {line!r})")
+        return self
+
+    def start(self) -> None:
+        """Begin the flood."""
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
+
+    def stop(self) -> dict[str, Any]:
+        """End the flood; its counts."""
+        assert self._proc is not None and self._proc.stdin is not None
+        assert self._proc.stdout is not None
+        self._proc.stdin.close()
+        line = self._proc.stdout.readline()
+        if not line.startswith("{"):
+            raise RuntimeError(f"flood client did not report (got {line!r})")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+#: Publish streams of ``--flood``: the engine identity publishes for every
+#: instance, and one stream per instance (64) would run into the limited
+#: scenario's in-flight cap, which counts an open stream as a call in flight.
+FLOOD_PUBLISH_STREAMS = 4
+
+
+async def _publish(target: str, work: Workload, tls: ClientTLS) -> None:
+    async with ChannelFactory(target, tls, what="bench").channel() as channel:
+        stub = pb_grpc.IndexerServiceStub(channel)
+        await register_all(stub, work.plan.instances)
+        await publish_plan(stub, work.plan, streams=FLOOD_PUBLISH_STREAMS)
+
+
+def flood_scenario(
+    scenario: Scenario,
+    creds: Credentials,
+    work: Workload,
+    fp: FloodParams,
+    folder: Path,
+) -> dict[str, Any]:
+    """The calm client's figures under ``scenario``, and the flood's when there is one.
+
+    A fresh server (memory backend, mutual TLS, the scenario's limits) in a
+    child process, the workload published with the engine's certificate
+    (:data:`FLOOD_PUBLISH_STREAMS` streams); the calm client (router-b,
+    blocking stub, in this process) warms up, the flood (router-a,
+    :class:`FloodChild`) starts, and after ``settle_s`` the calm client's
+    calls are timed. The window from the flood's start (alone: the settle
+    pause's) to its end gives the server's and the flood client's CPU in cores.
+    """
+    reqs = [match_request(k) for k in work.prompts32]
+    with ServerChild("memory", overrides=flood_server(creds, scenario, fp)) as srv:
+        asyncio.run(_publish(srv.target, work, creds.engine))
+        spec = folder / f"flood-{scenario.key}.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "target": srv.target,
+                    "tls": creds.router_a.model_dump(),
+                    "in_flight": fp.in_flight,
+                    "prompts": work.prompts32,
+                }
+            ),
+            encoding="utf-8",
+        )
+        with (
+            ChannelFactory(srv.target, creds.router_b, what="bench").sync_channel() as channel,
+            contextlib.ExitStack() as stack,
+        ):
+            stub = pb_grpc.IndexerServiceStub(channel)
+            for i in range(50):
+                stub.Match(reqs[i % len(reqs)], timeout=30)
+            flood = stack.enter_context(FloodChild(spec)) if scenario.flood else None
+            cpu0, t0 = srv.cpu_seconds(), time.perf_counter()
+            if flood is not None:
+                flood.start()
+            time.sleep(fp.settle_s)
+            lat, errors = calm_latency(stub, reqs, fp.calm_calls, fp.calm_rps)
+            counts = flood.stop() if flood is not None else None
+            cpu1, window = srv.cpu_seconds(), time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "calm_calls": fp.calm_calls,
+        "calm_errors": errors,
+        "calm_p50_us": percentile(lat, 0.5) if lat else math.nan,
+        "calm_p99_us": percentile(lat, 0.99) if lat else math.nan,
+        "window_s": window,
+    }
+    if cpu0 is not None and cpu1 is not None:
+        out["server_cores"] = (cpu1 - cpu0) / window
+    if counts is not None:
+        answered = counts["ok"] + counts["refused"] + sum(counts["other"].values())
+        out.update(
+            flood_accepted_per_s=counts["ok"] / counts["seconds"],
+            flood_refused_per_s=counts["refused"] / counts["seconds"],
+            flood_refused_share=counts["refused"] / answered if answered else math.nan,
+            flood_other_errors=counts["other"],
+            flood_client_cores=counts["cpu_s"] / counts["seconds"],
+            flood_seconds=counts["seconds"],
+        )
+    return out
+
+
+def run_flood(
+    params: BenchParams, fp: FloodParams, scenarios: Sequence[Scenario] = SCENARIOS
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Measure every scenario once, in order; return (figures per scenario key, params)."""
+    work = Workload.load(params)
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-flood-") as tmp:
+        creds = Credentials.write(Path(tmp))
+        for sc in scenarios:
+            out[sc.key] = flood_scenario(sc, creds, work, fp, Path(tmp))
+    alone = out[ALONE.key]["calm_p99_us"]
+    for figures in out.values():
+        figures["calm_p99_over_alone"] = figures["calm_p99_us"] / alone
+    described = work.describe(params)
+    run_params = {
+        **{k: described[k] for k in _FLOOD_DESCRIBED},
+        "scenarios": {sc.key: sc.label for sc in scenarios},
+        "backend": "memory",
+        "tls": "mutual TLS, ECDSA P-256 certificates from kvmesh.devcerts, policy file",
+        "calm_client": "router-b, grpc blocking stub in the parent process, one Match in "
+        f"flight, started every 1/{fp.calm_rps:g} s (or when the previous one ends), "
+        f"{fp.calm_calls} calls, 50 warm-up calls",
+        "flood_client": f"router-a, grpc.aio in a process of its own, {fp.in_flight} Matches "
+        "in flight, each answer (accepted or refused) followed at once by the next call",
+        "limits_off": {"max_in_flight": 0},
+        "limits_on": {
+            "max_in_flight": fp.limit_in_flight,
+            "match_rps": fp.limit_match_rps,
+            "match_burst": fp.limit_match_burst,
+        },
+        "settle_s": fp.settle_s,
+        "order": "scenarios once each, in order, a fresh server each",
+        **dataclasses.asdict(fp),
+    }
+    return out, run_params
+
+
+_FLOOD_DESCRIBED = (
+    "trace",
+    "requests",
+    "instances",
+    "assignment",
+    "blocks_published",
+    "block_size",
+    "prompts_32",
+    "server",
+    "cpus",
+    "python",
+    "grpcio",
+)
+
+#: Figures of a scenario that must be finite and positive (when present).
+FLOOD_POSITIVE = (
+    "calm_p50_us",
+    "calm_p99_us",
+    "calm_p99_over_alone",
+    "flood_accepted_per_s",
+    "flood_client_cores",
+    "server_cores",
+)
+
+
+def format_flood(
+    figures: dict[str, dict[str, Any]], scenarios: Sequence[Scenario] = SCENARIOS
+) -> str:
+    """One line per scenario: the calm client's latency, the flood's fate, CPU in cores."""
+    head = (
+        f"{'scenario':<18} {'calm p50':>9} {'calm p99':>9} {'p99/alone':>9} "
+        f"{'flood ok/s':>10} {'refused':>8} {'flood cores':>11} {'server cores':>12} "
+        f"{'calm failed':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    for sc in scenarios:
+        f = figures[sc.key]
+        share = f.get("flood_refused_share")
+        lines.append(
+            f"{sc.label:<18} {fmt(f['calm_p50_us']):>9} {fmt(f['calm_p99_us']):>9} "
+            f"{f['calm_p99_over_alone']:>9.2f} {fmt(f.get('flood_accepted_per_s')):>10} "
+            f"{'-' if share is None else f'{share:.1%}':>8} "
+            f"{_cores(f.get('flood_client_cores')):>11} {_cores(f.get('server_cores')):>12} "
+            f"{sum(f['calm_errors'].values()):>11}"
+        )
+    lines.append(
+        "calm p50/p99 in µs; refused: share of the flood's answered calls that were "
+        "RESOURCE_EXHAUSTED; cores: CPU seconds per second of the flood window"
+    )
+    return "\n".join(lines)
+
+
+def _cores(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def flood_bad(figures: dict[str, dict[str, Any]]) -> list[str]:
+    """Names of figures that are not finite and positive (refused share: not in [0, 1])."""
+    bad: list[str] = []
+    for key, f in figures.items():
+        for name in FLOOD_POSITIVE:
+            v = f.get(name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                bad.append(f"{key}.{name}")
+        share = f.get("flood_refused_share")
+        if share is not None and not 0.0 <= share <= 1.0:
+            bad.append(f"{key}.flood_refused_share")
+    return bad
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvmesh bench indexer --tls``; returns the exit code."""
     p = argparse.ArgumentParser(
@@ -285,12 +718,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--connections", type=int, help=f"new connections timed per mode (default {CONNECTIONS})"
     )
+    p.add_argument(
+        "--flood",
+        action="store_true",
+        help="instead: a calm client's Match latency while another client floods, "
+        "per-client limits off and on",
+    )
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        help="--flood: Matches the flooding client keeps in flight "
+        f"(default {FLOOD_PARAMS.in_flight})",
+    )
+    p.add_argument(
+        "--calm-calls",
+        type=int,
+        help=f"--flood: timed Matches of the calm client per scenario "
+        f"(default {FLOOD_PARAMS.calm_calls}; --quick {QUICK_FLOOD_PARAMS.calm_calls})",
+    )
+    p.add_argument("--flood-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.flood_child:
+        return _flood_child(args.flood_child)
     params = QUICK_PARAMS if args.quick else DEFAULT_PARAMS
     if args.requests is not None:
         if args.requests < 1:
             p.error("--requests must be >= 1")
         params = dataclasses.replace(params, requests=args.requests)
+    if args.flood:
+        if args.rounds is not None or args.connections is not None:
+            p.error("--rounds and --connections do not apply to --flood")
+        return _main_flood(p, args, params)
+    if args.in_flight is not None or args.calm_calls is not None:
+        p.error("--in-flight and --calm-calls apply to --flood only")
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 2
     connections = args.connections
     if connections is None:
@@ -315,3 +775,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(doc, fh, indent=2, sort_keys=True)
             fh.write("\n")
     return 1 if bad else 0
+
+
+def _main_flood(p: argparse.ArgumentParser, args: argparse.Namespace, params: BenchParams) -> int:
+    fp = QUICK_FLOOD_PARAMS if args.quick else FLOOD_PARAMS
+    if args.in_flight is not None:
+        fp = dataclasses.replace(fp, in_flight=args.in_flight)
+    if args.calm_calls is not None:
+        fp = dataclasses.replace(fp, calm_calls=args.calm_calls)
+    if fp.in_flight < 1 or fp.calm_calls < 1:
+        p.error("--in-flight and --calm-calls must be >= 1")
+    t0 = time.perf_counter()
+    figures, run_params = run_flood(params, fp)
+    bad = flood_bad(figures)
+    print(
+        f"kvmesh bench indexer --tls --flood: {run_params['requests']:,} requests, "
+        f"{run_params['blocks_published']:,} blocks, memory backend, mutual TLS; calm router-b "
+        f"{fp.calm_calls} Matches at <= {fp.calm_rps:g}/s, flooding router-a {fp.in_flight} in "
+        f"flight; limits on: max_in_flight {fp.limit_in_flight}, match_rps "
+        f"{fp.limit_match_rps:g} (burst {fp.limit_match_burst}); {run_params['cpus']} cpus, "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    print(format_flood(figures))
+    if bad:
+        print(f"not finite or not positive: {', '.join(sorted(bad))}")
+    if args.json_path:
+        doc = {"flood": figures, "params": run_params}
+        with open(args.json_path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,7 +2,8 @@
 
 Real indexer servers in child processes (plaintext, then mutual TLS with a
 policy, then mutual TLS with per-client rates); figures are checked for
-presence and sanity, never for speed.
+presence and sanity, never for speed. The same for ``--flood``: a calm client
+alone, then beside a flooding client in a process of its own, limits off and on.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from indexer import bench
-from indexer.bench_tls import MODES, ROWS
+from indexer.bench_tls import ALONE, FLOOD_POSITIVE, MODES, QUICK_FLOOD_PARAMS, ROWS, SCENARIOS
 
 #: Figures every mode must have.
 SUFFIXES = [suffix for _, suffix, _ in ROWS]
@@ -48,3 +49,43 @@ def test_quick_tls_bench_reports_every_mode(
         assert mode.label in header
     for label, _, _ in ROWS:
         assert label in printed
+
+
+@pytest.mark.timeout(120)
+def test_quick_flood_bench_reports_every_scenario(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "flood.json"
+    assert bench.main(["--tls", "--flood", "--quick", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    flood = doc["flood"]
+    assert set(flood) == {sc.key for sc in SCENARIOS}
+    assert doc["params"]["scenarios"] == {sc.key: sc.label for sc in SCENARIOS}
+    for sc in SCENARIOS:
+        f = flood[sc.key]
+        # Every calm call was answered: router-b (one call in flight, 200/s) is
+        # under the limited scenario's cap and rate by construction.
+        assert f["calm_calls"] == QUICK_FLOOD_PARAMS.calm_calls
+        assert f["calm_errors"] == {}, (sc.key, f["calm_errors"])
+        present = [n for n in FLOOD_POSITIVE if n.startswith("calm_") or n == "server_cores"]
+        if sc.flood:
+            present += ["flood_accepted_per_s", "flood_client_cores"]
+            share = f["flood_refused_share"]
+            assert math.isfinite(share) and 0.0 <= share <= 1.0, (sc.key, share)
+            assert f["flood_other_errors"] == {}, (sc.key, f["flood_other_errors"])
+            if not sc.limits:
+                # Limits off: nothing refuses router-a, however hard it floods.
+                assert share == 0.0 and f["flood_refused_per_s"] == 0.0
+        else:
+            assert "flood_accepted_per_s" not in f and "flood_refused_share" not in f
+        for name in present:
+            assert name in f, (sc.key, name)
+            assert math.isfinite(f[name]) and f[name] > 0, (sc.key, name, f[name])
+    assert flood[ALONE.key]["calm_p99_over_alone"] == 1.0
+
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("scenario"))
+    for column in ("calm p50", "calm p99", "p99/alone", "flood ok/s", "refused"):
+        assert column in header
+    for sc in SCENARIOS:
+        assert any(line.startswith(sc.label) for line in printed.splitlines()), sc.label

@@ -350,12 +350,15 @@ class Scenario:
     label: str
     flood: bool  # router-a floods during the calm client's calls
     limits: bool  # per-client in-flight cap and Match rate on
+    #: limits.max_streams_per_connection (0: gRPC's default, no limit).
+    streams: int = 0
 
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("alone", "calm alone", flood=False, limits=False),
     Scenario("flood", "flood, limits off", flood=True, limits=False),
     Scenario("flood_limited", "flood, limits on", flood=True, limits=True),
+    Scenario("flood_streams", "flood, 8 streams/conn", flood=True, limits=True, streams=8),
 )
 ALONE = SCENARIOS[0]
 
@@ -371,10 +374,13 @@ def flood_server(creds: Credentials, scenario: Scenario, fp: FloodParams) -> dic
         if scenario.limits
         else {"max_in_flight": 0}
     )
+    limits: dict[str, Any] = {"per_client": per_client}
+    if scenario.streams:
+        limits["max_streams_per_connection"] = scenario.streams
     return {
         "tls": creds.server_tls,
         "auth": {"policy_file": creds.policy_file},
-        "limits": {"per_client": per_client},
+        "limits": limits,
     }
 
 
@@ -591,6 +597,7 @@ def flood_scenario(
             flood_refused_per_s=counts["refused"] / counts["seconds"],
             flood_refused_share=counts["refused"] / answered if answered else math.nan,
             flood_other_errors=counts["other"],
+            flood_answered=answered,
             flood_client_cores=counts["cpu_s"] / counts["seconds"],
             flood_seconds=counts["seconds"],
         )
@@ -665,23 +672,32 @@ def format_flood(
     """One line per scenario: the calm client's latency, the flood's fate, CPU in cores."""
     head = (
         f"{'scenario':<18} {'calm p50':>9} {'calm p99':>9} {'p99/alone':>9} "
-        f"{'flood ok/s':>10} {'refused':>8} {'flood cores':>11} {'server cores':>12} "
-        f"{'calm failed':>11}"
+        f"{'flood ok/s':>10} {'refused':>8} {'unavail.':>8} {'flood cores':>11} "
+        f"{'server cores':>12} {'calm failed':>11}"
     )
     lines = [head, "-" * len(head)]
     for sc in scenarios:
         f = figures[sc.key]
         share = f.get("flood_refused_share")
+        other = f.get("flood_other_errors")
+        answered = f.get("flood_answered") or 0
+        unavailable = (
+            "-"
+            if other is None or not answered
+            else f"{other.get('UNAVAILABLE', 0) / answered:.1%}"
+        )
         lines.append(
             f"{sc.label:<18} {fmt(f['calm_p50_us']):>9} {fmt(f['calm_p99_us']):>9} "
             f"{f['calm_p99_over_alone']:>9.2f} {fmt(f.get('flood_accepted_per_s')):>10} "
-            f"{'-' if share is None else f'{share:.1%}':>8} "
+            f"{'-' if share is None else f'{share:.1%}':>8} {unavailable:>8} "
             f"{_cores(f.get('flood_client_cores')):>11} {_cores(f.get('server_cores')):>12} "
             f"{sum(f['calm_errors'].values()):>11}"
         )
     lines.append(
         "calm p50/p99 in µs; refused: share of the flood's answered calls that were "
-        "RESOURCE_EXHAUSTED; cores: CPU seconds per second of the flood window"
+        "RESOURCE_EXHAUSTED; unavail.: UNAVAILABLE (streams beyond the connection's cap "
+        "refused with REFUSED_STREAM, never processed); cores: CPU seconds per second of "
+        "the flood window"
     )
     return "\n".join(lines)
 

@@ -227,6 +227,15 @@ class Limits(_Strict):
         description="Most IndexerService calls in flight on this replica (an open stream "
         "counts as one); beyond it a call is refused with RESOURCE_EXHAUSTED. 0: no limit.",
     )
+    max_streams_per_connection: int = Field(
+        default=0,
+        ge=0,
+        description="HTTP/2 MAX_CONCURRENT_STREAMS the server announces: calls one client "
+        "connection may have in flight. Calls beyond it wait in the client, costing the "
+        "server nothing, so one flooding connection cannot queue more than this many calls "
+        "ahead of everyone else's (per_client limits refuse calls, but a refused call still "
+        "costs most of an answered one). 0: gRPC's default (no limit).",
+    )
     max_lease_ttl_s: float = Field(
         default=3600.0, gt=0, description="Longest lease a registration may ask for."
     )

@@ -430,6 +430,11 @@ class IndexerServer:
                 ("grpc.max_send_message_length", lim.max_message_bytes),
                 # Fail loudly when the port is taken instead of sharing it.
                 ("grpc.so_reuseport", 0),
+                *(
+                    [("grpc.max_concurrent_streams", lim.max_streams_per_connection)]
+                    if lim.max_streams_per_connection
+                    else []
+                ),
             ]
         )
         self.servicer = IndexerServicer(self.logic, self.metrics, self.guard)

@@ -72,7 +72,10 @@ def test_quick_flood_bench_reports_every_scenario(
             present += ["flood_accepted_per_s", "flood_client_cores"]
             share = f["flood_refused_share"]
             assert math.isfinite(share) and 0.0 <= share <= 1.0, (sc.key, share)
-            assert f["flood_other_errors"] == {}, (sc.key, f["flood_other_errors"])
+            # Beyond a connection's stream cap the server refuses new streams
+            # (REFUSED_STREAM): the client sees UNAVAILABLE, and nothing else.
+            allowed = {"UNAVAILABLE"} if sc.streams else set()
+            assert set(f["flood_other_errors"]) <= allowed, (sc.key, f["flood_other_errors"])
             if not sc.limits:
                 # Limits off: nothing refuses router-a, however hard it floods.
                 assert share == 0.0 and f["flood_refused_per_s"] == 0.0

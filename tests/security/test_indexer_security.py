@@ -642,3 +642,38 @@ async def test_only_admins_dump_the_index(server: IndexerServer, callers: Any) -
                 pass
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert refusals(server, "DumpIndex", "PERMISSION_DENIED") == 2
+
+
+async def test_streams_per_connection_cap_holds_calls_in_the_client(pki: Pki) -> None:
+    # HTTP/2 MAX_CONCURRENT_STREAMS: a third call on one connection waits in the
+    # client until one of the two open ones ends; nothing is refused.
+    s = await start_server(config(pki, limits={"max_streams_per_connection": 2}))
+    a = Caller(s.address, pki.client_tls("engine-a"))
+    try:
+        await register(a.stub, "engine-a-0")
+        open_streams = []
+        for seq in (1, 2):
+            st = a.stub.PublishEventsStream(timeout=20)
+            await st.write(
+                pb.PublishEventsStreamRequest(
+                    batch=batch(seq, stored([seq], A), worker="engine-a-0")
+                )
+            )
+            await st.read()
+            open_streams.append(st)
+        third = asyncio.ensure_future(
+            a.stub.Heartbeat(pb.HeartbeatRequest(instance=ref("engine-a-0")), timeout=20)
+        )
+        done, _ = await asyncio.wait({third}, timeout=1.0)
+        assert not done  # held by the connection's stream limit, not answered
+        first = open_streams.pop(0)
+        await first.done_writing()
+        assert await first.code() == grpc.StatusCode.OK
+        resp = await asyncio.wait_for(third, timeout=10)  # now it goes through
+        assert resp.lease_expires_at > 0
+        for st in open_streams:
+            await st.done_writing()
+        assert not s.guard.limit_refusals
+    finally:
+        await a.close()
+        await s.stop(0)

@@ -43,7 +43,6 @@ import fnmatch
 import hashlib
 import hmac
 import logging
-import os
 import re
 import threading
 import time
@@ -55,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvmesh.configfile import ConfigError, format_validation_error, read_config_file
 from kvmesh.errors import PermissionDenied, Unauthenticated
+from kvmesh.tls import FileWatch
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +242,7 @@ class Authorizer:
         self.what = what
         self.enabled = bool(settings.policy_file)
         self._lock = threading.Lock()
-        self._checked = time.monotonic()
-        self._stamp: tuple[int, int, int] | None = None
+        self._watch = FileWatch([settings.policy_file], settings.reload_interval_s)
         self._index = _Index()
         self.reloads = 0
         self.reload_failures = 0
@@ -253,7 +252,6 @@ class Authorizer:
         self._last_log: dict[tuple[str, str, str], float] = {}
         if self.enabled:
             self._index = self._load()
-            self._stamp = self._file_stamp()
         else:
             log.warning(
                 "%s: authorization is OFF (no auth.policy_file): any client may call every "
@@ -262,13 +260,6 @@ class Authorizer:
             )
 
     # -- policy ---------------------------------------------------------------
-
-    def _file_stamp(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.settings.policy_file)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
     def _load(self) -> _Index:
         path = self.settings.policy_file
@@ -287,15 +278,11 @@ class Authorizer:
         return idx
 
     def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now - self._checked < self.settings.reload_interval_s:
-            return
         with self._lock:
-            self._checked = now
-            stamp = self._file_stamp()
-            if stamp == self._stamp:
+            stamp = self._watch.poll()
+            if stamp is None:
                 return
-            self._stamp = stamp
+            self._watch.commit(stamp)  # a broken version is reported once, not per call
             try:
                 self._index = self._load()
             except ConfigError as e:

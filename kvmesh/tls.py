@@ -176,6 +176,40 @@ def file_stamp(paths: Sequence[str]) -> tuple[tuple[int, int, int, int], ...]:
     return tuple(out)
 
 
+class FileWatch:
+    """Says whether files changed, looking at most every ``interval_s`` seconds.
+
+    The one change detector of every reloading piece (server certificates,
+    client channels, bearer tokens, the policy file, the HTTP SSL contexts).
+    :meth:`poll` answers the new stamp when the files differ from the last
+    :meth:`commit`; a caller commits once it has loaded them (or gives up on
+    this version), so a failed load can be retried at the next look.
+    """
+
+    __slots__ = ("_checked", "interval_s", "paths", "stamp")
+
+    def __init__(self, paths: Sequence[str], interval_s: float) -> None:
+        self.paths = [p for p in paths if p]
+        self.interval_s = interval_s
+        self._checked = time.monotonic()
+        self.stamp = file_stamp(self.paths)
+
+    def poll(self) -> tuple[tuple[int, int, int, int], ...] | None:
+        """The new stamp when the files changed since the last commit, else None."""
+        if not self.paths:
+            return None
+        now = time.monotonic()
+        if now - self._checked < self.interval_s:
+            return None
+        self._checked = now
+        stamp = file_stamp(self.paths)
+        return None if stamp == self.stamp else stamp
+
+    def commit(self, stamp: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
+        """Record ``stamp`` (default: the files as they are now) as seen."""
+        self.stamp = stamp if stamp is not None else file_stamp(self.paths)
+
+
 def _check_pair(cert: bytes, key: bytes, cert_path: str) -> None:
     """Fail early, naming the file, when the key does not belong to the certificate."""
     from cryptography import x509
@@ -205,10 +239,10 @@ class _ServerCertReloader:
     def __init__(self, tls: ServerTLS, what: str) -> None:
         self.tls = tls
         self.what = what
-        self._paths = [p for p in (tls.cert_file, tls.key_file, tls.client_ca_file) if p]
+        self._watch = FileWatch(
+            [tls.cert_file, tls.key_file, tls.client_ca_file], tls.reload_interval_s
+        )
         self._lock = threading.Lock()
-        self._checked = time.monotonic()
-        self._stamp = file_stamp(self._paths)
         self.reloads = 0
         self.reload_failures = 0
         self.current = self._load()
@@ -227,15 +261,11 @@ class _ServerCertReloader:
 
     def __call__(self) -> Any:
         """Called by gRPC on each handshake: a new configuration, or None (keep)."""
-        now = time.monotonic()
-        if now - self._checked < self.tls.reload_interval_s:
-            return None
         with self._lock:
-            self._checked = now
-            stamp = file_stamp(self._paths)
-            if stamp == self._stamp:
+            stamp = self._watch.poll()
+            if stamp is None:
                 return None
-            self._stamp = stamp
+            self._watch.commit(stamp)  # a broken version is reported once, not per handshake
             try:
                 self.current = self._load()
             except TLSFileError as e:
@@ -310,18 +340,19 @@ def read_token_file(path: str) -> str:
 class _TokenPlugin(grpc.AuthMetadataPlugin):
     """Call credentials: ``authorization: Bearer <token>`` read from a file on change."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, interval_s: float) -> None:
         self.path = path
-        self._stamp: tuple[tuple[int, int, int, int], ...] = ()
-        self._token = ""
+        self._watch = FileWatch([path], interval_s)
         self._lock = threading.Lock()
-        self.token()  # fail at construction when unreadable
+        self._token = read_token_file(path)  # fail at construction when unreadable
 
     def token(self) -> str:
-        stamp = file_stamp([self.path])
+        """The token, re-read when the file changed (looked at once per interval, not per call)."""
         with self._lock:
-            if stamp != self._stamp:
-                self._token, self._stamp = read_token_file(self.path), stamp
+            stamp = self._watch.poll()
+            if stamp is not None:
+                self._token = read_token_file(self.path)
+                self._watch.commit(stamp)
             return self._token
 
     def __call__(
@@ -348,10 +379,14 @@ class ChannelFactory:
         self.tls = tls if tls is not None else ClientTLS()
         self.what = what
         self._options = list(options)
-        self._paths = [p for p in (self.tls.ca_file, self.tls.cert_file, self.tls.key_file) if p]
-        self._stamp = file_stamp(self._paths)
-        self._checked = time.monotonic()
-        self._plugin = _TokenPlugin(self.tls.token_file) if self.tls.token_file else None
+        self._watch = FileWatch(
+            [self.tls.ca_file, self.tls.cert_file, self.tls.key_file], self.tls.reload_interval_s
+        )
+        self._plugin = (
+            _TokenPlugin(self.tls.token_file, self.tls.reload_interval_s)
+            if self.tls.token_file
+            else None
+        )
         if self.tls.active:
             self._credentials()  # fail now, naming the file, rather than on the first call
         else:
@@ -382,14 +417,14 @@ class ChannelFactory:
 
     def channel(self) -> grpc.aio.Channel:
         """A new channel to the target (secure when TLS is configured)."""
-        self._stamp = file_stamp(self._paths)
+        self._watch.commit()
         if not self.tls.active:
             return grpc.aio.insecure_channel(self.target, options=self.options())
         return grpc.aio.secure_channel(self.target, self._credentials(), options=self.options())
 
     def sync_channel(self) -> grpc.Channel:
         """A blocking-API channel (for the engine-side clients that are not asyncio)."""
-        self._stamp = file_stamp(self._paths)
+        self._watch.commit()
         if not self.tls.active:
             return grpc.insecure_channel(self.target, options=self.options())
         return grpc.secure_channel(self.target, self._credentials(), options=self.options())
@@ -401,13 +436,7 @@ class ChannelFactory:
         builds a new channel (new handshakes use the new certificate) and closes
         the old one after its calls finish.
         """
-        if not self._paths:
-            return False
-        now = time.monotonic()
-        if now - self._checked < self.tls.reload_interval_s:
-            return False
-        self._checked = now
-        return file_stamp(self._paths) != self._stamp
+        return self._watch.poll() is not None
 
 
 def add_server_tls_args(parser: Any) -> None:

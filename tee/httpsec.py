@@ -25,13 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
 
-from kvmesh.tls import ClientTLS, ServerTLS, TLSFileError, file_stamp, read_token_file
+from kvmesh.tls import ClientTLS, FileWatch, ServerTLS, TLSFileError, read_token_file
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +65,8 @@ class ServerSSL:
             raise ValueError("ServerSSL needs tls.cert_file and tls.key_file")
         self.tls = tls
         self.what = what
-        self._paths = [p for p in (tls.cert_file, tls.key_file, tls.client_ca_file) if p]
-        self._stamp = file_stamp(self._paths)
+        # Looked at by watch() every reload_interval_s, so no interval of its own.
+        self._watch = FileWatch([tls.cert_file, tls.key_file, tls.client_ca_file], 0.0)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load_server_files(ctx, tls)
@@ -82,10 +81,10 @@ class ServerSSL:
 
     def check(self) -> bool:
         """Load the files into :attr:`context` if they changed; whether they were loaded."""
-        stamp = file_stamp(self._paths)
-        if stamp == self._stamp:
+        stamp = self._watch.poll()
+        if stamp is None:
             return False
-        self._stamp = stamp
+        self._watch.commit(stamp)
         try:
             # A trial load first: a failed load_cert_chain may leave the live
             # context with the new certificate and the old key.
@@ -119,9 +118,9 @@ class ClientSSL:
         self.tls = tls
         self.what = what
         self.reload_failures = 0
-        self._paths = [p for p in (tls.ca_file, tls.cert_file, tls.key_file, tls.token_file) if p]
-        self._stamp = file_stamp(self._paths)
-        self._checked = time.monotonic()
+        self._watch = FileWatch(
+            [tls.ca_file, tls.cert_file, tls.key_file, tls.token_file], tls.reload_interval_s
+        )
         self.context, self.token = self._build()
 
     def _build(self) -> tuple[ssl.SSLContext, str]:
@@ -146,12 +145,8 @@ class ClientSSL:
 
         Returns whether a new context was built.
         """
-        now = time.monotonic()
-        if now - self._checked < self.tls.reload_interval_s:
-            return False
-        self._checked = now
-        stamp = file_stamp(self._paths)
-        if stamp == self._stamp:
+        stamp = self._watch.poll()
+        if stamp is None:
             return False
         try:
             self.context, self.token = self._build()
@@ -163,7 +158,7 @@ class ClientSSL:
                 e,
             )
             return False
-        self._stamp = stamp
+        self._watch.commit(stamp)
         return True
 
 

@@ -48,6 +48,7 @@ from indexer.service import IndexerLogic
 from kvmesh.auth import Authorizer, current_client
 from kvmesh.errors import PermissionDenied, Unauthenticated
 from kvmesh.grpcsvc import (
+    HANDLER_FACTORIES,
     Guard,
     HealthPort,
     MethodRule,
@@ -229,14 +230,6 @@ def _serialize(message: Any) -> bytes:
     return data
 
 
-_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 #: Who may call each IndexerService method (admin may call all). Engines act
 #: only for the instances the policy gives them (checked by the logic).
 INDEXER_RULES: dict[str, MethodRule] = {
@@ -265,7 +258,7 @@ def add_servicer(
     service = pb.DESCRIPTOR.services_by_name["IndexerService"]
     handlers = {}
     for method in service.methods:
-        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        factory = HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=getattr(pb, method.input_type.name).FromString,

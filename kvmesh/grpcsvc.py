@@ -356,126 +356,61 @@ def _wrap(
             except KvmeshError as e:
                 await _abort(context, e)
 
-    async def maybe_await(v: Any) -> Any:
-        if isinstance(v, Awaitable):
-            return await v
-        return v
+    async def request_of(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if handler.request_streaming:
+            return requests(arg, context)
+        try:
+            return decode(arg)
+        except KvmeshError as e:
+            await _abort(context, e)
 
-    if handler.unary_unary is not None:
-        inner_uu: Any = handler.unary_unary
+    inner: Any = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
 
-        async def uu(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            client = await admit(context)
-            tok = set_current_client(client)
-            try:
-                try:
-                    req = decode(raw)
-                except KvmeshError as e:
-                    await _abort(context, e)
-                try:
-                    return await maybe_await(inner_uu(req, context))
-                except NotImplementedError:
-                    # A generated base method nobody overrode: a clear status, no traceback.
-                    await context.abort(
-                        grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented"
-                    )
-            finally:
-                reset_current_client(tok)
-                guard.exit(client)
-
-        return grpc.unary_unary_rpc_method_handler(
-            uu, request_deserializer=None, response_serializer=handler.response_serializer
-        )
-    if handler.unary_stream is not None:
-        inner_us: Any = handler.unary_stream
-        if not inspect.isasyncgenfunction(inner_us):
-            # A coroutine that writes its replies with context.write (grpc's
-            # health Watch): wrap it as a coroutine, not a generator.
-            async def us_write(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-                client = await admit(context)
-                tok = set_current_client(client)
-                try:
-                    try:
-                        req = decode(raw)
-                    except KvmeshError as e:
-                        await _abort(context, e)
-                    await maybe_await(inner_us(req, context))
-                finally:
-                    reset_current_client(tok)
-                    guard.exit(client)
-
-            return grpc.unary_stream_rpc_method_handler(
-                us_write,
-                request_deserializer=None,
-                response_serializer=handler.response_serializer,
-            )
-
-        async def us(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            client = await admit(context)
-            tok = set_current_client(client)
-            try:
-                try:
-                    req = decode(raw)
-                except KvmeshError as e:
-                    await _abort(context, e)
-                async for item in inner_us(req, context):
-                    yield item
-            finally:
-                reset_current_client(tok)
-                guard.exit(client)
-
-        return grpc.unary_stream_rpc_method_handler(
-            us, request_deserializer=None, response_serializer=handler.response_serializer
-        )
-    if handler.stream_unary is not None:
-        inner_su: Any = handler.stream_unary
-
-        async def su(it: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            client = await admit(context)
-            tok = set_current_client(client)
-            try:
-                return await maybe_await(inner_su(requests(it, context), context))
-            finally:
-                reset_current_client(tok)
-                guard.exit(client)
-
-        return grpc.stream_unary_rpc_method_handler(
-            su, request_deserializer=None, response_serializer=handler.response_serializer
-        )
-    inner_ss: Any = handler.stream_stream
-    assert inner_ss is not None
-    if not inspect.isasyncgenfunction(inner_ss):
-
-        async def ss_write(
-            it: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
-        ) -> None:
-            client = await admit(context)
-            tok = set_current_client(client)
-            try:
-                await maybe_await(inner_ss(requests(it, context), context))
-            finally:
-                reset_current_client(tok)
-                guard.exit(client)
-
-        return grpc.stream_stream_rpc_method_handler(
-            ss_write, request_deserializer=None, response_serializer=handler.response_serializer
-        )
-
-    async def ss(
-        it: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[Any]:
+    async def call(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        # Unary replies, and streams a coroutine writes with context.write
+        # (grpc's health Watch).
         client = await admit(context)
         tok = set_current_client(client)
         try:
-            async for item in inner_ss(requests(it, context), context):
+            req = await request_of(arg, context)
+            try:
+                result = inner(req, context)
+                return await result if isinstance(result, Awaitable) else result
+            except NotImplementedError:
+                # A generated base method nobody overrode: a clear status, no traceback.
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
+        finally:
+            reset_current_client(tok)
+            guard.exit(client)
+
+    async def stream(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        client = await admit(context)
+        tok = set_current_client(client)
+        try:
+            req = await request_of(arg, context)
+            async for item in inner(req, context):
                 yield item
         finally:
             reset_current_client(tok)
             guard.exit(client)
 
-    return grpc.stream_stream_rpc_method_handler(
-        ss, request_deserializer=None, response_serializer=handler.response_serializer
+    factory = HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    return factory(
+        stream if inspect.isasyncgenfunction(inner) else call,
+        request_deserializer=None,
+        response_serializer=handler.response_serializer,
     )
+
+
+#: grpc's handler constructor by (request streaming, response streaming).
+HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 def add_guarded(

@@ -366,7 +366,7 @@ class IndexerLogic:
         return result
 
     async def _validate_batch(self, batch: EventBatch) -> EventBatch:
-        check_instance(batch.instance)
+        # batch.instance was checked by publish(), before the ownership check.
         lim = self.config.limits
         if len(batch.events) > lim.max_events_per_batch:
             raise InvalidArgument(

@@ -68,7 +68,7 @@ from indexer.bench import (
 )
 from indexer.bench import _fmt as fmt
 from indexer.workload import match_request, percentile, publish_plan, register_all
-from kvmesh.devcerts import Authority, write_bundle
+from kvmesh.devcerts import DevIdentity, DevPki
 from kvmesh.indexer.v1 import indexer_pb2 as pb
 from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.tls import ChannelFactory, ClientTLS
@@ -107,19 +107,11 @@ ROUTER_SAN = "spiffe://kvmesh/router/bench"
 ROUTER_A_SAN = "spiffe://kvmesh/router/bench-a"
 ROUTER_B_SAN = "spiffe://kvmesh/router/bench-b"
 IDENTITIES = {
-    "server": ["localhost", "127.0.0.1"],
-    "engine": [ENGINE_SAN],
-    "router": [ROUTER_SAN],
-    "router-a": [ROUTER_A_SAN],
-    "router-b": [ROUTER_B_SAN],
-}
-POLICY = {
-    "identities": [
-        {"name": "bench-engine", "roles": ["engine"], "san": [ENGINE_SAN], "instances": ["*"]},
-        {"name": "bench-router", "roles": ["router"], "san": [ROUTER_SAN]},
-        {"name": "router-a", "roles": ["router"], "san": [ROUTER_A_SAN]},
-        {"name": "router-b", "roles": ["router"], "san": [ROUTER_B_SAN]},
-    ]
+    "server": DevIdentity(("localhost", "127.0.0.1")),
+    "engine": DevIdentity((ENGINE_SAN,), ("engine",)),
+    "router": DevIdentity((ROUTER_SAN,), ("router",)),
+    "router-a": DevIdentity((ROUTER_A_SAN,), ("router",)),
+    "router-b": DevIdentity((ROUTER_B_SAN,), ("router",)),
 }
 
 #: (row label, figure suffix, unit) of the table, in order.
@@ -150,27 +142,14 @@ class Credentials:
     @classmethod
     def write(cls, folder: Path) -> Credentials:
         """A fresh CA, every identity of :data:`IDENTITIES` and the policy under ``folder``."""
-        paths = write_bundle(folder, IDENTITIES, authority=Authority("kvmesh bench CA"))
-        policy = folder / "policy.json"
-        policy.write_text(json.dumps(POLICY), encoding="utf-8")
-        ca = str(paths["ca"])
-
-        def client(name: str) -> ClientTLS:
-            return ClientTLS(
-                ca_file=ca, cert_file=str(paths[name]), key_file=str(paths[f"{name}_key"])
-            )
-
+        pki = DevPki(folder, IDENTITIES, ca_name="kvmesh bench CA")
         return cls(
-            server_tls={
-                "cert_file": str(paths["server"]),
-                "key_file": str(paths["server_key"]),
-                "client_ca_file": ca,
-            },
-            policy_file=str(policy),
-            engine=client("engine"),
-            router=client("router"),
-            router_a=client("router-a"),
-            router_b=client("router-b"),
+            server_tls=pki.server_tls(),
+            policy_file=str(pki.policy_file),
+            engine=pki.client("engine"),
+            router=pki.client("router"),
+            router_a=pki.client("router-a"),
+            router_b=pki.client("router-b"),
         )
 
     def server(self, mode: Mode) -> dict[str, Any]:

@@ -25,7 +25,18 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["Authority", "Issued", "default_identities", "san_entry", "write_bundle"]
+from kvmesh.tls import ClientTLS
+
+__all__ = [
+    "Authority",
+    "DevIdentity",
+    "DevPki",
+    "Issued",
+    "default_identities",
+    "policy_for",
+    "san_entry",
+    "write_bundle",
+]
 
 
 @dataclass(frozen=True)
@@ -196,27 +207,92 @@ def write_bundle(
     return paths
 
 
-def example_policy(identities: Mapping[str, Iterable[str]]) -> dict[str, object]:
-    """A policy granting each default identity the role its name says (``kvmesh certs``)."""
-    roles = {"engine": "engine", "router": "router", "admin": "admin", "tee": "tee"}
+@dataclass(frozen=True)
+class DevIdentity:
+    """An identity of a :class:`DevPki`: its SANs, roles and (engines) instances."""
+
+    sans: tuple[str, ...]
+    #: Policy roles; none: a certificate only (a server's, say), not in the policy.
+    roles: tuple[str, ...] = ()
+    instances: tuple[str, ...] = ("*",)
+
+
+def policy_for(identities: Mapping[str, DevIdentity]) -> dict[str, object]:
+    """The policy granting each identity with roles those roles, matched on its URI SANs
+    (or all its SANs when it has no URI)."""
     out = []
-    for name, sans in identities.items():
-        role = next((r for prefix, r in roles.items() if name.startswith(prefix)), None)
-        if role is None:
+    for name, ident in identities.items():
+        if not ident.roles:
             continue
-        uris = [s for s in sans if "://" in s]
-        entry: dict[str, object] = {"name": name, "roles": [role], "san": uris or list(sans)}
-        if role == "engine":
-            entry["instances"] = ["engine-0*"]
+        uris = [s for s in ident.sans if "://" in s]
+        entry: dict[str, object] = {
+            "name": name,
+            "roles": list(ident.roles),
+            "san": uris or list(ident.sans),
+        }
+        if "engine" in ident.roles:
+            entry["instances"] = list(ident.instances)
         out.append(entry)
     return {"identities": out}
+
+
+class DevPki:
+    """A development CA, a certificate per identity and the policy of their roles, on disk.
+
+    Used by ``kvmesh certs``, ``kvmesh up --tls`` and ``kvmesh bench indexer
+    --tls``: ``root`` gets ``ca.crt``, ``<name>.crt`` / ``<name>.key`` and
+    ``policy.yaml``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        identities: Mapping[str, DevIdentity],
+        *,
+        ca_name: str = "kvmesh dev CA",
+        days: int = 365,
+    ) -> None:
+        import yaml
+
+        self.root = Path(root)
+        self.paths = write_bundle(
+            self.root,
+            {name: list(i.sans) for name, i in identities.items()},
+            authority=Authority(ca_name),
+            days=days,
+        )
+        self.policy_file = self.root / "policy.yaml"
+        self.policy_file.write_text(yaml.safe_dump(policy_for(identities), sort_keys=False))
+
+    @property
+    def ca(self) -> str:
+        """The CA certificate every side trusts."""
+        return str(self.paths["ca"])
+
+    def cert(self, name: str) -> str:
+        """``name``'s certificate file."""
+        return str(self.paths[name])
+
+    def key(self, name: str) -> str:
+        """``name``'s private key file."""
+        return str(self.paths[f"{name}_key"])
+
+    def server_tls(self, name: str = "server") -> dict[str, str]:
+        """A server's ``tls`` section: ``name``'s certificate, client certificates required."""
+        return {"cert_file": self.cert(name), "key_file": self.key(name), "client_ca_file": self.ca}
+
+    def client(self, name: str) -> ClientTLS:
+        """The client TLS presenting ``name``'s certificate."""
+        return ClientTLS(ca_file=self.ca, cert_file=self.cert(name), key_file=self.key(name))
+
+
+#: Roles of ``kvmesh certs``' default identities, by name prefix.
+_DEFAULT_ROLES = {"engine": "engine", "router": "router", "admin": "admin", "tee": "tee"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvmesh certs``: write a development CA, certificates and an example policy."""
     import argparse
-
-    import yaml
 
     p = argparse.ArgumentParser(
         prog="kvmesh certs",
@@ -240,10 +316,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--identity {spec!r}: expected NAME=SAN[,SAN...]")
         identities[name] = [s.strip() for s in sans.split(",") if s.strip()]
     identities = identities or default_identities()
-    paths = write_bundle(args.out, identities, days=args.days)
-    policy = Path(args.out) / "policy.yaml"
-    policy.write_text(yaml.safe_dump(example_policy(identities), sort_keys=False))
+    pki = DevPki(
+        args.out,
+        {
+            name: DevIdentity(
+                tuple(sans),
+                tuple(r for prefix, r in _DEFAULT_ROLES.items() if name.startswith(prefix))[:1],
+                instances=("engine-0*",),
+            )
+            for name, sans in identities.items()
+        },
+        days=args.days,
+    )
     for name in ("ca", *identities):
-        print(f"{name:10s} {paths[name]}")
-    print(f"{'policy':10s} {policy}")
+        print(f"{name:10s} {pki.paths[name]}")
+    print(f"{'policy':10s} {pki.policy_file}")
     return 0

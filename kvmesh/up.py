@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from kvmesh.up_view import (
     LiveView,
@@ -500,11 +500,11 @@ async def _wait_ready(
         await asyncio.sleep(0.05)
 
 
-def _grpc_health(address: str, pki: DevPki | None = None) -> Callable[[], Any]:
+def _grpc_health(address: str, pki: UpPki | None = None) -> Callable[[], Any]:
     async def check() -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        async with DevPki.channel(pki, address, "admin") as ch:
+        async with UpPki.channel(pki, address, "admin") as ch:
             resp = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=1.0
             )
@@ -513,14 +513,14 @@ def _grpc_health(address: str, pki: DevPki | None = None) -> Callable[[], Any]:
     return check
 
 
-def _http_ok(url: str, pki: DevPki | None = None) -> Callable[[], Any]:
+def _http_ok(url: str, pki: UpPki | None = None) -> Callable[[], Any]:
     async def check() -> bool:
         import aiohttp
 
         async with (
             aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=1.0),
-                connector=aiohttp.TCPConnector(ssl=DevPki.ssl_context(pki, "admin")),
+                connector=aiohttp.TCPConnector(ssl=UpPki.ssl_context(pki, "admin")),
             ) as s,
             s.get(url) as r,
         ):
@@ -548,7 +548,7 @@ def _file_exists(path: Path) -> Callable[[], Any]:
 # -- the cluster -------------------------------------------------------------------------
 
 
-class DevPki:
+class UpPki:
     """``kvmesh up --tls``: a development CA, a certificate per role and the policy.
 
     Every server presents ``server`` and requires client certificates from
@@ -558,87 +558,61 @@ class DevPki:
     checks present ``admin``.
     """
 
-    IDENTITIES: ClassVar[dict[str, list[str]]] = {
-        "server": [HOST, "localhost", "spiffe://kvmesh-up/server"],
-        "engine": ["spiffe://kvmesh-up/engine"],
-        "router": ["spiffe://kvmesh-up/router"],
-        "tee": ["spiffe://kvmesh-up/tee"],
-        "admin": ["spiffe://kvmesh-up/admin"],
-    }
-    ROLES: ClassVar[dict[str, str]] = {
-        "server": "peer",
-        "engine": "engine",
-        "router": "router",
-        "tee": "tee",
-        "admin": "admin",
-    }
-
     def __init__(self, root: Path) -> None:
-        import json
+        from kvmesh.devcerts import DevIdentity, DevPki
 
-        from kvmesh.devcerts import write_bundle
-
+        self.pki = DevPki(
+            root,
+            {
+                "server": DevIdentity((HOST, "localhost", "spiffe://kvmesh-up/server"), ("peer",)),
+                "engine": DevIdentity(
+                    ("spiffe://kvmesh-up/engine",), ("engine",), instances=("engine-*",)
+                ),
+                "router": DevIdentity(("spiffe://kvmesh-up/router",), ("router",)),
+                "tee": DevIdentity(("spiffe://kvmesh-up/tee",), ("tee",)),
+                "admin": DevIdentity(("spiffe://kvmesh-up/admin",), ("admin",)),
+            },
+        )
         self.root = root
-        write_bundle(root, self.IDENTITIES)
-        policy = {
-            "identities": [
-                {
-                    "name": name,
-                    "roles": [self.ROLES[name]],
-                    "san": [san for san in sans if "://" in san],
-                    **({"instances": ["engine-*"]} if name == "engine" else {}),
-                }
-                for name, sans in self.IDENTITIES.items()
-            ]
-        }
-        self.policy = root / "policy.json"
-        self.policy.write_text(json.dumps(policy, indent=2))
-
-    def path(self, name: str, ext: str) -> str:
-        return str(self.root / f"{name}.{ext}")
+        self.policy = self.pki.policy_file
 
     def server_flags(self) -> list[str]:
         """``--tls-cert --tls-key --tls-client-ca --auth-policy`` of every server."""
+        p = self.pki
         return [
-            "--tls-cert", self.path("server", "crt"), "--tls-key", self.path("server", "key"),
-            "--tls-client-ca", self.path("ca", "crt"), "--auth-policy", str(self.policy),
+            "--tls-cert", p.cert("server"), "--tls-key", p.key("server"),
+            "--tls-client-ca", p.ca, "--auth-policy", str(p.policy_file),
         ]  # fmt: skip
 
     def client(self, name: str) -> Any:
         """The :class:`~kvmesh.tls.ClientTLS` presenting ``name``."""
-        from kvmesh.tls import ClientTLS
-
-        return ClientTLS(
-            ca_file=self.path("ca", "crt"),
-            cert_file=self.path(name, "crt"),
-            key_file=self.path(name, "key"),
-        )
+        return self.pki.client(name)
 
     @staticmethod
-    def client_of(pki: DevPki | None, name: str) -> Any:
+    def client_of(pki: UpPki | None, name: str) -> Any:
         """``pki.client(name)``, or None (plaintext) without a PKI."""
         return None if pki is None else pki.client(name)
 
     @staticmethod
-    def channel(pki: DevPki | None, address: str, name: str) -> Any:
+    def channel(pki: UpPki | None, address: str, name: str) -> Any:
         """A grpc.aio channel to ``address`` as ``name`` (plaintext without a PKI)."""
         from kvmesh.tls import ChannelFactory
 
-        return ChannelFactory(address, DevPki.client_of(pki, name), what=f"up {name}").channel()
+        return ChannelFactory(address, UpPki.client_of(pki, name), what=f"up {name}").channel()
 
     @staticmethod
-    def ssl_context(pki: DevPki | None, name: str) -> Any:
+    def ssl_context(pki: UpPki | None, name: str) -> Any:
         """An aiohttp client SSL context presenting ``name`` (None: plaintext)."""
         if pki is None:
             return None
         import ssl
 
-        ctx = ssl.create_default_context(cafile=pki.path("ca", "crt"))
-        ctx.load_cert_chain(pki.path(name, "crt"), pki.path(name, "key"))
+        ctx = ssl.create_default_context(cafile=pki.pki.ca)
+        ctx.load_cert_chain(pki.pki.cert(name), pki.pki.key(name))
         return ctx
 
     @staticmethod
-    def scheme(pki: DevPki | None) -> str:
+    def scheme(pki: UpPki | None) -> str:
         return "http" if pki is None else "https"
 
 
@@ -668,7 +642,7 @@ class Cluster:
     children: list[Child] = field(default_factory=list)
     pool_paths: tuple[str, str] = ("", "")
     #: Set by ``build(tls=True)``: every service runs with mutual TLS and the policy.
-    pki: DevPki | None = None
+    pki: UpPki | None = None
 
     def addr(self, key: str) -> str:
         """``127.0.0.1:<port>`` of a listener."""
@@ -680,7 +654,7 @@ class Cluster:
         p = self.ports
         d = self.run_dir
         if tls:
-            self.pki = DevPki(d / "pki")
+            self.pki = UpPki(d / "pki")
         sec = self.pki.server_flags() if self.pki is not None else []
         redis_dir = d / "redis"
         redis_dir.mkdir(exist_ok=True)
@@ -713,7 +687,7 @@ class Cluster:
         # The tee forwards to the simulator's HTTP port, as the tee identity over TLS.
         sink: dict[str, Any] = {
             "type": "http",
-            "url": f"{DevPki.scheme(self.pki)}://{HOST}:{p['cachesim']}",
+            "url": f"{UpPki.scheme(self.pki)}://{HOST}:{p['cachesim']}",
             "name": "cachesim",
         }
         if self.pki is not None:
@@ -757,7 +731,7 @@ class Cluster:
             "indexer-1": _grpc_health(self.addr("indexer-1"), self.pki),
             "tee": _grpc_health(self.addr("tee"), self.pki),
             "cachesim": _http_ok(
-                f"{DevPki.scheme(self.pki)}://{self.addr('cachesim')}/healthz", self.pki
+                f"{UpPki.scheme(self.pki)}://{self.addr('cachesim')}/healthz", self.pki
             ),
             "xfer-prefill": _file_exists(self.run_dir / "xfer-prefill.ready"),
             "xfer-decode": _file_exists(self.run_dir / "xfer-decode.ready"),
@@ -1005,9 +979,9 @@ class Driver:
         s = self.s
         # Engines publish as the engine identity, routers match as the router
         # identity (one channel each per replica; plaintext without --tls).
-        self.channels = [DevPki.channel(c.pki, c.addr(f"indexer-{i}"), "engine") for i in (0, 1)]
+        self.channels = [UpPki.channel(c.pki, c.addr(f"indexer-{i}"), "engine") for i in (0, 1)]
         self.router_channels = [
-            DevPki.channel(c.pki, c.addr(f"indexer-{i}"), "router") for i in (0, 1)
+            UpPki.channel(c.pki, c.addr(f"indexer-{i}"), "router") for i in (0, 1)
         ]
         self.publishers = [GrpcPublisher(ch, MODEL) for ch in self.channels]
         config = RouterConfig(
@@ -1030,7 +1004,7 @@ class Driver:
                 channel=self.router_channels[i % 2], settings=config.indexer, model=MODEL
             )
             self.indexer_clients.append(client)
-            sink = GrpcSink(c.addr("tee"), name="tee", tls=DevPki.client_of(c.pki, "router"))
+            sink = GrpcSink(c.addr("tee"), name="tee", tls=UpPki.client_of(c.pki, "router"))
             tee = await Tee([sink], concurrency=4).start()
             self.tees.append(tee)
             self.routers.append(
@@ -1076,7 +1050,7 @@ class Driver:
                 c.addr("xfer-prefill"),
                 c.addr("xfer-decode"),
                 c.pool_paths,
-                tls=DevPki.client_of(c.pki, "engine"),
+                tls=UpPki.client_of(c.pki, "engine"),
             )
 
     async def replay(self) -> None:
@@ -1150,7 +1124,7 @@ class Driver:
     async def _poll_tee(self) -> None:
         from kvmesh.tee.v1 import tee_pb2, tee_pb2_grpc
 
-        async with DevPki.channel(self.cluster.pki, self.cluster.addr("tee"), "router") as ch:
+        async with UpPki.channel(self.cluster.pki, self.cluster.addr("tee"), "router") as ch:
             resp = await tee_pb2_grpc.TeeServiceStub(ch).GetTeeStats(
                 tee_pb2.GetTeeStatsRequest(), timeout=1.0
             )
@@ -1170,11 +1144,11 @@ class Driver:
         import aiohttp
 
         pki = self.cluster.pki
-        url = f"{DevPki.scheme(pki)}://{self.cluster.addr('cachesim')}/report?model={MODEL}"
+        url = f"{UpPki.scheme(pki)}://{self.cluster.addr('cachesim')}/report?model={MODEL}"
         async with (
             aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=1.0),
-                connector=aiohttp.TCPConnector(ssl=DevPki.ssl_context(pki, "router")),
+                connector=aiohttp.TCPConnector(ssl=UpPki.ssl_context(pki, "router")),
             ) as session,
             session.get(url) as r,
         ):
@@ -1366,7 +1340,7 @@ def _print_banner(cluster: Cluster, settings: UpSettings, ready_s: float) -> Non
     lines += [
         f"  tee           {HOST}:{p['tee']:<6}  metrics :{p['tee.metrics']}  -> cachesim HTTP",
         f"  cachesim      {HOST}:{p['cachesim']:<6}  gRPC :{p['cachesim.grpc']}"
-        f"  (kvmesh cachesim report --url {DevPki.scheme(cluster.pki)}://{HOST}:{p['cachesim']})",
+        f"  (kvmesh cachesim report --url {UpPki.scheme(cluster.pki)}://{HOST}:{p['cachesim']})",
         f"  xfer-prefill  {HOST}:{p['xfer-prefill']:<6}  metrics :{p['xfer-prefill.metrics']}"
         f"  ({cluster.transport})",
         f"  xfer-decode   {HOST}:{p['xfer-decode']:<6}  metrics :{p['xfer-decode.metrics']}"

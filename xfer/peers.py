@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import fnmatch
 import hmac
-import os
 import threading
 from collections.abc import Sequence
 
 from kvmesh.configfile import ConfigError
 from kvmesh.errors import PermissionDenied, Unauthenticated
+from kvmesh.tls import FileWatch
 from xfer.config import PeerSettings
 
 #: Call metadata carrying the peer secret (sidecar to sidecar, over TLS only).
@@ -34,7 +34,7 @@ MIN_SECRET_LEN = 16
 
 
 class SecretFile:
-    """The peer secret file, re-read when it changes (checked on every use: one stat).
+    """The peer secret file, re-read when it changes (looked at on every use).
 
     The first non-empty line is what this sidecar sends; every non-empty line
     is accepted, so a rotation is: add the new secret as a second line on
@@ -44,20 +44,14 @@ class SecretFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int, int, int] | None = None
+        # Interval 0: peer calls are rare (bootstrap, heartbeats), so every use
+        # looks at the file and a rotation takes effect at once.
+        self._watch = FileWatch([path], 0.0)
         self._lines: list[bytes] = []
         self.reload_failures = 0
         self._load()  # fail at start, naming the file, rather than on the first call
 
-    def _stat(self) -> tuple[int, int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size)
-
     def _load(self) -> None:
-        stamp = self._stat()
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
@@ -74,19 +68,19 @@ class SecretFile:
                 f"peers.shared_secret_file {self.path!r}: line {short[0]} is shorter than "
                 f"{MIN_SECRET_LEN} characters"
             )
-        self._lines, self._stamp = lines, stamp
+        self._lines = lines
 
     def _current(self) -> list[bytes]:
-        stamp = self._stat()
         with self._lock:
-            if stamp != self._stamp:
+            stamp = self._watch.poll()
+            if stamp is not None:
+                self._watch.commit(stamp)
                 try:
                     self._load()
                 except ConfigError:
                     # Keep the previous secret: a half-written file must not
                     # lock every peer out. Counted; the path is in the config.
                     self.reload_failures += 1
-                    self._stamp = stamp
             return self._lines
 
     def outgoing(self) -> str:

@@ -179,17 +179,21 @@ class ServerChild:
 
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            end_child(proc)
+
+
+def end_child(proc: subprocess.Popen[str]) -> None:
+    """Close a child's stdin (its signal to stop), wait up to 15 s, else kill it."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 # -- measurements -----------------------------------------------------------------
@@ -520,7 +524,7 @@ def format_cluster(f: dict[str, float]) -> str:
     lines = [head, "-" * len(head)]
     for label, name, unit, target, ok in rows:
         verdict = ("pass" if ok else "SHORT") if target and target[0] in "=<" else ""
-        lines.append(f"{label:<28} {_fmt(f.get(name)):>11} {unit:<9} {target:<20} {verdict:<5}")
+        lines.append(f"{label:<28} {fmt(f.get(name)):>11} {unit:<9} {target:<20} {verdict:<5}")
     return "\n".join(lines)
 
 
@@ -543,7 +547,7 @@ def _checks(f: dict[str, float]) -> dict[str, list[bool]]:
     return out
 
 
-def _fmt(v: float | None) -> str:
+def fmt(v: float | None) -> str:
     if v is None:
         return "-"
     if v >= 1000:
@@ -564,9 +568,7 @@ def format_table(figures: dict[str, float]) -> str:
         verdict = ""
         if label in checks:
             verdict = "pass" if all(checks[label]) else "SHORT"
-        lines.append(
-            f"{label:<28} {_fmt(mv):>11} {_fmt(rv):>11} {unit:<9} {target:<38} {verdict:<5}"
-        )
+        lines.append(f"{label:<28} {fmt(mv):>11} {fmt(rv):>11} {unit:<9} {target:<38} {verdict:<5}")
     return "\n".join(lines)
 
 

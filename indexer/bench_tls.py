@@ -65,8 +65,9 @@ from indexer.bench import (
     ServerChild,
     Workload,
     bench_backend,
+    end_child,
+    fmt,
 )
-from indexer.bench import _fmt as fmt
 from indexer.workload import match_request, percentile, publish_plan, register_all
 from kvmesh.devcerts import DevIdentity, DevPki
 from kvmesh.indexer.v1 import indexer_pb2 as pb
@@ -487,17 +488,8 @@ class FloodChild:
 
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.stdin is not None and not proc.stdin.closed:
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            end_child(proc)
 
 
 #: Publish streams of ``--flood``: the engine identity publishes for every

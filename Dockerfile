@@ -2,16 +2,15 @@
 # xfer sidecar); the Helm chart picks the command. Build from the repository root:
 #   docker build -t kvmesh/kvmesh:0.1.0 .
 # WITH_NIXL=0 leaves out NIXL (the xfer sidecar then needs transport tcp).
+# tests/install/test_image_install.py runs these steps without Docker: the same
+# context (.dockerignore), the same pip commands, then every component the chart runs.
 
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY kvmesh ./kvmesh
-COPY indexer ./indexer
-COPY router_client ./router_client
-COPY tee ./tee
-COPY xfer ./xfer
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# The whole context: .dockerignore leaves out what the wheel does not need, so no
+# package or data file has to be named here.
+COPY . .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim
 ARG WITH_NIXL=1

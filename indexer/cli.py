@@ -1,4 +1,4 @@
-"""``kvmesh indexer …`` subcommands: ``serve`` runs one indexer replica.
+"""``kvmesh indexer serve``: run one indexer replica (``main(argv)`` gets the words after it).
 
 Flags override environment variables (``KVMESH_INDEXER_…``), which override
 the ``--config`` file, which overrides the defaults (indexer/config.py).
@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from indexer.config import ConfigError, IndexerConfig, load_config
 from kvmesh.tls import add_server_tls_args, server_tls_overrides
 
 
-def add_parser(subparsers: Any) -> None:
-    """Add the ``indexer`` command (with ``serve``) to a ``kvmesh`` subparser set."""
-    p = subparsers.add_parser("indexer", help="the KV-cache indexer service")
-    sub = p.add_subparsers(dest="indexer_command", metavar="COMMAND", required=True)
-    s = sub.add_parser(
-        "serve",
-        help="run one indexer replica until SIGTERM/SIGINT",
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``kvmesh indexer serve``."""
+    s = argparse.ArgumentParser(
+        prog="kvmesh indexer serve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -69,6 +67,7 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument(
         "--print-config", action="store_true", help="print the effective config as JSON and exit"
     )
+    return s
 
 
 def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,8 +121,13 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
     return load_config(args.config, cli=cli_overrides(args))
 
 
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``kvmesh indexer serve``; returns the exit code."""
+    return run(build_parser().parse_args(list(argv)))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Execute an ``indexer`` subcommand; return the exit code."""
+    """Run ``indexer serve`` with its parsed arguments; return the exit code."""
     try:
         config = config_from_args(args)
     except ConfigError as e:

@@ -27,30 +27,14 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SecretStr,
-    ValidationError,
-    field_serializer,
-    model_validator,
-)
+from pydantic import Field, SecretStr, field_serializer, model_validator
 
-from indexer.index import Index
 from kvmesh.auth import AuthSettings
-from kvmesh.configfile import (
-    ENV_NESTED_SEP,
-    ConfigError,
-    merge,
-    read_config_file,
-)
-from kvmesh.configfile import env_overrides as _env_overrides
-from kvmesh.configfile import format_validation_error as _format_validation_error
+from kvmesh.configfile import ConfigError, StrictModel, load_layered
 from kvmesh.grpcsvc import ClientLimits
 from kvmesh.tls import ServerTLS
 
-__all__ = ["ConfigError", "IndexerConfig", "build_index", "load_config", "read_config_file"]
+__all__ = ["ConfigError", "IndexerConfig", "load_config"]
 
 #: Prefix of the environment variables read by :func:`load_config`.
 ENV_PREFIX = "KVMESH_INDEXER_"
@@ -60,11 +44,7 @@ ENV_PREFIX = "KVMESH_INDEXER_"
 _WIRE_BYTES_PER_TOKEN = 5
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
-
-
-class RedisSettings(_Strict):
+class RedisSettings(StrictModel):
     """How to reach the shared Redis (used when ``backend`` is ``"redis"``)."""
 
     url: str = Field(
@@ -150,14 +130,14 @@ class RedisSettings(_Strict):
 
     @staticmethod
     def _url_may_hold_credentials(url: str) -> bool:
-        # Lets the common case skip importing the Redis backend (and redis-py).
+        # Lets the common case skip importing the connection module (and redis-py).
         return "@" in url or "password" in url.lower()
 
     @model_validator(mode="after")
     def _security_checks(self) -> RedisSettings:
         url_user, url_password = "", None
         if self._url_may_hold_credentials(self.url):
-            from indexer.redis_backend import split_url_credentials
+            from indexer.redis.connection import split_url_credentials
 
             try:
                 _, url_user, url_password = split_url_credentials(self.url)
@@ -191,7 +171,7 @@ class RedisSettings(_Strict):
     def _redacted_url(self, url: str) -> str:
         if not self._url_may_hold_credentials(url):
             return url
-        from indexer.redis_backend import redact_url
+        from indexer.redis.connection import redact_url
 
         return redact_url(url)
 
@@ -200,7 +180,7 @@ class RedisSettings(_Strict):
             yield name, self._redacted_url(value) if name == "url" else value
 
 
-class Limits(_Strict):
+class Limits(StrictModel):
     """Request size caps and the overload guard."""
 
     max_match_blocks: int = Field(
@@ -258,7 +238,7 @@ class Limits(_Strict):
     )
 
 
-class ZmqEndpointSettings(_Strict):
+class ZmqEndpointSettings(StrictModel):
     """One engine's KV-event stream (vLLM or SGLang ``ZmqEventPublisher``) and its instance.
 
     One subscriber per engine endpoint, and each endpoint in the config of
@@ -325,7 +305,7 @@ class ZmqEndpointSettings(_Strict):
         return self
 
 
-class EngineEventSettings(_Strict):
+class EngineEventSettings(StrictModel):
     """ZMQ subscribers to engine KV-event streams, run inside ``kvmesh indexer serve``."""
 
     endpoints: list[ZmqEndpointSettings] = Field(
@@ -353,7 +333,7 @@ class EngineEventSettings(_Strict):
     )
 
 
-class SglangApiSettings(_Strict):
+class SglangApiSettings(StrictModel):
     """SGLang's external KV indexer API (``kv_indexer.v1.KVIndexer``) on the same port."""
 
     enabled: bool = Field(default=True, description="Serve kv_indexer.v1.KVIndexer.")
@@ -376,7 +356,7 @@ class SglangApiSettings(_Strict):
     )
 
 
-class IndexerConfig(_Strict):
+class IndexerConfig(StrictModel):
     """Configuration of one indexer replica (``kvmesh indexer serve``).
 
     The default ``host`` is loopback and, without ``tls`` and ``auth``, the
@@ -501,31 +481,6 @@ class IndexerConfig(_Strict):
 # -- loading ------------------------------------------------------------------
 
 
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The nested dict given by ``KVMESH_INDEXER_…`` variables of ``environ``."""
-    return _env_overrides(ENV_PREFIX, environ)
-
-
-def _unknown_keys(data: Mapping[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
-    unknown: list[str] = []
-    for key, value in data.items():
-        field = model.model_fields.get(key)
-        if field is None:
-            unknown.append(f"{prefix}{key}")
-            continue
-        sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel) and isinstance(value, Mapping):
-            unknown += _unknown_keys(value, sub, f"{prefix}{key}.")
-    return unknown
-
-
-def _describe(source: str, key: str) -> str:
-    if source == "environment":
-        env = ENV_PREFIX + key.replace(".", ENV_NESTED_SEP).upper()
-        return f"unknown key {key!r} (environment variable {env})"
-    return f"unknown key {key!r} ({source})"
-
-
 def load_config(
     file: str | os.PathLike[str] | None = None,
     *,
@@ -536,71 +491,9 @@ def load_config(
 
     ``cli`` is a nested dict of values given on the command line (``None``
     values are skipped). Raises :class:`ConfigError` listing unknown keys with
-    their source, or every validation problem with its field.
+    their source, or every validation problem with its field
+    (:func:`kvmesh.configfile.load_layered`).
     """
-    layers: list[tuple[str, Mapping[str, Any]]] = []
-    if file is not None:
-        layers.append((f"config file {file}", read_config_file(file)))
-    layers.append(("environment", env_overrides(environ)))
-    if cli:
-        layers.append(("command line", _drop_none(cli)))
-    problems: list[str] = []
-    merged: dict[str, Any] = {}
-    for source, data in layers:
-        problems += [_describe(source, k) for k in _unknown_keys(data, IndexerConfig, "")]
-        merged = merge(merged, data)
-    if problems:
-        valid = ", ".join(sorted(IndexerConfig.model_fields))
-        raise ConfigError("; ".join(problems) + f". Valid top-level keys: {valid}")
-    try:
-        return IndexerConfig.model_validate(merged)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from e
-
-
-def _drop_none(data: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            sub = _drop_none(value)
-            if sub:
-                out[key] = sub
-        elif value is not None:
-            out[key] = value
-    return out
-
-
-def format_validation_error(err: ValidationError) -> str:
-    """One line per problem: ``field.path: message``."""
-    return _format_validation_error(err, "indexer")
-
-
-def build_index(config: IndexerConfig) -> Index:
-    """The backend ``config.backend`` names, configured from ``config``.
-
-    Building does not connect: a Redis that is down at start makes calls
-    UNAVAILABLE (and health NOT_SERVING) until it comes up.
-    """
-    if config.backend == "memory":
-        from indexer.memory import MemoryIndex
-
-        return MemoryIndex()
-    from indexer.redis_backend import RedisIndex
-
-    r = config.redis
-    return RedisIndex(
-        r.url,
-        prefix=r.prefix,
-        socket_timeout_s=r.socket_timeout_s,
-        instance_cache_ttl_s=r.instance_cache_ttl_s,
-        parent_cache_size=r.parent_cache_size,
-        cluster=r.cluster,
-        anchor_depth=r.cluster_anchor_depth,
-        username=r.username,
-        password=r.password.get_secret_value() if r.password is not None else None,
-        password_file=r.password_file,
-        tls_ca_file=r.tls_ca_file,
-        tls_cert_file=r.tls_cert_file,
-        tls_key_file=r.tls_key_file,
-        tls_check_hostname=r.tls_check_hostname,
+    return load_layered(
+        IndexerConfig, path=file, env_prefix=ENV_PREFIX, overrides=cli, environ=environ
     )

@@ -1,15 +1,14 @@
 """Conversion between kvmesh.indexer.v1 messages and the domain types.
 
 No business logic: values are carried over as they are (token ids stay the
-wire's int64, so that indexer/service.py can reject a negative or too large id
+wire's int64, so that indexer/logic.py can reject a negative or too large id
 naming its field). The only errors raised here are for messages that have no
 domain form at all (an event with no kind, an unknown tier number), as
-:class:`~indexer.errors.InvalidArgument` with the field path.
+:class:`~kvmesh.errors.InvalidArgument` with the field path.
 """
 
 from __future__ import annotations
 
-from indexer.errors import InvalidArgument, KvmeshError
 from indexer.model import (
     AllBlocksCleared,
     ApplyResult,
@@ -22,11 +21,14 @@ from indexer.model import (
     InstanceMatch,
     InstanceSpec,
     InstanceState,
+    MatchQuery,
+    MatchResult,
     Namespace,
+    ServiceStats,
     Tier,
 )
-from indexer.service import MatchQuery, MatchResult, ServiceStats
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.errors import InvalidArgument, KvmeshError
 
 #: gRPC status code numbers (google.rpc.Code) by name, for BatchError.code.
 STATUS_CODE_NUMBERS: dict[str, int] = {

@@ -20,7 +20,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from indexer.errors import KvmeshError
 from indexer.index import Index
 from indexer.model import (
     ApplyResult,
@@ -34,6 +33,7 @@ from indexer.model import (
     Namespace,
 )
 from kvmesh import tracing as _tracing
+from kvmesh.errors import KvmeshError
 
 log = logging.getLogger(__name__)
 

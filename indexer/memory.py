@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from indexer.errors import FailedPrecondition, NotFound
 from indexer.index import Index
 from indexer.model import (
     ALL_TIERS_MASK,
@@ -37,6 +36,7 @@ from indexer.model import (
     NamespaceStats,
 )
 from kvmesh.blockkeys import chain_keys, namespace_seed
+from kvmesh.errors import FailedPrecondition, NotFound
 
 # Index of the fastest tier (0 gpu, 1 cpu, 2 disk) for each tier mask 1..7.
 _FASTEST = (-1, 0, 1, 0, 2, 0, 1, 0)

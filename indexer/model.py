@@ -1,13 +1,15 @@
-"""Domain types of the index: instances, events, batches and match results.
+"""Domain types of the index: instances, events, batches, match queries and results, stats.
 
 Plain dataclasses with no transport types, shared by the interface
-(indexer/index.py), both backends and the service logic. Block keys and engine
-block hashes are unsigned 64-bit ints; see docs/spec/block-keys.md.
+(indexer/index.py), both backends, the service logic (indexer/logic.py) and
+the conversions (indexer/convert.py, indexer/sglang/compat.py). Block keys and
+engine block hashes are unsigned 64-bit ints; see docs/spec/block-keys.md.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -198,3 +200,48 @@ class IndexDump:
     blocks: dict[Namespace, dict[int, dict[InstanceId, int]]]
     engine_hashes: dict[InstanceId, dict[int, tuple[Namespace, int]]]
     instances: dict[InstanceId, InstanceState]
+
+
+@dataclass(frozen=True, slots=True)
+class MatchQuery:
+    """A Match request: token ids or precomputed block keys, not both."""
+
+    namespace: Namespace
+    token_ids: Sequence[int] = ()
+    block_keys: Sequence[int] = ()
+    max_blocks: int = 0
+    include_stale: bool = False
+    #: Keep only the deepest this many hits (0: all).
+    max_instances: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Match answer: hits deepest first, blocks looked at, block size used (0 for keys)."""
+
+    matches: list[InstanceMatch]
+    total_blocks: int
+    block_size: int
+
+
+@dataclass(slots=True)
+class Counters:
+    """Counters of this replica since it started (not shared between replicas)."""
+
+    batches_applied: int = 0
+    batches_duplicate: int = 0
+    batches_rejected: int = 0
+    sequence_gaps: int = 0
+    matches: int = 0
+    #: Sum over Matches of the deepest hit (blocks a router could reuse).
+    matched_blocks: int = 0
+    instances_reaped: int = 0
+    reap_errors: int = 0
+
+
+@dataclass(slots=True)
+class ServiceStats:
+    """Shared index sizes plus this replica's counters."""
+
+    index: IndexStats
+    counters: Counters = field(default_factory=Counters)

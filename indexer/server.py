@@ -1,13 +1,15 @@
 """gRPC transport of ``kvmesh.indexer.v1.IndexerService`` (grpc.aio, uvloop when present).
 
 Transport only: messages are converted by indexer/convert.py and handled by
-indexer/service.py. Every IndexerService method but ``Ping`` goes through one
-decorator, :func:`_rpc`, which
+indexer/logic.py. Every method is registered in the call scope of
+kvmesh/grpcsvc.py (:data:`INDEXER_RULES`), which decodes requests, checks
+identity and per-client limits, and maps a
+:class:`~kvmesh.errors.KvmeshError` to the status its ``code`` names (the
+field goes into the message and the ``kvmesh-error-field`` trailing metadata)
+and any other exception to INTERNAL with a log line, so no call ever ends
+UNKNOWN. Every method but ``Ping`` is also :func:`~kvmesh.grpcsvc.observed`
+by the service's :class:`~indexer.rpc.IndexerCalls`, which
 
-- maps a :class:`~indexer.errors.KvmeshError` to the status its ``code``
-  names (the field goes into the message and the ``kvmesh-error-field``
-  trailing metadata) and any other exception to INTERNAL with a log line, so
-  no call ever ends UNKNOWN;
 - refuses a call beyond ``limits.max_concurrent_rpcs`` with RESOURCE_EXHAUSTED;
 - records per-method latency and status counts, and a server span when
   tracing is on.
@@ -18,9 +20,10 @@ blocks per Match and events per batch, checked by the logic, answer
 INVALID_ARGUMENT naming the field).
 
 The server also serves ``grpc.health.v1`` (SERVING / NOT_SERVING following the
-backend, for both ``""`` and the service name) and server reflection, and on
-:meth:`IndexerServer.stop` stops accepting calls, lets in-flight ones finish
-within the grace period and closes the backend.
+backend, for both ``""`` and the service name), server reflection and, when
+``sglang.enabled``, SGLang's ``kv_indexer.v1.KVIndexer`` (indexer/sglang/), and
+on :meth:`IndexerServer.stop` stops accepting calls, lets in-flight ones
+finish within the grace period and closes the backend.
 """
 
 from __future__ import annotations
@@ -28,25 +31,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
-import signal
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar, cast
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from opentelemetry import propagate, trace
 
 from indexer import convert
-from indexer.config import IndexerConfig, build_index
-from indexer.errors import KvmeshError, ResourceExhausted
+from indexer.config import IndexerConfig
+from indexer.factory import build_index
 from indexer.index import Index
-from indexer.instrumented import InstrumentedIndex, Metrics, configure_tracing, tracing_enabled
-from indexer.service import IndexerLogic
+from indexer.instrumented import InstrumentedIndex, Metrics, configure_tracing
+from indexer.logic import IndexerLogic
+from indexer.rpc import IndexerCalls
+from indexer.sglang.compat import SglangCompat
+from indexer.sglang.server import SGLANG_SERVICE_NAME, SglangServicer, add_sglang_servicer
+from kvmesh import runtime
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.auth import Authorizer, current_client
-from kvmesh.errors import PermissionDenied, Unauthenticated
+from kvmesh.errors import KvmeshError, PermissionDenied, Unauthenticated
 from kvmesh.grpcsvc import (
     HANDLER_FACTORIES,
     Guard,
@@ -54,12 +59,9 @@ from kvmesh.grpcsvc import (
     MethodRule,
     add_guarded,
     add_health_and_reflection,
+    observed,
 )
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from kvmesh.runtime import ERROR_FIELD_METADATA as ERROR_FIELD_METADATA
 from kvmesh.runtime import host_port as _host_port
-from kvmesh.runtime import new_event_loop, status_code
 from kvmesh.runtime import setup_logging as _setup_logging
 from kvmesh.tls import add_port
 
@@ -70,156 +72,6 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
 
 
 _PING_RESPONSE = pb.PingResponse()
-
-_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
-_G = TypeVar("_G", bound=Callable[..., AsyncIterator[Any]])
-
-
-class _CallScope:
-    """Admission, metrics and span of one call (shared by unary and stream wrappers)."""
-
-    __slots__ = ("_span_cm", "_start", "code", "method", "servicer")
-
-    def __init__(self, servicer: IndexerServicer, method: str) -> None:
-        self.servicer = servicer
-        self.method = method
-        self.code = "OK"
-        self._start = 0.0
-        self._span_cm: contextlib.AbstractContextManager[Any] | None = None
-
-    def enter(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        s = self.servicer
-        limit = s.max_concurrent_rpcs
-        if limit and s.in_flight >= limit:
-            self.code = "RESOURCE_EXHAUSTED"
-            s.metrics.rpcs.labels(self.method, self.code).inc()
-            raise ResourceExhausted(
-                f"server overloaded: {limit} calls in flight (limits.max_concurrent_rpcs); retry"
-            )
-        s.in_flight += 1
-        s.metrics.rpcs_in_flight.inc()
-        self._start = time.perf_counter()
-        if s.tracing:
-            carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-            self._span_cm = trace.get_tracer("kvmesh.indexer").start_as_current_span(
-                f"{SERVICE_NAME}/{self.method}",
-                context=propagate.extract(carrier),
-                kind=trace.SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.method": self.method},
-            )
-            self._span_cm.__enter__()
-
-    def exit(self) -> None:
-        s = self.servicer
-        s.in_flight -= 1
-        m = s.metrics
-        m.rpcs_in_flight.dec()
-        m.rpc_seconds.labels(self.method).observe(time.perf_counter() - self._start)
-        m.rpcs.labels(self.method, self.code).inc()
-        if self._span_cm is not None:
-            span = trace.get_current_span()
-            span.set_attribute("rpc.grpc.status_code", self.code)
-            if self.code != "OK":
-                span.set_status(trace.StatusCode.ERROR, self.code)
-            self._span_cm.__exit__(None, None, None)
-
-
-async def _abort(
-    context: grpc.aio.ServicerContext[Any, Any], scope: _CallScope, err: BaseException
-) -> None:
-    """End the call with the status ``err`` maps to (never UNKNOWN)."""
-    if isinstance(err, KvmeshError):
-        if isinstance(err, PermissionDenied | Unauthenticated):
-            _refused(scope.servicer.guard, scope.method, err)
-        code = status_code(err.code)
-        if err.field:
-            context.set_trailing_metadata(((ERROR_FIELD_METADATA, err.field),))
-        details = str(err)
-    else:
-        log.error(
-            "internal error in %s: %r",
-            scope.method,
-            err,
-            exc_info=(type(err), err, err.__traceback__),
-        )
-        code = grpc.StatusCode.INTERNAL
-        details = f"internal error: {type(err).__name__}"
-    scope.code = code.name
-    await context.abort(code, details)
-
-
-def _refused(guard: Guard, method: str, err: PermissionDenied | Unauthenticated) -> None:
-    """Count and log a refusal raised by the logic (instance ownership)."""
-    c = current_client()
-    who = c.principal.name if c is not None else "?"
-    if guard.authorizer is not None:
-        guard.authorizer.refuse(method, err, who)
-
-
-def _rpc(method: str) -> Callable[[_F], _F]:
-    """The error/admission/metrics wrapper of a unary IndexerService method."""
-
-    def deco(fn: _F) -> _F:
-        @functools.wraps(fn)
-        async def wrapper(
-            self: IndexerServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> Any:
-            scope = _CallScope(self, method)
-            try:
-                scope.enter(context)
-            except KvmeshError as e:
-                await _abort(context, scope, e)
-                raise  # pragma: no cover - abort raises
-            try:
-                return await fn(self, request, context)
-            except asyncio.CancelledError:
-                scope.code = "CANCELLED"
-                raise
-            except Exception as e:
-                if _is_abort(e):
-                    raise
-                await _abort(context, scope, e)
-                raise  # pragma: no cover - abort raises
-            finally:
-                scope.exit()
-
-        wrapper.__kvmesh_rpc__ = method  # type: ignore[attr-defined]
-        return cast(_F, wrapper)
-
-    return deco
-
-
-def _rpc_stream(method: str) -> Callable[[_G], _G]:
-    """The same wrapper as :func:`_rpc` for a streaming-response method."""
-
-    def deco(fn: _G) -> _G:
-        @functools.wraps(fn)
-        async def wrapper(
-            self: IndexerServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> AsyncIterator[Any]:
-            scope = _CallScope(self, method)
-            try:
-                scope.enter(context)
-            except KvmeshError as e:
-                await _abort(context, scope, e)
-                return  # pragma: no cover - abort raises
-            try:
-                async for item in fn(self, request, context):
-                    yield item
-            except asyncio.CancelledError:
-                scope.code = "CANCELLED"
-                raise
-            except Exception as e:
-                if _is_abort(e):
-                    raise
-                await _abort(context, scope, e)
-            finally:
-                scope.exit()
-
-        wrapper.__kvmesh_rpc__ = method  # type: ignore[attr-defined]
-        return cast(_G, wrapper)
-
-    return deco
 
 
 def _serialize(message: Any) -> bytes:
@@ -264,12 +116,14 @@ def add_servicer(
             request_deserializer=getattr(pb, method.input_type.name).FromString,
             response_serializer=_serialize,
         )
-    add_guarded(server, service.full_name, handlers, INDEXER_RULES, guard or servicer.guard)
-
-
-def _is_abort(e: BaseException) -> bool:
-    # grpc.aio raises its AbortError out of context.abort(); let it through.
-    return type(e).__name__ == "AbortError"
+    add_guarded(
+        server,
+        service.full_name,
+        handlers,
+        INDEXER_RULES,
+        guard or servicer.guard,
+        observer=servicer.calls,
+    )
 
 
 class IndexerServicer(pb_grpc.IndexerServiceServicer):
@@ -279,12 +133,11 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         self.logic = logic
         self.guard = guard if guard is not None else Guard("indexer")
         self.metrics = metrics
-        self.max_concurrent_rpcs = logic.config.limits.max_concurrent_rpcs
-        self.in_flight = 0
-        self.tracing = tracing_enabled()
+        #: In-flight cap, metrics and spans of the observed methods.
+        self.calls = IndexerCalls(metrics, logic.config.limits.max_concurrent_rpcs)
         self._match_encoder = convert.MatchResponseEncoder()
 
-    @_rpc("RegisterInstance")
+    @observed
     async def RegisterInstance(
         self, request: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RegisterInstanceResponse:
@@ -292,7 +145,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         state, reset = await self.logic.register(convert.spec_from_pb(request))
         return pb.RegisterInstanceResponse(info=convert.state_to_pb(state), reset=reset)
 
-    @_rpc("Heartbeat")
+    @observed
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.HeartbeatResponse:
@@ -300,7 +153,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         state = await self.logic.heartbeat(convert.instance_from_pb(request.instance))
         return pb.HeartbeatResponse(lease_expires_at=state.lease_expires_at, stale=state.stale)
 
-    @_rpc("RemoveInstance")
+    @observed
     async def RemoveInstance(
         self, request: pb.RemoveInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RemoveInstanceResponse:
@@ -308,7 +161,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         n = await self.logic.remove_instance(convert.instance_from_pb(request.instance))
         return pb.RemoveInstanceResponse(blocks_removed=n)
 
-    @_rpc("ListInstances")
+    @observed
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListInstancesResponse:
@@ -316,7 +169,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         states = await self.logic.list_instances(request.model)
         return pb.ListInstancesResponse(instances=[convert.state_to_pb(s) for s in states])
 
-    @_rpc("PublishEvents")
+    @observed
     async def PublishEvents(
         self, request: pb.PublishEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PublishEventsResponse:
@@ -324,7 +177,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         result = await self.logic.publish(convert.batch_from_pb(request.batch))
         return pb.PublishEventsResponse(ack=convert.ack_to_pb(request.batch, result))
 
-    @_rpc_stream("PublishEventsStream")
+    @observed
     async def PublishEventsStream(
         self,
         request_iterator: AsyncIterator[pb.PublishEventsStreamRequest],
@@ -341,7 +194,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 ack = convert.ack_to_pb(batch, result)
             except KvmeshError as e:
                 if isinstance(e, PermissionDenied | Unauthenticated):
-                    _refused(self.guard, "PublishEventsStream", e)
+                    self.guard.refused("PublishEventsStream", e)
                 ack = convert.rejected_ack_to_pb(batch, e)
             except Exception as e:
                 log.exception("internal error applying batch %d of a stream", batch.sequence)
@@ -350,7 +203,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 )
             yield pb.PublishEventsStreamResponse(ack=ack)
 
-    @_rpc("Match")
+    @observed
     async def Match(  # type: ignore[override]
         self, request: pb.MatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
@@ -362,14 +215,14 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         result = await self.logic.match(convert.match_query_from_pb(request))
         return self._match_encoder.encode(result)
 
-    @_rpc("GetStats")
+    @observed
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetStatsResponse:
         """Index sizes plus this replica's counters."""
         return convert.stats_to_pb(await self.logic.stats())
 
-    @_rpc_stream("DumpIndex")
+    @observed
     async def DumpIndex(
         self, request: pb.DumpIndexRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.DumpIndexResponse]:
@@ -386,7 +239,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
     async def Ping(
         self, request: pb.PingRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PingResponse:
-        """Does no work (outside the _rpc wrapper: it cannot fail, and it is the latency floor)."""
+        """Does no work (not observed: it cannot fail, and it is the latency floor)."""
         return _PING_RESPONSE
 
 
@@ -435,14 +288,6 @@ class IndexerServer:
         #: Names whose health follows the backend ("" is the whole server).
         self._health_names = ["", SERVICE_NAME]
         if config.sglang.enabled:
-            # Imported here: indexer.sglang_server imports this module's _rpc.
-            from indexer.sglang_compat import SglangCompat
-            from indexer.sglang_server import (
-                SGLANG_SERVICE_NAME,
-                SglangServicer,
-                add_sglang_servicer,
-            )
-
             self.sglang = SglangServicer(
                 SglangCompat(self.logic, config.sglang), self.metrics, self.guard
             )
@@ -451,7 +296,7 @@ class IndexerServer:
         #: ZMQ subscribers to engine KV events (imported only when configured).
         self.subscribers: Any = None
         if config.engine_events.endpoints:
-            from indexer.zmq_subscriber import EngineEventSubscribers
+            from indexer.kvevents.subscriber import EngineEventSubscribers
 
             self.subscribers = EngineEventSubscribers(self.logic, config.engine_events)
             # Prefixed: several subscriber counters (batches_applied...) share
@@ -557,7 +402,7 @@ class IndexerServer:
         down is waited for, as before. The instance-table read runs a script,
         so a user without EVALSHA or with the wrong key pattern is caught too.
         """
-        from indexer.redis_backend import BackendAuthError
+        from indexer.redis.connection import BackendAuthError
 
         try:
             await self.index.list_instances()
@@ -636,25 +481,15 @@ def setup_logging(config: IndexerConfig) -> None:
 
 async def serve_until_signal(config: IndexerConfig) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully; return an exit code."""
-    try:
-        server = await start_server(config)
-    except (OSError, KvmeshError) as e:
-        log.error("cannot start: %s", e)
-        return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received: draining in-flight calls (grace %.1fs)", config.shutdown_grace_s)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
-    await server.stop()
-    return 0
+    return await runtime.serve_until_signal(
+        lambda: start_server(config),
+        errors=(OSError, KvmeshError),
+        log=log,
+        draining=f"draining in-flight calls (grace {config.shutdown_grace_s:.1f}s)",
+    )
 
 
 def run(config: IndexerConfig) -> int:
     """Run an indexer in the foreground (the CLI's ``indexer serve``); return an exit code."""
     setup_logging(config)
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(serve_until_signal(config))
+    return runtime.run_main(lambda: serve_until_signal(config))

@@ -50,9 +50,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
-from kvmesh.configfile import ConfigError, format_validation_error, read_config_file
+from kvmesh.configfile import ConfigError, StrictModel, format_validation_error, read_config_file
 from kvmesh.errors import PermissionDenied, Unauthenticated
 from kvmesh.tls import FileWatch
 
@@ -64,11 +64,7 @@ Role = Literal["engine", "router", "tee", "peer", "admin"]
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class IdentityRule(_Strict):
+class IdentityRule(StrictModel):
     """One identity of the policy: how it is recognised and what it may do."""
 
     name: str = Field(min_length=1, max_length=128, description="Name used in logs and metrics.")
@@ -100,13 +96,13 @@ class IdentityRule(_Strict):
         return v
 
 
-class PolicyFile(_Strict):
+class PolicyFile(StrictModel):
     """The policy file's schema."""
 
     identities: list[IdentityRule] = Field(default_factory=list)
 
 
-class AuthSettings(_Strict):
+class AuthSettings(StrictModel):
     """Authorization settings of a server."""
 
     policy_file: str = Field(

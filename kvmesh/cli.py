@@ -1,9 +1,11 @@
 """The ``kvmesh`` command.
 
-``indexer serve`` has its parser here (indexer/cli.py); every other command
-is routed by :data:`COMMANDS` to a module whose ``main(argv) -> int`` parses
-the rest of the line itself. Each part's module is imported only when its
-command runs, so a part that is not installed costs the others nothing.
+:data:`COMMANDS` routes every command's words to a module whose
+``main(argv) -> int`` (or the named function) parses the rest of the line
+itself. Each part's module is imported only when its command runs, so this
+module imports no part and a part that is not installed costs the others
+nothing. The first word of a two-word command is a group: ``kvmesh bench``
+alone lists the group's commands.
 """
 
 from __future__ import annotations
@@ -18,21 +20,22 @@ import kvmesh
 #: Command words -> ("module" or "module:function" whose ``(argv) -> int`` runs
 #: it with the words after the command, help line).
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("indexer", "serve"): ("indexer.cli", "run one indexer replica until SIGTERM/SIGINT"),
     ("quickstart",): (
-        "indexer.quickstart",
+        "lab.quickstart",
         "start an indexer, publish the trace, run matches",
     ),
-    ("bench", "indexer"): ("indexer.bench", "indexer benchmark (memory and Redis)"),
-    ("bench", "tee"): ("tee.bench", "tee benchmark (bounded fan-out vs serial)"),
-    ("bench", "xfer"): ("xfer.bench", "KV transfer benchmark (NIXL and TCP)"),
-    ("bench", "soak"): ("indexer.soak", "mixed-load soak of indexer replicas on Redis"),
+    ("bench", "indexer"): ("lab.bench.indexer", "indexer benchmark (memory and Redis)"),
+    ("bench", "tee"): ("lab.bench.tee", "tee benchmark (bounded fan-out vs serial)"),
+    ("bench", "xfer"): ("lab.bench.xfer", "KV transfer benchmark (NIXL and TCP)"),
+    ("bench", "soak"): ("lab.bench.soak", "mixed-load soak of indexer replicas on Redis"),
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
-    ("cachesim", "serve"): ("tee.cachesim_cli:serve", "run the cache simulator service"),
-    ("cachesim", "report"): ("tee.cachesim_cli:report", "print a cache simulator's report"),
-    ("replay",): ("kvmesh.sim.replay", "replay a trace through routing policies"),
-    ("up",): ("kvmesh.up", "run the whole cluster on this machine and drive it with the trace"),
+    ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
+    ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),
+    ("replay",): ("lab.sim.replay", "replay a trace through routing policies"),
+    ("up",): ("lab.up", "run the whole cluster on this machine and drive it with the trace"),
     ("xfer", "serve"): ("xfer.cli", "run a KV transfer sidecar"),
-    ("certs",): ("kvmesh.devcerts", "write a development CA, certificates and a policy"),
+    ("certs",): ("lab.devcerts", "write a development CA, certificates and a policy"),
     ("token",): ("kvmesh.auth:token_main", "make a bearer token and the hash a policy lists"),
 }
 
@@ -40,25 +43,49 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 BENCH_PARTS = sorted(words[1] for words in COMMANDS if words[0] == "bench")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``kvmesh``."""
-    from indexer import cli as indexer_cli
+def groups() -> dict[str, dict[str, str]]:
+    """Group word -> {second word: help line}, for every two-word command."""
+    out: dict[str, dict[str, str]] = {}
+    for words, (_, help_line) in COMMANDS.items():
+        if len(words) == 2:
+            out.setdefault(words[0], {})[words[1]] = help_line
+    return out
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvmesh`` (its help lists every command of the table)."""
     parser = argparse.ArgumentParser(
         prog="kvmesh", description="KV-cache indexing and routing for LLM serving fleets."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    indexer_cli.add_parser(sub)
-    groups: dict[str, list[str]] = {}
+    lines: dict[str, list[str]] = {}
     for words, (_, help_line) in COMMANDS.items():
         rest = " ".join(words[1:])
-        groups.setdefault(words[0], []).append(f"{rest}: {help_line}" if rest else help_line)
-    for first, lines in groups.items():
-        if first == "indexer":
-            continue
-        sub.add_parser(first, help="; ".join(lines), add_help=False)
+        lines.setdefault(words[0], []).append(f"{rest}: {help_line}" if rest else help_line)
+    for first, first_lines in lines.items():
+        sub.add_parser(first, help="; ".join(first_lines), add_help=False)
     sub.add_parser("version", help="print the kvmesh version")
     return parser
+
+
+def group_help(group: str) -> str:
+    """The usage and command list of ``kvmesh <group>``."""
+    commands = groups()[group]
+    width = max(len(word) for word in commands) + 2
+    lines = [f"usage: kvmesh {group} COMMAND ...", "", "commands:"]
+    lines += [f"  {word:<{width}}{help_line}" for word, help_line in commands.items()]
+    return "\n".join(lines)
+
+
+def _run_group(group: str, rest: list[str]) -> int:
+    """``kvmesh <group>`` without one of its commands: list them (exit 0 on --help, else 2)."""
+    if rest[:1] in (["-h"], ["--help"]):
+        print(group_help(group))
+        return 0
+    if rest:
+        print(f"kvmesh {group}: unknown command {rest[0]!r}", file=sys.stderr)
+    print(group_help(group), file=sys.stderr)
+    return 2
 
 
 def _lookup(args: list[str]) -> tuple[tuple[str, ...], str] | None:
@@ -86,20 +113,18 @@ def _run_part(target: str, argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvmesh`` console script; returns the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     # Registered commands pass everything after their words to the part's own parser.
     found = _lookup(args_list)
     if found is not None:
         words, target = found
         return _run_part(target, args_list[len(words) :])
+    if args_list and args_list[0] in groups():
+        return _run_group(args_list[0], args_list[1:])
+    parser = build_parser()
     args = parser.parse_args(args_list)
     if args.command == "version":
         print(f"kvmesh {kvmesh.__version__}")
         return 0
-    if args.command == "indexer":
-        from indexer import cli as indexer_cli
-
-        return indexer_cli.run(args)
     parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse guards
     return 2  # pragma: no cover
 

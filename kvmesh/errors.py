@@ -1,12 +1,17 @@
-"""kvmesh errors, each carrying the gRPC status it maps to (indexer, xfer).
+"""kvmesh errors, each carrying the gRPC status it maps to (indexer, tee, xfer).
 
 The logic never imports grpc: ``code`` is the name of a ``grpc.StatusCode``
-member, and every server maps it once (:func:`kvmesh.runtime.status_code`). An
-exception that is not a :class:`KvmeshError` reaches clients as INTERNAL,
-never UNKNOWN.
+member, and every server maps it once, in its call scope
+(:func:`kvmesh.grpcsvc.status_code`). An exception that is not a
+:class:`KvmeshError` reaches clients as INTERNAL, never UNKNOWN. The offending
+field of an error travels in the trailing metadata entry
+:data:`ERROR_FIELD_METADATA`, which clients read back.
 """
 
 from __future__ import annotations
+
+#: Trailing metadata key carrying the offending field of an error (``KvmeshError.field``).
+ERROR_FIELD_METADATA = "kvmesh-error-field"
 
 
 class KvmeshError(Exception):

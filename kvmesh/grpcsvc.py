@@ -1,4 +1,4 @@
-"""The guard every kvmesh gRPC method runs behind: decoding, identity, roles, client limits.
+"""The call scope every kvmesh gRPC method runs in: decoding, identity, limits, statuses.
 
 Every service registers its handlers through :func:`add_guarded` (or
 :func:`add_generated` for grpc's own health and reflection services). Each
@@ -13,7 +13,14 @@ handler is rewritten once, at registration, so that a call
    undecodable bytes are INVALID_ARGUMENT naming the message type (grpc.aio
    would end such a call UNKNOWN);
 4. runs with :func:`kvmesh.auth.current_client` set, for instance-ownership
-   checks deeper in the service.
+   checks deeper in the service, and, for the methods marked
+   :func:`observed`, inside the hooks of the service's :class:`CallObserver`
+   (per-method metrics, an in-flight cap, server spans);
+5. ends with the status its error names: a :class:`~kvmesh.errors.KvmeshError`
+   maps to the status of its ``code`` (:func:`status_code`), its field in the
+   message and in the :data:`~kvmesh.errors.ERROR_FIELD_METADATA` trailing
+   metadata; any other exception is INTERNAL with a log line, so no call ever
+   ends UNKNOWN.
 
 The client key of the limits is the identity's name when the caller is
 authenticated, else its peer address (host only).
@@ -21,44 +28,59 @@ authenticated, else its peer address (host only).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Never, TypeVar
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+import grpc.aio
+from opentelemetry import context as otel_context
+from pydantic import Field
 
 from kvmesh.auth import (
     OPEN,
     Authorizer,
     Client,
+    current_client,
     peer_host,
     reset_current_client,
     set_current_client,
 )
-from kvmesh.errors import KvmeshError, PermissionDenied, ResourceExhausted, Unauthenticated
-from kvmesh.runtime import ERROR_FIELD_METADATA, status_code
+from kvmesh.configfile import StrictModel
+from kvmesh.errors import (
+    ERROR_FIELD_METADATA,
+    InvalidArgument,
+    KvmeshError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from kvmesh.tracing import extract_context, tracing_enabled
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CallObserver",
+    "CallerTraceContext",
     "ClientLimits",
     "Guard",
     "MethodRule",
     "add_generated",
     "add_guarded",
     "capture_handlers",
+    "observed",
+    "status_code",
 ]
 
 
-class ClientLimits(BaseModel):
+class ClientLimits(StrictModel):
     """Per-client limits (a client is an identity, or a peer host when unauthenticated)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_in_flight: int = Field(
         default=256,
@@ -134,7 +156,12 @@ class _ClientState:
 
 
 class Guard:
-    """Authentication, authorization and client limits of one server."""
+    """Authentication, authorization and client limits of one server.
+
+    ``caller_name(context)`` names the caller in the log line of a refusal
+    the service raises past the guard (:meth:`refused`); by default the
+    current client's identity.
+    """
 
     def __init__(
         self,
@@ -143,11 +170,13 @@ class Guard:
         limits: ClientLimits | None = None,
         *,
         limits_field: str = "limits.per_client",
+        caller_name: Callable[[grpc.aio.ServicerContext[Any, Any]], str] | None = None,
     ) -> None:
         self.what = what
         self.authorizer = authorizer
         self.limits = limits if limits is not None else ClientLimits()
         self.limits_field = limits_field
+        self._caller_name = caller_name
         self._clients: OrderedDict[str, _ClientState] = OrderedDict()
         #: Refusals by the limits: (method, limit name) -> count.
         self.limit_refusals: dict[tuple[str, str], int] = {}
@@ -218,6 +247,38 @@ class Guard:
         st = self._clients.get(client.key)
         if st is not None and st.in_flight > 0:
             st.in_flight -= 1
+
+    def take_streamed(self, method: str, rate: str = "publish") -> None:
+        """Count one message of an open stream against the caller's ``rate`` bucket.
+
+        A stream is admitted once; its messages are counted one by one here.
+        Raises RESOURCE_EXHAUSTED beyond the rate (counted, and reported to
+        :meth:`on_refusal`); outside a call (no current client) counts nothing.
+        """
+        client = current_client()
+        if client is not None:
+            self.take(client, rate, method)
+
+    def refused(
+        self,
+        method: str,
+        err: PermissionDenied | Unauthenticated,
+        context: grpc.aio.ServicerContext[Any, Any] | None = None,
+    ) -> None:
+        """Count and log a refusal the service raised past the guard (instance ownership...).
+
+        The call scope reports those a handler raises; a stream handler that
+        answers a refusal in band (in an ack) reports it here.
+        """
+        authz = self.authorizer
+        if authz is None:
+            return
+        if self._caller_name is not None and context is not None:
+            who = self._caller_name(context)
+        else:
+            c = current_client()
+            who = c.principal.name if c is not None else "?"
+        authz.refuse(method, err, who)
 
     # -- identity -------------------------------------------------------------
 
@@ -297,15 +358,126 @@ def _auth_context(context: Any) -> Mapping[str, Any]:
     return ac
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: KvmeshError) -> None:
-    if err.field:
-        context.set_trailing_metadata(((ERROR_FIELD_METADATA, err.field),))
-    await context.abort(status_code(err.code), str(err))
+def status_code(name: str) -> grpc.StatusCode:
+    """The grpc.StatusCode an error's code names (INTERNAL for UNKNOWN, OK or a bad name).
+
+    Services' errors carry the *name* of their status so that their logic needs
+    no grpc import; the call scope maps it here, so no call ever ends UNKNOWN.
+    """
+    code = getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
+        return grpc.StatusCode.INTERNAL
+    return code
 
 
-def _decode_error(full_method: str, type_name: str, e: BaseException) -> KvmeshError:
-    from kvmesh.errors import InvalidArgument
+class CallObserver:
+    """A service's hooks around the calls of its :func:`observed` methods; this base does nothing.
 
+    The call scope calls :meth:`begin` once a call is admitted (identity,
+    client limits) and its request decoded, and :meth:`end` when the call
+    finishes, with what :meth:`begin` returned and the name of the status the
+    call ended with (``OK``, ``CANCELLED`` or an error's code). :meth:`begin`
+    may refuse the call by raising a :class:`~kvmesh.errors.KvmeshError` (a
+    service-wide cap, say): the call ends with its status and :meth:`end` is
+    not called. Per-method metrics, in-flight caps and server spans plug in
+    here; the error mapping is the scope's alone.
+    """
+
+    def begin(self, service: str, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """Start observing one call of ``service``/``method``; the result goes to :meth:`end`."""
+        return None
+
+    def end(self, service: str, method: str, state: Any, code: str) -> None:
+        """Finish observing one call, which ended with status ``code``."""
+
+
+class CallerTraceContext(CallObserver):
+    """Makes the caller's trace context (from the call metadata) current for the whole call.
+
+    Spans a handler starts, and contexts it captures for later sends, then
+    continue the caller's trace. Does nothing when tracing is off in this
+    process (decided at construction).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = tracing_enabled()
+
+    def begin(self, service: str, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """Attach the caller's context; the token detaches it in :meth:`end`."""
+        if not self.enabled:
+            return None
+        return otel_context.attach(extract_context(context.invocation_metadata()))
+
+    def end(self, service: str, method: str, state: Any, code: str) -> None:
+        """Detach what :meth:`begin` attached."""
+        if state is not None:
+            otel_context.detach(state)
+
+
+#: The attribute :func:`observed` sets on a servicer method (to the method's name).
+OBSERVED_ATTR = "__kvmesh_rpc__"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def observed(fn: _F) -> _F:
+    """Mark a servicer method as one its service's :class:`CallObserver` sees.
+
+    Every method registered through :func:`add_guarded` runs in the same call
+    scope (identity, limits, decoding, error mapping); only marked ones also
+    run the observer's hooks (a ``Ping`` that is the latency floor stays
+    unmarked).
+    """
+    setattr(fn, OBSERVED_ATTR, fn.__name__)
+    return fn
+
+
+class _Scope:
+    """One call's end: the status it ended with, for the observer."""
+
+    __slots__ = ("code",)
+
+    def __init__(self) -> None:
+        self.code = "OK"
+
+    async def abort(self, context: grpc.aio.ServicerContext[Any, Any], err: KvmeshError) -> Never:
+        """End the call with the status ``err`` names, its field in the trailing metadata."""
+        status = status_code(err.code)
+        self.code = status.name
+        if err.field:
+            context.set_trailing_metadata(((ERROR_FIELD_METADATA, err.field),))
+        await context.abort(status, str(err))
+
+    async def fail(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        guard: Guard,
+        method: str,
+        err: Exception,
+    ) -> Never:
+        """End the call for an exception its handler raised: never UNKNOWN.
+
+        A :class:`~kvmesh.errors.KvmeshError` ends with its status (a refusal
+        the service raised, such as instance ownership, is counted and logged
+        like the guard's own); anything else is INTERNAL naming only the
+        exception's type, with a log line carrying the traceback.
+        """
+        if isinstance(err, KvmeshError):
+            if isinstance(err, PermissionDenied | Unauthenticated):
+                guard.refused(method, err, context)
+            await self.abort(context, err)
+        if isinstance(err, NotImplementedError):
+            # A generated base method nobody overrode: a clear status, no traceback.
+            self.code = "UNIMPLEMENTED"
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
+        log.error(
+            "internal error in %s: %r", method, err, exc_info=(type(err), err, err.__traceback__)
+        )
+        self.code = "INTERNAL"
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}")
+
+
+def _decode_error(type_name: str, e: BaseException) -> KvmeshError:
     return InvalidArgument(
         f"cannot decode the request as {type_name}: {type(e).__name__}: {e}", field="request"
     )
@@ -318,15 +490,21 @@ def _type_name(deserializer: Any) -> str:
 
 
 def _wrap(
-    full_method: str,
+    service: str,
     method: str,
     handler: grpc.RpcMethodHandler[Any, Any],
     rule: MethodRule,
     guard: Guard,
+    observer: CallObserver | None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` run in the call scope: admission, decoding, observer, error mapping."""
     deser = handler.request_deserializer
     type_name = _type_name(deser)
     counts = guard.decode_errors
+    inner: Any = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+    obs = observer if observer is not None and getattr(inner, OBSERVED_ATTR, None) else None
 
     def decode(raw: Any) -> Any:
         if deser is None or not isinstance(raw, bytes):
@@ -337,64 +515,74 @@ def _wrap(
             counts[method] = counts.get(method, 0) + 1
             for cb in guard._callbacks:
                 cb(method, "INVALID_ARGUMENT")
-            raise _decode_error(full_method, type_name, e) from e
+            raise _decode_error(type_name, e) from e
 
-    async def admit(context: grpc.aio.ServicerContext[Any, Any]) -> Client:
+    async def admit(context: grpc.aio.ServicerContext[Any, Any], scope: _Scope) -> Client:
         try:
             client = guard.identify(method, rule, context)
             guard.take(client, rule.rate, method)
             guard.enter(client, method)
         except KvmeshError as e:
-            await _abort(context, e)
-            raise  # pragma: no cover - abort raises
+            await scope.abort(context, e)
         return client
 
-    async def requests(it: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async def requests(it: AsyncIterator[Any], context: Any, scope: _Scope) -> AsyncIterator[Any]:
         async for raw in it:
             try:
                 yield decode(raw)
             except KvmeshError as e:
-                await _abort(context, e)
+                await scope.abort(context, e)
 
-    async def request_of(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def request_of(
+        arg: Any, context: grpc.aio.ServicerContext[Any, Any], scope: _Scope
+    ) -> Any:
         if handler.request_streaming:
-            return requests(arg, context)
+            return requests(arg, context, scope)
         try:
             return decode(arg)
         except KvmeshError as e:
-            await _abort(context, e)
+            await scope.abort(context, e)
 
-    inner: Any = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
+    @contextlib.asynccontextmanager
+    async def scoped(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        """One call's scope: admission, the caller as current client, the observer, and the
+        mapping of whatever the handler raises to a status (never UNKNOWN)."""
+        scope = _Scope()
+        client = await admit(context, scope)
+        tok = set_current_client(client)
+        try:
+            req = await request_of(arg, context, scope)
+            try:
+                state = obs.begin(service, method, context) if obs is not None else None
+            except KvmeshError as e:
+                await scope.abort(context, e)
+            try:
+                yield req
+            except asyncio.CancelledError:
+                scope.code = "CANCELLED"
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await scope.fail(context, guard, method, e)
+            finally:
+                if obs is not None:
+                    obs.end(service, method, state, scope.code)
+        finally:
+            reset_current_client(tok)
+            guard.exit(client)
 
     async def call(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         # Unary replies, and streams a coroutine writes with context.write
         # (grpc's health Watch).
-        client = await admit(context)
-        tok = set_current_client(client)
-        try:
-            req = await request_of(arg, context)
-            try:
-                result = inner(req, context)
-                return await result if isinstance(result, Awaitable) else result
-            except NotImplementedError:
-                # A generated base method nobody overrode: a clear status, no traceback.
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
-        finally:
-            reset_current_client(tok)
-            guard.exit(client)
+        async with scoped(arg, context) as req:
+            result = inner(req, context)
+            return await result if isinstance(result, Awaitable) else result
 
     async def stream(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        client = await admit(context)
-        tok = set_current_client(client)
-        try:
-            req = await request_of(arg, context)
+        async with scoped(arg, context) as req:
             async for item in inner(req, context):
                 yield item
-        finally:
-            reset_current_client(tok)
-            guard.exit(client)
 
     factory = HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
     return factory(
@@ -419,17 +607,19 @@ def add_guarded(
     handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]],
     rules: Mapping[str, MethodRule],
     guard: Guard,
+    observer: CallObserver | None = None,
 ) -> None:
-    """Register ``handlers`` of one service behind ``guard``.
+    """Register ``handlers`` of one service behind ``guard``, in the call scope.
 
     Every method must have a rule: a method missing from ``rules`` is a
-    programming error (a new RPC must state who may call it).
+    programming error (a new RPC must state who may call it). ``observer``
+    sees the calls of the methods marked :func:`observed`.
     """
     missing = sorted(set(handlers) - set(rules))
     if missing:
         raise ValueError(f"{service_full_name}: no access rule for {missing}")
     wrapped = {
-        name: _wrap(f"/{service_full_name}/{name}", name, h, rules[name], guard)
+        name: _wrap(service_full_name, name, h, rules[name], guard, observer)
         for name, h in handlers.items()
     }
     server.add_generic_rpc_handlers(

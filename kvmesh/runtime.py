@@ -1,16 +1,14 @@
-"""Process plumbing shared by every kvmesh service: event loop, logging, status codes."""
+"""Process plumbing shared by every kvmesh service: event loop, logging, addresses, signals."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import signal
 import sys
-
-import grpc
-
-#: Trailing metadata key carrying the offending field of an error.
-ERROR_FIELD_METADATA = "kvmesh-error-field"
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -48,20 +46,66 @@ def setup_logging(level: str, fmt: str) -> None:
     root.setLevel(level)
 
 
-def status_code(name: str) -> grpc.StatusCode:
-    """The grpc.StatusCode an error's code names (INTERNAL for UNKNOWN, OK or a bad name).
-
-    Services' errors carry the *name* of their status so that their logic needs
-    no grpc import; every server maps it here, so no call ever ends UNKNOWN.
-    """
-    code = getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
-    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
-        return grpc.StatusCode.INTERNAL
-    return code
-
-
 def host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 literal in brackets (``[::1]:50051``)."""
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+class Stoppable(Protocol):
+    """A started server: ``stop()`` drains and closes it."""
+
+    async def stop(self) -> object:
+        """Drain in-flight work and close (each service bounds how long); any result is ignored."""
+
+
+S = TypeVar("S", bound=Stoppable)
+
+
+async def wait_for_signal() -> None:
+    """Return when the process gets SIGTERM or SIGINT (handlers removed on return)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_until_signal(
+    start: Callable[[], Awaitable[S]],
+    *,
+    errors: tuple[type[BaseException], ...],
+    log: logging.Logger,
+    draining: str = "",
+    ready: Callable[[S], None] | None = None,
+) -> int:
+    """Start a server, serve until SIGTERM or SIGINT, then stop it; return an exit code.
+
+    A start failure of a type in ``errors`` (a port in use, bad settings, a
+    backend refusing credentials) is one ``cannot start:`` log line and exit
+    code 1, never a traceback. ``draining`` is logged when the signal comes;
+    ``ready`` is called with the started server.
+    """
+    try:
+        server = await start()
+    except errors as e:
+        log.error("cannot start: %s", e)
+        return 1
+    if ready is not None:
+        ready(server)
+    await wait_for_signal()
+    if draining:
+        log.info("signal received: %s", draining)
+    await server.stop()
+    return 0
+
+
+def run_main(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Run ``main()`` on a new :func:`new_event_loop` loop; return its exit code."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main())

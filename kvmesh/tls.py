@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from kvmesh.configfile import ConfigError
+from kvmesh.configfile import ConfigError, StrictModel
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,7 @@ class TLSFileError(ConfigError):
     """A certificate, key or CA file is missing, unreadable or not PEM."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ServerTLS(_Strict):
+class ServerTLS(StrictModel):
     """Transport security of a server port (all empty: plaintext)."""
 
     cert_file: str = Field(
@@ -104,7 +100,7 @@ class ServerTLS(_Strict):
         return bool(self.client_ca_file)
 
 
-class ClientTLS(_Strict):
+class ClientTLS(StrictModel):
     """Transport security of a client's channel to a kvmesh server."""
 
     enabled: bool = Field(

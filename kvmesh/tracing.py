@@ -17,7 +17,7 @@ for it:
 - ``OTEL_SDK_DISABLED=true`` keeps tracing off whatever else is set.
 
 An application that embeds kvmesh components (a router with
-:mod:`router_client` and :class:`tee.client.Tee`) may instead install its own
+:mod:`router_client` and :class:`tee.logic.Tee`) may instead install its own
 SDK tracer provider; :func:`tracing_enabled` then reports tracing on as well.
 Components decide whether to trace when they are built (so that tracing off
 costs one attribute check per call), hence tracing must be set up before

@@ -41,10 +41,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from kvmesh.configfile import ConfigError as FileConfigError
-from kvmesh.configfile import env_overrides, merge, read_config_file
+from kvmesh.configfile import StrictModel, load_layered, validation_problems
 from kvmesh.tls import ClientTLS
 from router_client.errors import ConfigError
 
@@ -64,11 +64,7 @@ DEFAULT_BALANCE = 0.02
 ENV_PREFIX = "KVMESH_ROUTER_"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Limits(_Strict):
+class Limits(StrictModel):
     """Admission limits of a worker (None: no limit on that figure)."""
 
     max_running_requests: int | None = Field(default=None, ge=0)
@@ -78,7 +74,7 @@ class Limits(_Strict):
     )
 
 
-class Bucket(_Strict):
+class Bucket(StrictModel):
     """One bucket: the workers serving one stage for a token range."""
 
     id: str = Field(min_length=1)
@@ -95,7 +91,7 @@ class Bucket(_Strict):
     limits: Limits = Limits()
 
 
-class IndexerClientSettings(_Strict):
+class IndexerClientSettings(StrictModel):
     """How the router asks the indexer (see :mod:`router_client.indexer_client`)."""
 
     # A Match on a warm indexer takes well under a millisecond; 5 ms leaves
@@ -113,7 +109,7 @@ class IndexerClientSettings(_Strict):
     )
 
 
-class RouterConfig(_Strict):
+class RouterConfig(StrictModel):
     """The whole router configuration (see the module docstring)."""
 
     model: str = Field(default="", description="model name sent with every Match")
@@ -132,16 +128,6 @@ class RouterConfig(_Strict):
         default=5.0, gt=0, description="an engine load report older than this fails open"
     )
     indexer: IndexerClientSettings = IndexerClientSettings()
-
-
-def _loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
 
 
 def _check(cfg: RouterConfig) -> list[tuple[str, str]]:
@@ -187,20 +173,23 @@ def _check(cfg: RouterConfig) -> list[tuple[str, str]]:
     return errs
 
 
+def _checked(cfg: RouterConfig) -> RouterConfig:
+    """``cfg`` after the cross-field checks; raise :class:`ConfigError` naming the field."""
+    errs = _check(cfg)
+    if errs:
+        raise ConfigError("; ".join(f"{f}: {m}" for f, m in errs), field=errs[0][0])
+    return cfg
+
+
 def parse_config(data: Mapping[str, Any]) -> RouterConfig:
     """Validate a configuration mapping; raise :class:`ConfigError` naming the field."""
     try:
         cfg = RouterConfig.model_validate(dict(data))
     except ValidationError as e:
-        problems = [(_loc(tuple(err["loc"])), err["msg"]) for err in e.errors()]
+        problems = validation_problems(e, RouterConfig)
         first = problems[0][0] if problems else ""
-        raise ConfigError(
-            "; ".join(f"{f or '<root>'}: {m}" for f, m in problems), field=first
-        ) from None
-    errs = _check(cfg)
-    if errs:
-        raise ConfigError("; ".join(f"{f}: {m}" for f, m in errs), field=errs[0][0])
-    return cfg
+        raise ConfigError("; ".join(text for _, text in problems), field=first) from None
+    return _checked(cfg)
 
 
 def load_config(
@@ -210,13 +199,12 @@ def load_config(
 
     ``KVMESH_ROUTER_…`` variables (nested keys joined by ``__``, e.g.
     ``KVMESH_ROUTER_INDEXER__TLS__CA_FILE``) override the file; ``environ``
-    defaults to ``os.environ``.
+    defaults to ``os.environ`` (:func:`kvmesh.configfile.load_layered`; an
+    unknown key names the file or variable it came from).
     """
-    data: dict[str, Any] = {}
     try:
-        if path is not None:
-            data = read_config_file(path)
-        data = merge(data, env_overrides(ENV_PREFIX, environ))
+        cfg = load_layered(RouterConfig, path=path, env_prefix=ENV_PREFIX, environ=environ)
     except FileConfigError as e:
-        raise ConfigError(str(e)) from None
-    return parse_config(data)
+        text = "; ".join(t for _, t in e.problems) or str(e)
+        raise ConfigError(text, field=e.field) from None
+    return _checked(cfg)

@@ -37,8 +37,8 @@ import grpc
 import grpc.aio
 from opentelemetry import trace
 
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.tls import ChannelFactory, TLSFileError
 from kvmesh.tracing import inject_context, tracing_enabled
 from router_client.config import IndexerClientSettings

@@ -1,10 +1,13 @@
-"""Configuration of the tee and cache simulator services: one typed model each, four layers.
+"""Configuration of the tee service: one typed model, four layers.
 
 Precedence, highest first: command-line flags > environment variables
-(``KVMESH_TEE_<FIELD>`` / ``KVMESH_CACHESIM_<FIELD>``, nested fields joined by
-``__``; a value starting with ``[`` or ``{`` is JSON) > a config file (YAML,
-TOML or JSON by extension) > the defaults below. Unknown keys are rejected,
-naming the key and where it came from.
+``KVMESH_TEE_<FIELD>`` (nested fields joined by ``__``; a value starting with
+``[`` or ``{`` is JSON) > a config file (YAML, TOML or JSON by extension) >
+the defaults below. Unknown keys are rejected in every layer, naming the key
+and where it came from. The settings every served component shares
+(:class:`ServedSettings`) are also the base of the cache simulator's config
+(:mod:`tee.cachesim.config`); :func:`tee.factory.build_tee` turns a config
+into a :class:`~tee.logic.Tee` with its sinks.
 
 Example tee file (YAML)::
 
@@ -32,29 +35,35 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from kvmesh.auth import AuthSettings
-from kvmesh.cachemodel import EvictionPolicy
 from kvmesh.configfile import ConfigError as ConfigError
-from kvmesh.configfile import env_overrides, merge, read_config_file
+from kvmesh.configfile import StrictModel, load_layered
 from kvmesh.grpcsvc import ClientLimits
 from kvmesh.tls import ClientTLS, ServerTLS
-from tee.client import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE, DEFAULT_SEND_TIMEOUT_S, Tee
 from tee.events import DEFAULT_MAX_INPUT_IDS
 
+#: Prefix of the environment variables read by :func:`load_tee_config`.
 TEE_ENV_PREFIX = "KVMESH_TEE_"
-CACHESIM_ENV_PREFIX = "KVMESH_CACHESIM_"
+
+#: Default queue bound per sink. At 9 ms per send and 8 in flight a lane drains
+#: ~890 events/s, so 4096 rides out ~4.5 s of a sink stall at full rate while
+#: holding at most a few MB of token lists.
+DEFAULT_QUEUE_SIZE = 4096
+#: Default sends in flight per sink: throughput is concurrency / sink latency,
+#: and 8 covers ~890 req/s at 9 ms without opening more connections than a
+#: small simulator wants.
+DEFAULT_CONCURRENCY = 8
+#: Default per-send timeout: far above a healthy sink's milliseconds, short
+#: enough that a hung sink frees its slots quickly.
+DEFAULT_SEND_TIMEOUT_S = 2.0
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class HttpSinkConfig(_Strict):
+class HttpSinkConfig(StrictModel):
     """An HTTP sink speaking the cache-sim wire."""
 
     type: Literal["http"] = "http"
@@ -79,7 +88,7 @@ class HttpSinkConfig(_Strict):
         return self
 
 
-class GrpcSinkConfig(_Strict):
+class GrpcSinkConfig(StrictModel):
     """A gRPC sink: another tee or a cache simulator (kvmesh.tee.v1.TeeService)."""
 
     type: Literal["grpc"] = "grpc"
@@ -95,7 +104,7 @@ class GrpcSinkConfig(_Strict):
 SinkConfig = Annotated[HttpSinkConfig | GrpcSinkConfig, Field(discriminator="type")]
 
 
-class _Served(_Strict):
+class ServedSettings(StrictModel):
     """Settings every served component shares: transport security, callers, probes, logs."""
 
     tls: ServerTLS = Field(
@@ -124,7 +133,7 @@ class _Served(_Strict):
     log_format: Literal["text", "json"] = "text"
 
 
-class TeeConfig(_Served):
+class TeeConfig(ServedSettings):
     """Configuration of ``kvmesh tee serve`` (and of an embedded tee)."""
 
     host: str = Field(default="127.0.0.1", min_length=1, description="gRPC/metrics address.")
@@ -166,96 +175,7 @@ class TeeConfig(_Served):
         return self
 
 
-class CacheSimConfig(_Served):
-    """Configuration of ``kvmesh cachesim serve``."""
-
-    host: str = Field(default="127.0.0.1", min_length=1, description="Listen address.")
-    http_port: int = Field(
-        default=8470, ge=0, le=65535, description="HTTP wire, /report, /metrics, /healthz."
-    )
-    grpc_port: int = Field(default=50062, ge=0, le=65535, description="gRPC; 0 picks one.")
-    grpc_enabled: bool = True
-    block_size: int = Field(default=16, ge=1, le=65536, description="Tokens per block.")
-    worker_capacity_blocks: int | None = Field(
-        default=16384,
-        ge=0,
-        description="Blocks per worker cache (16384 x 16 tokens ~ 262k tokens, a mid-size "
-        "GPU's KV budget); null: unbounded.",
-    )
-    pooled_capacity_blocks: int | None = Field(
-        default=None,
-        ge=0,
-        description="Capacity of the global oracle; null: workers seen x worker capacity.",
-    )
-    eviction: EvictionPolicy = EvictionPolicy.LRU
-    window_s: float = Field(default=60.0, gt=0, le=86400, description="Sliding-window length.")
-    max_input_ids: int = Field(default=DEFAULT_MAX_INPUT_IDS, ge=1)
-    max_events_per_call: int = Field(default=4096, ge=1)
-    max_message_bytes: int = Field(default=64 << 20, ge=4096)
-    shutdown_grace_s: float = Field(default=5.0, ge=0, le=3600)
-
-    @model_validator(mode="after")
-    def _checks(self) -> CacheSimConfig:
-        ports = [p for p in (self.http_port, self.grpc_port if self.grpc_enabled else 0) if p]
-        if self.health_port and self.health_port in ports:
-            raise ValueError(f"health_port {self.health_port} is also http_port or grpc_port")
-        if self.health_port and not self.grpc_enabled:
-            raise ValueError("health_port serves gRPC health: it needs grpc_enabled")
-        return self
-
-
 # -- loading ------------------------------------------------------------------
-
-_M = TypeVar("_M", bound=BaseModel)
-
-
-def _drop_none(data: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            sub = _drop_none(value)
-            if sub:
-                out[key] = sub
-        elif value is not None:
-            out[key] = value
-    return out
-
-
-def _load(
-    model: type[_M],
-    prefix: str,
-    file: str | os.PathLike[str] | None,
-    environ: Mapping[str, str] | None,
-    cli: Mapping[str, Any] | None,
-) -> _M:
-    layers: list[tuple[str, Mapping[str, Any]]] = []
-    if file is not None:
-        layers.append((f"config file {file}", read_config_file(file)))
-    layers.append(("environment", env_overrides(prefix, environ)))
-    if cli:
-        layers.append(("command line", _drop_none(cli)))
-    problems: list[str] = []
-    merged: dict[str, Any] = {}
-    for source, data in layers:
-        for key in data:
-            if key not in model.model_fields:
-                where = (
-                    f"environment variable {prefix}{key.upper()}"
-                    if source == "environment"
-                    else source
-                )
-                problems.append(f"unknown key {key!r} ({where})")
-        merged = merge(merged, data)
-    if problems:
-        valid = ", ".join(sorted(model.model_fields))
-        raise ConfigError("; ".join(problems) + f". Valid top-level keys: {valid}")
-    try:
-        return model.model_validate(merged)
-    except ValidationError as e:
-        lines = [
-            f"{'.'.join(str(p) for p in i['loc']) or 'config'}: {i['msg']}" for i in e.errors()
-        ]
-        raise ConfigError(f"invalid {model.__name__}: " + "; ".join(lines)) from e
 
 
 def load_tee_config(
@@ -264,47 +184,8 @@ def load_tee_config(
     environ: Mapping[str, str] | None = None,
     cli: Mapping[str, Any] | None = None,
 ) -> TeeConfig:
-    """Build a :class:`TeeConfig` from defaults < file < ``KVMESH_TEE_…`` < ``cli``."""
-    return _load(TeeConfig, TEE_ENV_PREFIX, file, environ, cli)
-
-
-def load_cachesim_config(
-    file: str | os.PathLike[str] | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    cli: Mapping[str, Any] | None = None,
-) -> CacheSimConfig:
-    """Build a :class:`CacheSimConfig` from defaults < file < ``KVMESH_CACHESIM_…`` < ``cli``."""
-    return _load(CacheSimConfig, CACHESIM_ENV_PREFIX, file, environ, cli)
-
-
-def build_tee(config: TeeConfig) -> Tee:
-    """A :class:`tee.client.Tee` (not started) with the sinks ``config`` names.
-
-    Raises :class:`kvmesh.tls.TLSFileError` (a :class:`ConfigError`) when a
-    sink's certificate, key, CA or token file cannot be read.
-    """
-    from tee.sinks import GrpcSink, HttpSink, Sink
-
-    sinks: list[Sink] = []
-    for s in config.sinks:
-        if isinstance(s, HttpSinkConfig):
-            sinks.append(
-                HttpSink(
-                    s.url,
-                    name=s.name,
-                    # One keep-alive connection per in-flight send, never queued in the pool.
-                    max_connections=config.send_concurrency,
-                    extra_headers=s.headers,
-                    tls=s.tls,
-                )
-            )
-        else:
-            sinks.append(GrpcSink(s.target, name=s.name, tls=s.tls))
-    return Tee(
-        sinks,
-        queue_size=config.queue_size,
-        concurrency=config.send_concurrency,
-        send_timeout_s=config.send_timeout_s,
-        max_input_ids=config.max_input_ids,
+    """Build a :class:`TeeConfig` from defaults < file < ``KVMESH_TEE_…`` < ``cli``
+    (``None`` values of ``cli`` skipped; :func:`kvmesh.configfile.load_layered`)."""
+    return load_layered(
+        TeeConfig, path=file, env_prefix=TEE_ENV_PREFIX, overrides=cli, environ=environ
     )

@@ -1,29 +1,22 @@
-"""Errors of the tee and the cache simulator, each naming the gRPC status it maps to.
+"""Errors of the tee and the cache simulator: :class:`~kvmesh.errors.KvmeshError` subclasses.
 
 Logic modules never import grpc: ``code`` is the name of a ``grpc.StatusCode``
-member (tee/grpc_common.py maps it once) and ``http_status`` what the HTTP
-transport answers.
+member (the call scope of kvmesh/grpcsvc.py maps it, as for every kvmesh
+error) and ``http_status`` what the HTTP transport answers.
 """
 
 from __future__ import annotations
 
+from kvmesh.errors import InvalidArgument, KvmeshError, NotFound
 
-class TeeError(Exception):
-    """Base error. ``code`` names the gRPC status; ``field`` the offending input."""
 
-    code = "INTERNAL"
+class TeeError(KvmeshError):
+    """Base error of the tee. ``code`` names the gRPC status; ``field`` the offending input."""
+
     http_status = 500
 
-    def __init__(self, message: str, *, field: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
 
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}" if self.field else self.message
-
-
-class InvalidEvent(TeeError):
+class InvalidEvent(TeeError, InvalidArgument):
     """A malformed event: it can never be accepted as sent."""
 
     code = "INVALID_ARGUMENT"
@@ -36,7 +29,7 @@ class TooLarge(InvalidEvent):
     http_status = 413
 
 
-class UnknownModel(TeeError):
+class UnknownModel(TeeError, NotFound):
     """A report was asked for a model the simulator has not seen."""
 
     code = "NOT_FOUND"

@@ -64,7 +64,7 @@ class RoutedEvent:
     output_tokens: int | None = None
     worker: str = ""
     #: Trace context of the request (``traceparent``, ``tracestate`` pairs),
-    #: captured by :meth:`tee.client.Tee.offer` when tracing is on; sinks send
+    #: captured by :meth:`tee.logic.Tee.offer` when tracing is on; sinks send
     #: it as HTTP headers or gRPC metadata. Not part of the JSON body.
     trace_context: tuple[tuple[str, str], ...] = ()
 

@@ -1,4 +1,4 @@
-"""Adapters that feed a :class:`tee.client.Tee` from a router.
+"""Adapters that feed a :class:`tee.logic.Tee` from a router.
 
 ``router_client`` never imports the tee; a Python router wires the two with
 ``Router(..., on_decision=routed_request_hook(tee, model))``: every routed
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tee.client import Tee
 from tee.events import ingest
+from tee.logic import Tee
 
 
 def routed_request_hook(tee: Tee, model: str) -> Callable[[Any, Any], bool]:

@@ -1,26 +1,66 @@
-"""Prometheus metrics of the tee, in one registry.
+"""Prometheus metrics of the tee, in one registry, and the lane counter snapshot they read.
 
 The lane counters are plain ints (the serving path pays nothing for
-metrics); a collector reads them at scrape time. Only the send latency
-histogram is observed as sends complete. The servers (tee and cache
-simulator) add their refusal counters with :func:`refusal_counter`.
+metrics); a collector reads them, as :class:`LaneStats`, at scrape time.
+Only the send latency histogram is observed as sends complete. The servers
+(tee and cache simulator) add their refusal counters with
+:func:`refusal_counter`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from tee.client import LaneStats
-
 #: Send latency buckets: a healthy local sink answers in 1-20 ms; the top
 #: buckets catch sends that approach the 2 s default timeout.
 SEND_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStats:
+    """A snapshot of one lane's counters, as :class:`tee.logic.SinkLane` keeps them.
+
+    Every event offered is in exactly one of the other counters at every
+    instant (:meth:`balanced`; the lane's counting is described in tee/logic.py).
+    """
+
+    sink: str
+    offered: int
+    sent: int
+    dropped_full: int
+    dropped_closed: int
+    dropped_invalid: int
+    failed_http: int
+    failed_error: int
+    failed_timeout: int
+    queued: int
+    in_flight: int
+
+    @property
+    def dropped(self) -> int:
+        """All drops."""
+        return self.dropped_full + self.dropped_closed + self.dropped_invalid
+
+    @property
+    def failed(self) -> int:
+        """All failed sends."""
+        return self.failed_http + self.failed_error + self.failed_timeout
+
+    def balanced(self) -> bool:
+        """Whether the counters add up (they always should)."""
+        return self.offered == (
+            self.sent + self.dropped + self.failed + self.queued + self.in_flight
+        )
+
+    def as_dict(self) -> dict[str, int | str]:
+        """A JSON-friendly view."""
+        return asdict(self)
 
 
 class _LaneCollector(Collector):

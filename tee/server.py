@@ -1,51 +1,55 @@
 """gRPC transport of the tee service (``kvmesh tee serve``): ``kvmesh.tee.v1.TeeService``.
 
-Routers in any language offer events here; the embedded :class:`tee.client.Tee`
+Routers in any language offer events here; the embedded :class:`tee.logic.Tee`
 forwards them to the configured sinks. Serves ``grpc.health.v1`` and
 reflection, Prometheus metrics on ``metrics_port``, and on :meth:`TeeServer.stop`
 stops accepting calls, then drains the queues within ``shutdown_deadline_s``.
 
 Security: the port serves TLS or mutual TLS from ``tls`` (certificates
-reloaded when the files change) and every method runs behind a
-:class:`kvmesh.grpcsvc.Guard` with the rules of :data:`TEE_RULES` and the
-policy of ``auth.policy_file``; refusals are counted in
-``kvmesh_tee_refusals_total``. Health is open to everyone, also on the
-optional plaintext ``health_port``.
+reloaded when the files change) and every method runs in the call scope of
+kvmesh/grpcsvc.py, behind a :class:`kvmesh.grpcsvc.Guard` with the rules of
+:data:`TEE_RULES` and the policy of ``auth.policy_file``; refusals are
+counted in ``kvmesh_tee_refusals_total``. Malformed input ends a call with
+INVALID_ARGUMENT naming the field, anything unexpected with INTERNAL, never
+UNKNOWN. Health is open to everyone, also on the optional plaintext
+``health_port``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2
-from opentelemetry import context as otel_context
 
+from kvmesh import runtime
+from kvmesh.api.tee.v1 import tee_pb2 as pb
+from kvmesh.api.tee.v1 import tee_pb2_grpc as pb_grpc
 from kvmesh.auth import Authorizer
 from kvmesh.configfile import ConfigError
+from kvmesh.errors import ResourceExhausted
 from kvmesh.grpcsvc import (
+    CallerTraceContext,
     Guard,
     HealthPort,
     MethodRule,
     add_guarded,
     add_health_and_reflection,
     capture_handlers,
+    observed,
 )
 from kvmesh.runtime import host_port as _host_port
-from kvmesh.runtime import new_event_loop, setup_logging
-from kvmesh.tee.v1 import tee_pb2 as pb
-from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
+from kvmesh.runtime import setup_logging
 from kvmesh.tls import add_port
-from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
+from kvmesh.tracing import configure_tracing
 from kvmesh.tracing import register_metrics as register_tracing_metrics
-from tee.client import CloseReport, Tee
-from tee.config import TeeConfig, build_tee
-from tee.grpc_common import events_from_pb, guard, take_stream_message
+from tee.config import TeeConfig
+from tee.convert import events_from_pb
+from tee.factory import build_tee
+from tee.logic import CloseReport, Tee
 from tee.metrics import refusal_counter
 
 log = logging.getLogger(__name__)
@@ -65,40 +69,36 @@ TEE_RULES: dict[str, MethodRule] = {
 
 
 class TeeServicer(pb_grpc.TeeServiceServicer):
-    """Offers received events to the tee."""
+    """Offers received events to the tee.
+
+    The offering methods are :func:`~kvmesh.grpcsvc.observed` by
+    :attr:`calls`: with tracing on, the caller's trace context (call
+    metadata) is current while they run, so that :meth:`Tee.offer` captures
+    it into each event and the sinks receive it.
+    """
 
     def __init__(self, tee: Tee, config: TeeConfig, guard_: Guard | None = None) -> None:
         self.tee = tee
         self.max_input_ids = config.max_input_ids
         self.max_events = config.max_events_per_call
-        self.tracing = tracing_enabled()
         self.guard = guard_ if guard_ is not None else Guard("tee")
+        #: Makes the caller's trace context current in the observed methods.
+        self.calls = CallerTraceContext()
 
-    def _offer(self, msgs: Any, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[int, int]:
+    def _offer(self, msgs: Any) -> tuple[int, int]:
         events = events_from_pb(msgs, self.max_input_ids, self.max_events)
-        token = None
-        if self.tracing:
-            # The caller's trace context (call metadata) becomes current, so that
-            # Tee.offer captures it into each event and the sinks receive it.
-            token = otel_context.attach(extract_context(context.invocation_metadata()))
-        try:
-            accepted = sum(1 for e in events if self.tee.offer(e))
-        finally:
-            if token is not None:
-                otel_context.detach(token)
+        accepted = sum(1 for e in events if self.tee.offer(e))
         return accepted, len(events) - accepted
 
+    @observed
     async def OfferEvents(
         self, request: pb.OfferEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OfferEventsResponse:
         """Offer a batch; malformed input is INVALID_ARGUMENT naming the field."""
+        accepted, dropped = self._offer(request.events)
+        return pb.OfferEventsResponse(accepted=accepted, dropped=dropped)
 
-        async def body() -> pb.OfferEventsResponse:
-            accepted, dropped = self._offer(request.events, context)
-            return pb.OfferEventsResponse(accepted=accepted, dropped=dropped)
-
-        return await guard(context, "OfferEvents", body)
-
+    @observed
     async def StreamEvents(
         self,
         request_iterator: AsyncIterator[pb.StreamEventsRequest],
@@ -109,19 +109,17 @@ class TeeServicer(pb_grpc.TeeServiceServicer):
         A message beyond the caller's publish rate (``per_client.publish_rps``)
         is not offered: its events count as dropped, and the stream goes on.
         """
-
-        async def body() -> pb.StreamEventsResponse:
-            accepted = dropped = 0
-            async for request in request_iterator:
-                if not take_stream_message(self.guard, "StreamEvents"):
-                    dropped += len(request.events)
-                    continue
-                a, d = self._offer(request.events, context)
-                accepted += a
-                dropped += d
-            return pb.StreamEventsResponse(accepted=accepted, dropped=dropped)
-
-        return await guard(context, "StreamEvents", body)
+        accepted = dropped = 0
+        async for request in request_iterator:
+            try:
+                self.guard.take_streamed("StreamEvents")
+            except ResourceExhausted:
+                dropped += len(request.events)
+                continue
+            a, d = self._offer(request.events)
+            accepted += a
+            dropped += d
+        return pb.StreamEventsResponse(accepted=accepted, dropped=dropped)
 
     async def GetTeeStats(
         self, request: pb.GetTeeStatsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -154,7 +152,14 @@ class TeeServer:
         self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
         servicer = TeeServicer(self.tee, config, self.guard)
         handlers = capture_handlers(pb_grpc.add_TeeServiceServicer_to_server, servicer)
-        add_guarded(self._server, SERVICE_NAME, handlers[SERVICE_NAME], TEE_RULES, self.guard)
+        add_guarded(
+            self._server,
+            SERVICE_NAME,
+            handlers[SERVICE_NAME],
+            TEE_RULES,
+            self.guard,
+            observer=servicer.calls,
+        )
         add_health_and_reflection(self._server, self.health, [SERVICE_NAME], self.guard)
         #: Plaintext health-only port for kubelet probes (config.health_port).
         self._health_port = (
@@ -222,25 +227,15 @@ class TeeServer:
 async def serve_until_signal(config: TeeConfig) -> int:
     """Serve until SIGTERM or SIGINT, then drain; return an exit code."""
     configure_tracing("kvmesh-tee")
-    try:
-        server = await TeeServer(config).start()
-    except (OSError, RuntimeError, ConfigError) as e:
-        log.error("cannot start: %s", e)
-        return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received: draining (deadline %.1fs)", config.shutdown_deadline_s)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
-    await server.stop()
-    return 0
+    return await runtime.serve_until_signal(
+        TeeServer(config).start,
+        errors=(OSError, RuntimeError, ConfigError),
+        log=log,
+        draining=f"draining (deadline {config.shutdown_deadline_s:.1f}s)",
+    )
 
 
 def run(config: TeeConfig) -> int:
     """Run a tee service in the foreground; return an exit code."""
     setup_logging(config.log_level, config.log_format)
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(serve_until_signal(config))
+    return runtime.run_main(lambda: serve_until_signal(config))

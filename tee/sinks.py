@@ -25,9 +25,9 @@ import aiohttp
 import grpc
 import grpc.aio
 
+from kvmesh.api.tee.v1 import tee_pb2 as pb
+from kvmesh.api.tee.v1 import tee_pb2_grpc as pb_grpc
 from kvmesh.configfile import ConfigError
-from kvmesh.tee.v1 import tee_pb2 as pb
-from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
 from kvmesh.tls import ChannelFactory, ClientTLS, TLSFileError
 from tee.events import EventKind, RoutedEvent
 from tee.httpsec import ClientSSL

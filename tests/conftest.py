@@ -30,7 +30,7 @@ def clock() -> FakeClock:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[Any]:
     """A real redis-server on a free port, for the whole test session."""
-    from kvmesh.redisproc import RedisProcess
+    from lab.redisproc import RedisProcess
 
     with RedisProcess() as proc:
         yield proc
@@ -39,7 +39,7 @@ def redis_server() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[Any]:
     """A real local 3-master Redis Cluster, for the whole test session."""
-    from kvmesh.redisproc import RedisClusterProcess
+    from lab.redisproc import RedisClusterProcess
 
     with RedisClusterProcess() as proc:
         yield proc
@@ -64,7 +64,7 @@ def make_index(backend: str, clock: FakeClock, request: pytest.FixtureRequest) -
         from indexer.memory import MemoryIndex
 
         return MemoryIndex(clock=clock)
-    from indexer.redis_backend import RedisIndex
+    from indexer.redis.backend import RedisIndex
 
     if backend == "redis-cluster":
         cluster = request.getfixturevalue("redis_cluster")

@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from kvmesh.api.xfer.v1 import xfer_pb2 as pb
+from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -28,9 +30,7 @@ from kvmesh.errors import (
     Unavailable,
 )
 from kvmesh.tls import ChannelFactory, ClientTLS
-from kvmesh.xfer.v1 import xfer_pb2 as pb
-from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
-from xfer.engine import AlreadyExists, RoomStatus
+from xfer.logic import AlreadyExists, RoomStatus
 
 #: gRPC status -> exception raised by the client.
 ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {

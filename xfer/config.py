@@ -3,7 +3,8 @@
 Precedence, highest first: command-line flags > environment variables
 ``KVMESH_XFER_<FIELD>`` (nested fields joined by ``__``, e.g.
 ``KVMESH_XFER_POOL__PAGE_SIZE``) > a config file (YAML, TOML or JSON) > the
-defaults below. Unknown keys are rejected in every layer.
+defaults below. Unknown keys are rejected in every layer, naming the key
+and where it came from.
 
 Example file (YAML)::
 
@@ -21,11 +22,10 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from kvmesh.auth import AuthSettings
-from kvmesh.configfile import ConfigError, format_validation_error, read_config_file
-from kvmesh.configfile import env_overrides as _env_overrides
+from kvmesh.configfile import StrictModel, load_layered
 from kvmesh.grpcsvc import ClientLimits
 from kvmesh.tls import ClientTLS, ServerTLS
 from xfer.pool import PoolGeometry
@@ -60,11 +60,7 @@ def _check_advertise_address(value: str) -> None:
         )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
-
-
-class PoolSettings(_Strict):
+class PoolSettings(StrictModel):
     """The shared-memory KV pool the engine created (the sidecar attaches to it)."""
 
     path: str = Field(min_length=1, description="Pool file, e.g. /dev/shm/kvmesh-pool-0.")
@@ -81,7 +77,7 @@ class PoolSettings(_Strict):
         return PoolGeometry(self.page_size, self.page_count, self.aux_size, self.aux_count)
 
 
-class PeerSettings(_Strict):
+class PeerSettings(StrictModel):
     """Which sidecars may act as this sidecar's peers, and how it dials them."""
 
     allowed_identities: list[str] = Field(
@@ -106,7 +102,7 @@ class PeerSettings(_Strict):
     )
 
 
-class XferLimits(_Strict):
+class XferLimits(StrictModel):
     """Per-client limits of the gRPC port."""
 
     per_client: ClientLimits = Field(
@@ -125,7 +121,7 @@ class XferLimits(_Strict):
     )
 
 
-class XferConfig(_Strict):
+class XferConfig(StrictModel):
     """Configuration of one sidecar (``kvmesh xfer serve``)."""
 
     role: Literal["prefill", "decode"] = Field(description="Which side of the transfer.")
@@ -255,39 +251,17 @@ class XferConfig(_Strict):
         )
 
 
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The nested dict given by ``KVMESH_XFER_…`` variables."""
-    return _env_overrides(ENV_PREFIX, environ)
-
-
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        if v is None:
-            continue
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        elif isinstance(v, Mapping):
-            out[k] = _merge({}, v)
-        else:
-            out[k] = v
-    return out
-
-
 def load_config(
     file: str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     cli: Mapping[str, Any] | None = None,
 ) -> XferConfig:
-    """Build the config from defaults < ``file`` < environment < ``cli`` (``None`` skipped)."""
-    merged: dict[str, Any] = {}
-    if file is not None:
-        merged = _merge(merged, read_config_file(file))
-    merged = _merge(merged, env_overrides(environ))
-    if cli:
-        merged = _merge(merged, cli)
-    try:
-        return XferConfig.model_validate(merged)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, "xfer")) from e
+    """Build the config from defaults < ``file`` < environment < ``cli`` (``None`` skipped).
+
+    Raises :class:`~kvmesh.configfile.ConfigError` naming every unknown key with its
+    source and every invalid value with its field (:func:`kvmesh.configfile.load_layered`).
+    """
+    return load_layered(
+        XferConfig, path=file, env_prefix=ENV_PREFIX, overrides=cli, environ=environ
+    )

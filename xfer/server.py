@@ -1,13 +1,15 @@
 """gRPC transport of ``kvmesh.xfer.v1.XferService`` (grpc.aio) and the sidecar's loops.
 
-Transport only: rooms and transfers are xfer/engine.py. Every method is
-registered behind the guard of kvmesh/grpcsvc.py (:data:`XFER_RULES`: engine
+Transport only: rooms and transfers are xfer/logic.py. Every method is
+registered in the call scope of kvmesh/grpcsvc.py (:data:`XFER_RULES`: engine
 methods need role ``engine``, peer methods role ``peer``; undecodable
-requests are INVALID_ARGUMENT) and goes through :func:`_rpc`, which maps a
+requests are INVALID_ARGUMENT), which maps a
 :class:`~kvmesh.errors.KvmeshError` to the status its ``code`` names and
-anything else to INTERNAL, so no call ends UNKNOWN. Peer methods also pass
-the peer admission of xfer/peers.py (allowed certificate identities, shared
-secret). Beside the service the server runs
+anything else to INTERNAL, so no call ends UNKNOWN, and makes the caller's
+trace context current while a method runs. Peer methods also pass the peer
+admission of xfer/peers.py (allowed certificate identities, shared secret);
+its refusals are counted and logged with the guard's. Beside the service the
+server runs
 
 - the bootstrap of each registered room (decode → prefill, metadata once per
   peer, resent when the prefill side does not know it);
@@ -31,38 +33,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
-import signal
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from opentelemetry import context as otel_context
 
+from kvmesh import runtime
+from kvmesh.api.xfer.v1 import xfer_pb2 as pb
+from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.auth import Authorizer, peer_host
 from kvmesh.configfile import ConfigError
-from kvmesh.errors import KvmeshError, PermissionDenied, Unauthenticated
+from kvmesh.errors import KvmeshError
 from kvmesh.grpcsvc import (
+    CallerTraceContext,
     Guard,
     HealthPort,
     MethodRule,
     add_guarded,
     add_health_and_reflection,
     capture_handlers,
+    observed,
 )
-from kvmesh.runtime import ERROR_FIELD_METADATA, host_port, new_event_loop, status_code
+from kvmesh.runtime import host_port
 from kvmesh.tls import ChannelFactory, add_port
-from kvmesh.tracing import configure_tracing, extract_context, tracing_enabled
+from kvmesh.tracing import configure_tracing
 from kvmesh.tracing import register_metrics as register_tracing_metrics
-from kvmesh.xfer.v1 import xfer_pb2 as pb
-from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from xfer.config import XferConfig
-from xfer.engine import Room, XferLogic, XferMetrics
+from xfer.logic import Room, XferLogic, XferMetrics
 from xfer.peers import SECRET_METADATA, PeerAdmission
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import Transport, make_transport
@@ -71,8 +73,6 @@ log = logging.getLogger(__name__)
 
 #: Full name of the service, as health checks and reflection know it.
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["XferService"].full_name
-
-_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 
 #: Deadline of a Bootstrap or Abort call to a peer: long enough for a loaded
 #: peer on a small host, short next to the bootstrap timeout.
@@ -98,63 +98,43 @@ def _auth_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[list[str
     return sans, ac.get("transport_security_type") == [b"ssl"]
 
 
-def _rpc(fn: _F) -> _F:
-    """Map errors to status codes (never UNKNOWN)."""
-
-    @functools.wraps(fn)
-    async def wrapper(
-        self: XferServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> Any:
-        token = None
-        if self.tracing:
-            # The caller's trace context (call metadata) becomes the parent of
-            # the room span a call creates (decode: the engine's RegisterRoom;
-            # prefill: the decode room, through Bootstrap).
-            token = otel_context.attach(extract_context(context.invocation_metadata()))
-        try:
-            return await fn(self, request, context)
-        except KvmeshError as e:
-            if isinstance(e, PermissionDenied | Unauthenticated):
-                self.server.refused(fn.__name__, e, context)
-            if e.field:
-                context.set_trailing_metadata(((ERROR_FIELD_METADATA, e.field),))
-            await context.abort(status_code(e.code), str(e))
-        except Exception as e:
-            if type(e).__name__ == "AbortError":
-                raise
-            log.exception("%s failed", fn.__name__)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-            )
-        finally:
-            if token is not None:
-                otel_context.detach(token)
-
-    return wrapper  # type: ignore[return-value]
+def _caller_name(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """How a refusal's log line names the caller: its certificate SANs, else its host."""
+    sans, _ = _auth_context(context)
+    return ",".join(sans) or peer_host(context.peer() or "")
 
 
 class XferServicer(pb_grpc.XferServiceServicer):
-    """XferService over one :class:`XferLogic`."""
+    """XferService over one :class:`XferLogic`.
+
+    Every method is :func:`~kvmesh.grpcsvc.observed` by :attr:`calls`: the
+    caller's trace context (call metadata) becomes the parent of the room
+    span a call creates (decode: the engine's RegisterRoom; prefill: the
+    decode room, through Bootstrap).
+    """
 
     def __init__(self, server: XferServer) -> None:
         self.server = server
         self.logic = server.logic
-        self.tracing = tracing_enabled()
+        #: Makes the caller's trace context current while a method runs.
+        self.calls = CallerTraceContext()
 
-    @_rpc
+    @observed
     async def RegisterRoom(
         self, request: pb.RegisterRoomRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RegisterRoomResponse:
+        """Register a decode room and start its bootstrap with the prefill side."""
         room = self.logic.register_room(
             request.room, request.prefill_address, list(request.dst_page_indices), request.aux_index
         )
         self.server.spawn(self.server.bootstrap(room))
         return pb.RegisterRoomResponse(generation=room.generation)
 
-    @_rpc
+    @observed
     async def AddTransferRequest(
         self, request: pb.AddTransferRequestRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AddTransferRequestResponse:
+        """Queue a transfer of a prefill room's pages (and aux slot) to its decode side."""
         self.logic.add_transfer_request(
             request.room,
             request.page_indices,
@@ -165,26 +145,29 @@ class XferServicer(pb_grpc.XferServiceServicer):
         )
         return pb.AddTransferRequestResponse()
 
-    @_rpc
+    @observed
     async def Poll(
         self, request: pb.PollRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PollResponse:
+        """A room's status, failure reason and bytes moved."""
         status, reason, nbytes = self.logic.poll(request.room)
         return pb.PollResponse(status=int(status), failure_reason=reason, bytes=nbytes)  # type: ignore[arg-type]
 
-    @_rpc
+    @observed
     async def Clear(
         self, request: pb.ClearRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClearResponse:
+        """Forget a room; an unfinished decode room is aborted on the prefill side too."""
         unfinished = self.logic.clear(request.room)
         if unfinished is not None and self.logic.role == "decode":
             self.server.spawn(self.server.send_abort(unfinished, "cleared by the decode engine"))
         return pb.ClearResponse()
 
-    @_rpc
+    @observed
     async def Bootstrap(
         self, request: pb.BootstrapRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.BootstrapResponse:
+        """A decode sidecar names a room's destination (peer method, admitted first)."""
         identity = self.server.admit_peer(context)
         self.logic.bootstrap(
             room=request.room,
@@ -205,10 +188,11 @@ class XferServicer(pb_grpc.XferServiceServicer):
             instance_id=self.server.instance_id, agent_name=self.server.transport.name
         )
 
-    @_rpc
+    @observed
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AbortResponse:
+        """The other side fails a room (peer method, admitted first)."""
         identity = self.server.admit_peer(context)
         if self.logic.role == "prefill":
             self.logic.abort(request.room, request.generation, request.reason, identity)
@@ -218,10 +202,11 @@ class XferServicer(pb_grpc.XferServiceServicer):
             )
         return pb.AbortResponse()
 
-    @_rpc
+    @observed
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.HeartbeatResponse:
+        """A peer's liveness check: answers this sidecar's instance id (peer method)."""
         self.server.admit_peer(context)
         return pb.HeartbeatResponse(instance_id=self.server.instance_id)
 
@@ -280,7 +265,11 @@ class XferServer:
         #: Changes on every start, so peers notice a restart.
         self.instance_id = uuid.uuid4().hex
         self.authorizer = Authorizer(config.auth, what="xfer")
-        self.guard = Guard("xfer", self.authorizer, config.limits.per_client)
+        # Refusals raised past the guard (peer admission, room ownership) name
+        # the caller by its certificate SANs: the identity peer admission checks.
+        self.guard = Guard(
+            "xfer", self.authorizer, config.limits.per_client, caller_name=_caller_name
+        )
         refusals = self.metrics.refusals
         self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
         self._server = grpc.aio.server(
@@ -289,8 +278,16 @@ class XferServer:
                 ("grpc.max_send_message_length", config.limits.max_message_bytes),
             ]
         )
-        handlers = capture_handlers(pb_grpc.add_XferServiceServicer_to_server, XferServicer(self))
-        add_guarded(self._server, SERVICE_NAME, handlers[SERVICE_NAME], XFER_RULES, self.guard)
+        servicer = XferServicer(self)
+        handlers = capture_handlers(pb_grpc.add_XferServiceServicer_to_server, servicer)
+        add_guarded(
+            self._server,
+            SERVICE_NAME,
+            handlers[SERVICE_NAME],
+            XFER_RULES,
+            self.guard,
+            observer=servicer.calls,
+        )
         self.health = health.aio.HealthServicer()
         add_health_and_reflection(self._server, self.health, [SERVICE_NAME], self.guard)
         #: Plaintext health-only port for kubelet probes (config.health_port).
@@ -339,17 +336,6 @@ class XferServer:
             if k == SECRET_METADATA:
                 secret = v.encode() if isinstance(v, str) else bytes(v)
         return self.admission.admit(sans, secure, secret)
-
-    def refused(
-        self,
-        method: str,
-        err: PermissionDenied | Unauthenticated,
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        """Count and log (rate-limited, never a secret) a refusal raised past the guard."""
-        sans, _ = _auth_context(context)
-        who = ",".join(sans) or peer_host(context.peer() or "")
-        self.authorizer.refuse(method, err, who)
 
     def _peer_metadata(
         self, extra: tuple[tuple[str, str], ...] = ()
@@ -548,20 +534,12 @@ async def serve_until_signal(
     config: XferConfig, ready: Callable[[XferServer], None] | None = None
 ) -> int:
     """Serve until SIGTERM or SIGINT, then shut down; return an exit code."""
-    try:
-        server = await start_server(config)
-    except (OSError, KvmeshError, RuntimeError, ConfigError) as e:
-        log.error("cannot start: %s", e)
-        return 1
-    if ready is not None:
-        ready(server)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop()
-    return 0
+    return await runtime.serve_until_signal(
+        lambda: start_server(config),
+        errors=(OSError, KvmeshError, RuntimeError, ConfigError),
+        log=log,
+        ready=ready,
+    )
 
 
 def run(config: XferConfig, ready: Callable[[XferServer], None] | None = None) -> int:
@@ -571,5 +549,4 @@ def run(config: XferConfig, ready: Callable[[XferServer], None] | None = None) -
         level=config.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(serve_until_signal(config, ready))
+    return runtime.run_main(lambda: serve_until_signal(config, ready))

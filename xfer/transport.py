@@ -18,7 +18,7 @@ name). See docs/xfer.md, "Security".
 
 Thread-safety: ``post``/``check``/``release`` may be called from several
 worker threads at once (one peer is only ever used by one queue, see
-xfer/engine.py); the notification handler is called from one transport
+xfer/logic.py); the notification handler is called from one transport
 thread.
 """
 

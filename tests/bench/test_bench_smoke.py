@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from indexer import bench
+from lab.bench import indexer as bench
 
 pytestmark = pytest.mark.bench
 

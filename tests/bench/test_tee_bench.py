@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tee.bench import main
+from lab.bench.tee import main
 
 FIGURES = {
     "tee_rps_n1",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xfer import bench
+from lab.bench import xfer as bench
 
 
 @pytest.mark.bench

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from indexer.errors import FailedPrecondition, NotFound
 from indexer.model import (
     AllBlocksCleared,
     ApplyResult,
@@ -28,6 +27,7 @@ from indexer.model import (
     Tier,
 )
 from kvmesh.blockkeys import chain_keys, namespace_seed
+from kvmesh.errors import FailedPrecondition, NotFound
 
 
 @dataclass

@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from indexer.errors import FailedPrecondition, NotFound
 from indexer.model import (
     AllBlocksCleared,
     BatchOutcome,
@@ -19,6 +18,7 @@ from indexer.model import (
     Tier,
 )
 from kvmesh.blockkeys import block_keys
+from kvmesh.errors import FailedPrecondition, NotFound
 from tests.conftest import FakeClock
 
 BS = 4

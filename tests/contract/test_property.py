@@ -18,7 +18,6 @@ import xxhash
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from indexer.errors import KvmeshError
 from indexer.memory import MemoryIndex
 from indexer.model import (
     AllBlocksCleared,
@@ -32,6 +31,7 @@ from indexer.model import (
     Tier,
 )
 from kvmesh.blockkeys import block_keys
+from kvmesh.errors import KvmeshError
 from tests.conftest import FakeClock
 from tests.contract.reference import BROKEN, ReferenceIndex
 
@@ -255,7 +255,7 @@ def test_memory_backend_matches_reference(case: Any) -> None:
 def test_redis_backend_matches_reference(case: Any, redis_server: Any) -> None:
     import uuid
 
-    from indexer.redis_backend import RedisIndex
+    from indexer.redis.backend import RedisIndex
 
     run_case(
         lambda clock: RedisIndex(redis_server.url, prefix=f"p{uuid.uuid4().hex[:8]}", clock=clock),
@@ -272,7 +272,7 @@ def test_redis_cluster_backend_matches_reference(
     """The cluster layout (shallow copies, anchor tags, split apply) keeps the contract."""
     import uuid
 
-    from indexer.redis_backend import RedisIndex
+    from indexer.redis.backend import RedisIndex
 
     run_case(
         lambda clock: RedisIndex(

@@ -13,8 +13,8 @@ from indexer.config import IndexerConfig
 from indexer.index import Index
 from indexer.memory import MemoryIndex
 from indexer.server import IndexerServer, start_server
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 
 MODEL = "test/model"
 BLOCK = 4  # small blocks keep token lists short

@@ -6,8 +6,8 @@ from typing import Any
 
 import grpc
 
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.blockkeys import block_keys
-from kvmesh.indexer.v1 import indexer_pb2 as pb
 from tests.grpc.conftest import (
     BLOCK,
     MODEL,

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 
 
 def kvmesh_command() -> list[str]:
@@ -135,3 +135,39 @@ async def test_port_in_use_exits_nonzero() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 30)
+
+
+async def _run_command(*args: str) -> tuple[int, str, str]:
+    """Run the ``kvmesh`` command with ``args``; return (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        *kvmesh_command(),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_bare_group_words_list_their_commands() -> None:
+    groups = {
+        "indexer": "serve",
+        "bench": "indexer",
+        "tee": "serve",
+        "xfer": "serve",
+        "cachesim": "report",
+    }
+    results = await asyncio.gather(*(_run_command(group) for group in groups))
+    for (group, command), (code, _, err) in zip(groups.items(), results, strict=True):
+        assert code == 2, (group, err)
+        assert err.startswith(f"usage: kvmesh {group} COMMAND"), err
+        assert f"\n  {command} " in err, err
+        assert "unknown command" not in err
+
+
+async def test_indexer_serve_help_is_its_own_parser() -> None:
+    code, out, _ = await _run_command("indexer", "serve", "--help")
+    assert code == 0
+    assert out.startswith("usage: kvmesh indexer serve")
+    assert "--zmq-endpoint" in out and "--print-config" in out

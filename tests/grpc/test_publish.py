@@ -7,7 +7,7 @@ from typing import Any
 import grpc
 
 from indexer.model import InstanceId
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from tests.grpc.conftest import (
     BLOCK,
     Harness,

@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer.server import SERVICE_NAME
-from kvmesh import redisproc
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from lab import redisproc
 from tests.grpc.conftest import (
     BLOCK,
     Harness,

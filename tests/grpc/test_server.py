@@ -13,11 +13,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from indexer.errors import Unavailable
 from indexer.memory import MemoryIndex
 from indexer.model import InstanceMatch, Namespace
 from indexer.server import SERVICE_NAME, IndexerServicer
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.errors import Unavailable
 from tests.grpc.conftest import (
     BLOCK,
     Harness,

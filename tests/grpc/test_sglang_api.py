@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from indexer.memory import MemoryIndex
-from kv_indexer.v1 import kv_indexer_pb2 as spb
-from kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2 as spb
+from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
 from tests.grpc.conftest import Harness, close_harness, expect_status, make_config, open_harness
 
 # Signed 64-bit hashes as SGLang sends them, negative ones included.

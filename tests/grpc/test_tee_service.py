@@ -12,12 +12,13 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.tee.v1 import tee_pb2 as pb
-from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
-from tee.cachesim_server import CacheSimServer
-from tee.config import CacheSimConfig, ConfigError, TeeConfig, load_tee_config
+from kvmesh.api.tee.v1 import tee_pb2 as pb
+from kvmesh.api.tee.v1 import tee_pb2_grpc as pb_grpc
+from lab.bench.testsink import TestSink
+from tee.cachesim.config import CacheSimConfig
+from tee.cachesim.server import CacheSimServer
+from tee.config import ConfigError, TeeConfig, load_tee_config
 from tee.server import TeeServer
-from tee.testsink import TestSink
 
 
 def _ev(**kw: object) -> pb.RoutedEvent:

@@ -18,14 +18,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer.config import ConfigError
-from indexer.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvmesh.xfer.v1 import xfer_pb2 as pb
-from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
+from kvmesh.api.xfer.v1 import xfer_pb2 as pb
+from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound
+from lab.bench.xfer_procs import ThreadedSidecar
 from xfer import cli
 from xfer.client import XferClient
 from xfer.config import PoolSettings, XferConfig, load_config
-from xfer.engine import AlreadyExists
-from xfer.procs import ThreadedSidecar
+from xfer.logic import AlreadyExists
 from xfer.server import SERVICE_NAME
 
 PAGE, PAGES, AUX, AUXN = 1024, 64, 32, 4

@@ -650,7 +650,8 @@ def loaded_config(component: str, container: dict[str, Any]) -> Any:
         from indexer.config import load_config
 
         return load_config(environ=env)
-    from tee.config import load_cachesim_config, load_tee_config
+    from tee.cachesim.config import load_cachesim_config
+    from tee.config import load_tee_config
 
     return (load_tee_config if component == "tee" else load_cachesim_config)(environ=env)
 
@@ -921,8 +922,8 @@ def test_in_chart_redis_start_script_admits_only_the_indexer_user(tmp_path: Path
 
     import redis as redis_py
 
-    from indexer.redis_backend import RedisIndex
-    from kvmesh.redisproc import find_redis_server, free_port
+    from indexer.redis.backend import RedisIndex
+    from lab.redisproc import find_redis_server, free_port
 
     binary = find_redis_server()
     assert binary, "redis-server is needed (make setup installs it)"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer import bench, quickstart
+from lab import quickstart
+from lab.bench import indexer as bench
 
 #: Every figure a run over both backends must write.
 FIGURES = (

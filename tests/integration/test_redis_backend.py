@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
-from indexer import keys as K
-from indexer.errors import FailedPrecondition, NotFound, Unavailable
 from indexer.model import (
     AllBlocksCleared,
     BatchOutcome,
@@ -29,9 +27,11 @@ from indexer.model import (
     Namespace,
     Tier,
 )
-from indexer.redis_backend import PURGE_CHUNK, RedisIndex
+from indexer.redis import keys as K
+from indexer.redis.backend import PURGE_CHUNK, RedisIndex
 from kvmesh.blockkeys import block_keys
-from kvmesh.redisproc import RedisProcess
+from kvmesh.errors import FailedPrecondition, NotFound, Unavailable
+from lab.redisproc import RedisProcess
 from tests.conftest import FakeClock
 
 MODEL = "m"

@@ -16,11 +16,11 @@ import redis
 import xxhash
 from redis.crc import key_slot
 
-from indexer import keys as K
-from indexer.errors import Unavailable
 from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace, Tier
-from indexer.redis_backend import RedisIndex
-from kvmesh.redisproc import RedisClusterProcess
+from indexer.redis import keys as K
+from indexer.redis.backend import RedisIndex
+from kvmesh.errors import Unavailable
+from lab.redisproc import RedisClusterProcess
 from tests.conftest import FakeClock
 
 MODEL = "m"

@@ -1,6 +1,6 @@
 """Redis security against real redis-servers: ACL users, TLS, Cluster, secrets hygiene.
 
-Every server here is started by :mod:`kvmesh.redisproc` with the default user
+Every server here is started by :mod:`lab.redisproc` with the default user
 disabled, so a test that works proves the credentials were sent, and one that
 fails proves the error says why without printing the password. The password
 is a fresh random string per module: it can only show up in an output by
@@ -26,15 +26,17 @@ import grpc
 import grpc.aio
 import pytest
 
-from indexer.config import ConfigError, IndexerConfig, build_index, load_config
-from indexer.errors import Unavailable
+from indexer.config import ConfigError, IndexerConfig, load_config
+from indexer.factory import build_index
 from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
-from indexer.redis_backend import BackendAuthError, RedisIndex, acl_rule, redact_url
+from indexer.redis.backend import RedisIndex
+from indexer.redis.connection import BackendAuthError, acl_rule, redact_url
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.blockkeys import block_keys
-from kvmesh.devcerts import write_bundle
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from kvmesh.redisproc import (
+from kvmesh.errors import Unavailable
+from lab.devcerts import write_bundle
+from lab.redisproc import (
     RedisClusterProcess,
     RedisProcess,
     RedisUnavailableError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh import redisproc
-from kvmesh.redisproc import RedisProcess, RedisUnavailableError, free_port, ping
+from lab import redisproc
+from lab.redisproc import RedisProcess, RedisUnavailableError, free_port, ping
 
 
 def test_start_answers_ping_on_a_private_port() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from indexer.memory import MemoryIndex
 from indexer.server import start_server
-from kvmesh.sim.replay import ReplaySettings, run_replay
-from kvmesh.traces import load_mooncake
+from lab.sim.replay import ReplaySettings, run_replay
+from lab.traces import load_mooncake
 from tests.grpc.conftest import make_config
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cli import main as kvmesh_main
-from kvmesh.sim.replay import POLICIES, ReplaySettings, run_replay
-from kvmesh.traces import load_mooncake
+from lab.sim.replay import POLICIES, ReplaySettings, run_replay
+from lab.traces import load_mooncake
 
 
 async def test_cache_shared_beats_the_rest_and_is_deterministic() -> None:

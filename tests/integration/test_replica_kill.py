@@ -21,11 +21,11 @@ import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from indexer.soak import CHANNEL_OPTIONS, ReplicaProcess, wait_serving
-from indexer.workload import TRACE_MODEL
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from kvmesh.redisproc import RedisProcess
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from lab.bench.soak import CHANNEL_OPTIONS, ReplicaProcess, wait_serving
+from lab.redisproc import RedisProcess
+from lab.workload import TRACE_MODEL
 
 WORKERS = 4
 DEPTH = 4

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from indexer import soak
+from lab.bench import soak
 
 FIGURES = (
     "soak_events_per_s",

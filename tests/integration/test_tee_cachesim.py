@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from tee.cachesim_cli import report as report_cli
-from tee.cachesim_server import CacheSimServer
-from tee.client import Tee
-from tee.config import CacheSimConfig
+from tee.cachesim.cli import report as report_cli
+from tee.cachesim.config import CacheSimConfig
+from tee.cachesim.server import CacheSimServer
 from tee.events import extend, ingest
+from tee.logic import Tee
 from tee.sinks import GrpcSink, HttpSink
 
 BLOCK = 4

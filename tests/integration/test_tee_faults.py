@@ -7,10 +7,11 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from tee.client import LaneStats, Tee
+from lab.bench.testsink import TestSink, start_garbage_server
 from tee.events import extend, ingest
+from tee.logic import Tee
+from tee.metrics import LaneStats
 from tee.sinks import HttpSink
-from tee.testsink import TestSink, start_garbage_server
 
 
 def _free_port() -> int:

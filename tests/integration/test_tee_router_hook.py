@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from lab.bench.testsink import TestSink
 from router_client import Router, RouteRequest
-from tee.client import Tee
 from tee.hooks import routed_request_hook
+from tee.logic import Tee
 from tee.sinks import HttpSink
-from tee.testsink import TestSink
 
 
 async def test_routed_prompts_are_teed_with_the_prefill_worker() -> None:

@@ -28,24 +28,24 @@ from prometheus_client import generate_latest
 
 import router_client.metrics
 from indexer.config import IndexerConfig
-from indexer.redis_backend import RedisIndex
+from indexer.redis.backend import RedisIndex
 from indexer.server import start_server
 from kvmesh import tracing
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from kvmesh.tee.v1 import tee_pb2 as tee_pb
-from kvmesh.tee.v1 import tee_pb2_grpc as tee_pb_grpc
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.api.tee.v1 import tee_pb2 as tee_pb
+from kvmesh.api.tee.v1 import tee_pb2_grpc as tee_pb_grpc
+from lab.bench.testsink import TestSink
+from lab.bench.xfer_procs import ThreadedSidecar
 from router_client import IndexerClient, Router, RouteRequest
 from router_client.config import IndexerClientSettings, RouterConfig
 from router_client.indexer_client import MatchStatus
-from tee.client import Tee
 from tee.hooks import routed_request_hook
+from tee.logic import Tee
 from tee.sinks import GrpcSink, HttpSink
-from tee.testsink import TestSink
 from tests.grpc.conftest import BLOCK, MODEL, batch, publish, register, stored
 from xfer.client import XferClient
 from xfer.config import PoolSettings, XferConfig
-from xfer.procs import ThreadedSidecar
 
 TOKENS = list(range(4 * BLOCK))
 

@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from kvmesh import up
+from lab.up import main as up_main
+from lab.up.cluster import remove_stale_pools
+from lab.up.settings import PAGE_SIZE, PORT_LAYOUT, UpError, check_ports
 
 REQUESTS = 200
 
@@ -130,7 +132,7 @@ def test_up_runs_the_cluster_and_ends_with_its_summary(tmp_path: Path, tls: bool
 
     assert s["xfer_started"] == REQUESTS // 10
     assert s["xfer_verified"] == s["xfer_started"] and s["xfer_failed"] == 0
-    assert s["xfer_bytes"] >= s["xfer_verified"] * up.PAGE_SIZE
+    assert s["xfer_bytes"] >= s["xfer_verified"] * PAGE_SIZE
     assert s["xfer_p50_ms"] is not None and s["xfer_p50_ms"] > 0
 
     assert s["errors"] == 0, s["recent_errors"]
@@ -209,7 +211,7 @@ def test_kill_9_of_up_leaves_no_orphans(tmp_path: Path) -> None:
         os.killpg(pid, signal.SIGKILL)
     # What only a living `kvmesh up` removes: its pools (a later run removes
     # them too) and its log directory (named in the banner; here --log-dir).
-    up.remove_stale_pools(Path("/dev/shm"))
+    remove_stale_pools(Path("/dev/shm"))
     assert not list(Path("/dev/shm").glob(f"kvmesh-up-{proc.pid}-*"))
     assert left == []
 
@@ -226,22 +228,22 @@ def _free_base(n: int) -> int:
         if base + n > 65535 or base <= 6379 < base + n:
             continue
         try:
-            up.check_ports({str(i): base + i for i in range(n)}, None)
-        except up.UpError:
+            check_ports({str(i): base + i for i in range(n)}, None)
+        except UpError:
             continue
         return int(base)
     raise AssertionError("no run of free ports found")
 
 
 def test_a_taken_port_is_named_and_nothing_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    n = len(up.PORT_LAYOUT)
+    n = len(PORT_LAYOUT)
     base = _free_base(n)
     taken = base + 3  # indexer-1's gRPC port in the documented layout
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", taken))
         listener.listen()
         before = _children(os.getpid())
-        code = up.main(["--base-port", str(base), "--no-tty", "--requests", "10"])
+        code = up_main(["--base-port", str(base), "--no-tty", "--requests", "10"])
         after = _children(os.getpid())
     err = capsys.readouterr().err
     assert code == 2
@@ -251,16 +253,16 @@ def test_a_taken_port_is_named_and_nothing_starts(capsys: pytest.CaptureFixture[
 
 
 def test_a_base_port_range_over_6379_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert up.main(["--base-port", "6370", "--no-tty"]) == 2
+    assert up_main(["--base-port", "6370", "--no-tty"]) == 2
     assert "include 6379" in capsys.readouterr().err
 
 
 def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert up.main(["--workers", "1", "--requests", "0"]) == 2
+    assert up_main(["--workers", "1", "--requests", "0"]) == 2
     err = capsys.readouterr().err
     assert "--requests must be >= 1" in err and "--workers must be >= 2" in err
     with pytest.raises(SystemExit):
-        up.main(["--speed", "-1"])
+        up_main(["--speed", "-1"])
 
 
 def test_no_redis_binary_says_how_to_get_one(tmp_path: Path) -> None:
@@ -290,5 +292,5 @@ def test_no_redis_binary_says_how_to_get_one(tmp_path: Path) -> None:
 def test_a_redis_server_flag_that_is_not_a_binary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert up.main(["--redis-server", str(tmp_path / "nope"), "--no-tty"]) == 2
+    assert up_main(["--redis-server", str(tmp_path / "nope"), "--no-tty"]) == 2
     assert "not an executable file" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xfer import bench
+from lab.bench import xfer as bench
 
 FIGURES = {
     "serial_mean_ms", "async_mean_ms", "async_p99_ms", "speedup", "async_gbps",

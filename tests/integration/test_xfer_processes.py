@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from lab.bench.xfer_procs import Sidecar, ThreadedSidecar
 from xfer.client import XferClient
 from xfer.config import PoolSettings, XferConfig
-from xfer.engine import RoomStatus
+from xfer.logic import RoomStatus
 from xfer.pool import KVPool, PoolGeometry
-from xfer.procs import Sidecar, ThreadedSidecar
 from xfer.transport import nixl_available
 from xfer.wire import FLAG_AUX, FLAG_LAST, Tag
 

@@ -19,11 +19,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from indexer.kvevents.subscriber import EndpointSubscriber
 from indexer.memory import MemoryIndex
-from indexer.zmq_subscriber import EndpointSubscriber
-from kv_indexer.v1 import kv_indexer_pb2 as spb
-from kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2 as spb
+from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
 from tests.grpc.conftest import MODEL, Harness, close_harness, make_config, open_harness
 
 END = (-1).to_bytes(8, "big", signed=True)

@@ -44,7 +44,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescr
 from google.protobuf.message import DecodeError, Message
 from hypothesis import strategies as st
 
-from kvmesh.runtime import ERROR_FIELD_METADATA, new_event_loop
+from kvmesh.errors import ERROR_FIELD_METADATA
+from kvmesh.runtime import new_event_loop
 
 #: Deadline of one fuzz call: generous, only a hung server reaches it.
 CALL_TIMEOUT_S = 30.0

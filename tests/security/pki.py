@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from kvmesh.auth import token_sha256
-from kvmesh.devcerts import Authority, write_bundle
+from lab.devcerts import Authority, write_bundle
 
 ADMIN_TOKEN = "admin-token-5c1f0b9e"
 ROUTER_TOKEN = "router-token-77d2aa41"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer import bench
-from indexer.bench_tls import ALONE, FLOOD_POSITIVE, MODES, QUICK_FLOOD_PARAMS, ROWS, SCENARIOS
+from lab.bench import indexer as bench
+from lab.bench.tls import ALONE, FLOOD_POSITIVE, MODES, QUICK_FLOOD_PARAMS, ROWS, SCENARIOS
 
 #: Figures every mode must have.
 SUFFIXES = [suffix for _, suffix, _ in ROWS]

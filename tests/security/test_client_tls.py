@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from indexer.config import IndexerConfig
 from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec
 from indexer.server import IndexerServer, start_server
-from kvmesh.devcerts import Authority
 from kvmesh.tls import ClientTLS
+from lab.devcerts import Authority
 from router_client import (
     ConfigError,
     IndexerClient,

@@ -32,18 +32,19 @@ from grpc_reflection.v1alpha import reflection_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from indexer.kvevents.decode import MalformedFrame, decode_batch
 from indexer.memory import MemoryIndex
 from indexer.model import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from indexer.server import IndexerServer, start_server
-from indexer.vllm_events import MalformedFrame, decode_batch
-from kv_indexer.v1 import kv_indexer_pb2 as spb
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.tee.v1 import tee_pb2 as tpb
-from kvmesh.xfer.v1 import xfer_pb2 as xpb
-from tee.cachesim_server import CacheSimServer
-from tee.config import CacheSimConfig, TeeConfig
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2 as spb
+from kvmesh.api.tee.v1 import tee_pb2 as tpb
+from kvmesh.api.xfer.v1 import xfer_pb2 as xpb
+from lab.bench.testsink import TestSink
+from tee.cachesim.config import CacheSimConfig
+from tee.cachesim.server import CacheSimServer
+from tee.config import TeeConfig
 from tee.server import TeeServer
-from tee.testsink import TestSink
 from tests.grpc.conftest import make_config
 from tests.security.fuzzing import (
     Case,

@@ -19,12 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer.config import IndexerConfig
 from indexer.server import IndexerServer, start_server
-from kv_indexer.v1 import kv_indexer_pb2 as spb
-from kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
-from kvmesh.devcerts import Authority
-from kvmesh.indexer.v1 import indexer_pb2 as pb
-from kvmesh.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2 as spb
+from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
 from kvmesh.tls import ChannelFactory, ClientTLS
+from lab.devcerts import Authority
 from tests.grpc.conftest import BLOCK, MODEL, batch, expect_status, ref, stored
 from tests.security.pki import ADMIN_TOKEN, ROUTER_TOKEN, Pki
 
@@ -440,7 +440,7 @@ async def test_policy_reload_grants_new_identity(pki: Pki, tmp_path: Path) -> No
 
 
 async def test_plaintext_health_port_serves_only_health(pki: Pki) -> None:
-    from kvmesh.redisproc import free_port
+    from lab.redisproc import free_port
 
     s = await start_server(config(pki, health_port=free_port()))
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{s.health_port}")

@@ -27,26 +27,22 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.devcerts import Authority
-from kvmesh.tee.v1 import tee_pb2 as pb
-from kvmesh.tee.v1 import tee_pb2_grpc as pb_grpc
+from kvmesh.api.tee.v1 import tee_pb2 as pb
+from kvmesh.api.tee.v1 import tee_pb2_grpc as pb_grpc
 from kvmesh.tls import ChannelFactory, ClientTLS, TLSFileError
-from tee.cachesim_cli import report as report_cli
-from tee.cachesim_server import CacheSimServer
+from lab.bench.testsink import TestSink
+from lab.devcerts import Authority
+from tee.cachesim.cli import report as report_cli
+from tee.cachesim.config import CacheSimConfig, load_cachesim_config
+from tee.cachesim.server import CacheSimServer
 from tee.cli import config_from_argv
-from tee.client import LaneStats, Tee
-from tee.config import (
-    CacheSimConfig,
-    ConfigError,
-    TeeConfig,
-    load_cachesim_config,
-    load_tee_config,
-)
+from tee.config import ConfigError, TeeConfig, load_tee_config
 from tee.events import EventKind, ingest
 from tee.httpsec import ClientSSL
+from tee.logic import Tee
+from tee.metrics import LaneStats
 from tee.server import TeeServer
 from tee.sinks import GrpcSink, HttpSink, Sink
-from tee.testsink import TestSink
 from tests.security.pki import ROUTER_TOKEN, Pki
 
 BLOCK = 4

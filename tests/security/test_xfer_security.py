@@ -32,21 +32,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from kvmesh.api.xfer.v1 import xfer_pb2 as pb
+from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.configfile import ConfigError
-from kvmesh.devcerts import write_bundle
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unavailable
-from kvmesh.redisproc import free_port
 from kvmesh.tls import ChannelFactory, ClientTLS
-from kvmesh.xfer.v1 import xfer_pb2 as pb
-from kvmesh.xfer.v1 import xfer_pb2_grpc as pb_grpc
+from lab.bench.xfer_procs import Sidecar, ThreadedSidecar
+from lab.devcerts import write_bundle
+from lab.redisproc import free_port
 from tests.security.pki import Pki
 from xfer import cli
 from xfer.client import XferClient
 from xfer.config import XferConfig, load_config
-from xfer.engine import RoomStatus, XferLogic
+from xfer.logic import RoomStatus, XferLogic
 from xfer.peers import SECRET_METADATA
 from xfer.pool import KVPool, PoolGeometry
-from xfer.procs import Sidecar, ThreadedSidecar
 from xfer.server import XferServer
 from xfer.transport import TcpTransport, wait_state
 from xfer.wire import FLAG_AUX, FLAG_LAST, Tag

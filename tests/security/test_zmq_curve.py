@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from indexer.config import ZmqEndpointSettings
 from indexer.memory import MemoryIndex
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from tests.grpc.conftest import MODEL, close_harness, make_config, open_harness
 from tests.integration.test_zmq_subscriber import blocks, eventually, map_batch, stored
 

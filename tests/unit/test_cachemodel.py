@@ -9,7 +9,7 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.cachemodel import (
+from tee.cachesim.model import (
     BlockCache,
     EvictionPolicy,
     FleetCache,

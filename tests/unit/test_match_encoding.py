@@ -6,9 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from indexer.convert import MatchResponseEncoder, match_result_to_pb
-from indexer.model import InstanceId, InstanceMatch
-from indexer.service import MatchResult
-from kvmesh.indexer.v1 import indexer_pb2 as pb
+from indexer.model import InstanceId, InstanceMatch, MatchResult
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 
 counts = st.integers(0, 70_000)
 match_st = st.builds(

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from indexer.memory import MemoryIndex
 from indexer.model import InstanceId, Namespace
-from kvmesh.sim.engine import ServiceModel, SimEngine, SimRequest
-from kvmesh.sim.publish import MemoryPublisher
+from lab.sim.engine import ServiceModel, SimEngine, SimRequest
+from lab.sim.publish import MemoryPublisher
 from router_client import WorkerLoad
 
 MODEL = "m"

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tee.client import SinkLane, Tee
 from tee.errors import InvalidEvent, TooLarge
 from tee.events import EventKind, RoutedEvent, extend, from_body, ingest
+from tee.logic import SinkLane, Tee
 
 
 def test_body_omits_absent_fields_never_null() -> None:

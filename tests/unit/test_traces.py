@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer.workload import make_instances, plan_publish, prompt_keys, sample_prompts
-from kvmesh.traces import load_mooncake, trace_block_key
+from lab.traces import load_mooncake, trace_block_key
+from lab.workload import make_instances, plan_publish, prompt_keys, sample_prompts
 
 
 def test_bundled_trace_facts() -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from indexer.model import AllBlocksCleared, BlockRemoved, BlockStored, Tier
-from indexer.vllm_events import (
+from indexer.kvevents.decode import (
     MalformedFrame,
     decode_batch,
     decode_seq,
     engine_hash,
     medium_tier,
 )
+from indexer.model import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from indexer.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from xfer import transport as transport_mod
 from xfer.config import PoolSettings, XferConfig
-from xfer.engine import AlreadyExists, RoomStatus, XferLogic
+from xfer.logic import AlreadyExists, RoomStatus, XferLogic
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import NixlUnavailable, Transport, XferState
 from xfer.wire import FLAG_AUX, FLAG_LAST, Tag, decode_tags, encode_tags, merge_runs

@@ -1,0 +1,1 @@
+"""Engine event ingestion: vLLM/SGLang KV-event decoding and the ZMQ subscriber."""

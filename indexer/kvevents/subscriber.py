@@ -1,0 +1,522 @@
+"""ZMQ subscribers to engine KV-event streams (vLLM and SGLang ``ZmqEventPublisher``).
+
+One :class:`EndpointSubscriber` per configured engine endpoint
+(``engine_events.endpoints``), run by :class:`EngineEventSubscribers` inside
+the indexer process. Each decodes frames (indexer/kvevents/decode.py) and feeds
+``IndexerLogic.publish`` (the path gRPC ``PublishEvents`` takes), with the
+publisher's sequence number as the batch sequence.
+
+Per endpoint, the subscriber keeps ``next_seq``, the sequence it expects next
+(``None``: it knows nothing yet), and handles each live message ``seq``:
+
+- ``seq == next_seq``: apply.
+- ``seq > next_seq`` (a **gap**: ZMQ dropped batches, the backend was down
+  long enough for the receive queue to overflow, or the subscriber joined
+  late): ask the replay socket for everything from ``next_seq``
+  (a DEALER sends ``[b"", start_seq]``; replies are ``[b"", seq, payload]``,
+  or ``[b"", topic, seq, payload]`` from publishers that echo the topic,
+  ending with seq -1 and an empty payload) and apply the missed batches in
+  order. What replay cannot return is an **unrecoverable gap**, handled by
+  ``engine_events.on_unrecoverable_gap``.
+- First contact (``next_seq is None``) with ``seq > 0``: replay from 0 —
+  the slow-joiner case, and how a restarted memory-backend replica rebuilds
+  an instance from the engine's replay buffer.
+- ``seq < next_seq``: a batch already applied through replay is skipped;
+  otherwise the publisher **restarted** (its counter starts at 0 again). A
+  restarted engine has an empty cache, so the instance is re-registered with
+  a new incarnation, which resets it in the index (blocks, engine-hash map,
+  sequence), and the new stream is applied from its start. The wire carries
+  no publisher identity, so this is the only sign of a restart: a new stream
+  that has already passed the old one's sequence when the subscriber sees
+  it (the old stream was short, or the indexer was down meanwhile) looks
+  like a gap and is replayed onto the old state.
+
+A frame that is not a batch is counted and skipped, never fatal; its sequence
+is lost like a dropped batch (replaying it would return the same bytes).
+
+Liveness: the subscriber registers its instance when the engine's socket
+connects and heartbeats while it stays connected (ZMQ socket monitor). When
+the engine dies the heartbeats stop, the lease runs out, Match stops naming
+the instance and the reaper frees its blocks. On start, an instance the
+index already holds (redis backend, a replica restart) is adopted with its
+incarnation and applied sequence, so the subscriber resumes from the next
+batch instead of resetting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from indexer.config import EngineEventSettings, ZmqEndpointSettings
+from indexer.kvevents.decode import MalformedFrame, decode_batch, decode_seq
+from indexer.logic import IndexerLogic
+from indexer.model import BatchOutcome, EventBatch, InstanceId, InstanceSpec
+from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound, Unavailable
+
+log = logging.getLogger(__name__)
+
+#: Replay stream end marker: seq -1 as 8 signed big-endian bytes.
+REPLAY_END_SEQ = -1
+
+#: Backoff while the backend is unavailable: start, cap (seconds). Short
+#: enough that a restarted Redis is used again within a second; batches wait
+#: in the ZMQ receive queue meanwhile, and overflow is replayed.
+_BACKOFF_START_S = 0.05
+_BACKOFF_CAP_S = 1.0
+
+_CONNECTED_EVENTS = {zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED}
+
+_T = TypeVar("_T")
+
+
+def curve_client_keys(secret_key_file: str) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a file holding the subscriber's Z85 secret key."""
+    try:
+        with open(secret_key_file, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise InvalidArgument(
+            f"cannot read {secret_key_file!r}: {e.strerror or e}", field="curve_secret_key_file"
+        ) from e
+    try:
+        public = zmq.curve_public(secret)
+    except (zmq.ZMQError, ValueError) as e:
+        raise InvalidArgument(
+            f"{secret_key_file!r} does not hold a 40-character Z85 CURVE secret key",
+            field="curve_secret_key_file",
+        ) from e
+    return public, secret
+
+
+@dataclass(slots=True)
+class SubscriberCounters:
+    """Counters of one endpoint subscriber since this replica started."""
+
+    messages: int = 0
+    batches_applied: int = 0
+    batches_duplicate: int = 0
+    batches_rejected: int = 0
+    frames_malformed: int = 0
+    events_malformed: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    batches_replayed: int = 0
+    unrecoverable_gaps: int = 0
+    publisher_restarts: int = 0
+    registrations: int = 0
+    dp_rank_mismatches: int = 0
+    backend_retries: int = 0
+
+    def add(self, other: SubscriberCounters) -> None:
+        """Add ``other``'s counts into this one."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def _new_incarnation() -> str:
+    return f"zmq-{uuid.uuid4().hex[:12]}"
+
+
+class EndpointSubscriber:
+    """The SUB socket of one engine endpoint, feeding one instance."""
+
+    def __init__(
+        self,
+        logic: IndexerLogic,
+        endpoint: ZmqEndpointSettings,
+        settings: EngineEventSettings,
+        context: zmq.asyncio.Context,
+    ) -> None:
+        self.logic = logic
+        self.endpoint = endpoint
+        self.settings = settings
+        self.instance = InstanceId(endpoint.worker_id, endpoint.dp_rank)
+        self.counters = SubscriberCounters()
+        self.lease_ttl_s = endpoint.lease_ttl_s or logic.config.default_lease_ttl_s
+        #: The sequence expected next; None before the first batch of a stream.
+        self.next_seq: int | None = None
+        self.incarnation = ""
+        self.registered = False
+        self.connected_peers = 0
+        self._ctx = context
+        self._lock = asyncio.Lock()  # one state change at a time (live, heartbeat, connect)
+        # Lowest sequence covered by the last replay: live batches at or above it
+        # and below next_seq were applied through replay, they are not a restart.
+        self._replayed_from: int | None = None
+        self._engine_hash_keys = endpoint.keys == "engine_hashes"
+        self._warned_rank = False
+        self._stopping = False
+
+    def _secure(self, sock: zmq.asyncio.Socket) -> None:
+        """CURVE client keys on ``sock`` when the endpoint names the engine's public key.
+
+        The engine's socket is the CURVE server (it binds); a publisher
+        without that key pair, or a man in the middle, never completes the
+        handshake, and the traffic is encrypted.
+        """
+        ep = self.endpoint
+        if not ep.curve_server_key:
+            return
+        public, secret = curve_client_keys(ep.curve_secret_key_file)
+        sock.curve_serverkey = ep.curve_server_key.encode("ascii")
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def run(self) -> None:
+        """Subscribe and process messages until cancelled."""
+        ep = self.endpoint
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, ep.topic.encode("utf-8"))
+        self._secure(sub)
+        monitor = sub.get_monitor_socket()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            if ep.bind:
+                sub.bind(ep.endpoint)
+            else:
+                sub.connect(ep.endpoint)
+            await self._adopt()
+            tasks = [
+                asyncio.create_task(
+                    self._watch(monitor), name=f"kvmesh-zmq-monitor-{ep.worker_id}"
+                ),
+                asyncio.create_task(self._heartbeat_loop(), name=f"kvmesh-zmq-hb-{ep.worker_id}"),
+            ]
+            while True:
+                frames = await sub.recv_multipart()
+                async with self._lock:
+                    await self._on_live(frames)
+        finally:
+            self._stopping = True
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Track whether the engine is connected, from the socket monitor."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            kind = event["event"]
+            if kind in _CONNECTED_EVENTS:
+                self.connected_peers += 1
+                async with self._lock:
+                    if not self.registered:
+                        await self._register(new=False)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.connected_peers = max(0, self.connected_peers - 1)
+
+    async def _heartbeat_loop(self) -> None:
+        # A third of the lease: two heartbeats may be lost before it runs out.
+        interval = self.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            if self.connected_peers <= 0:
+                continue  # the engine is gone: let the lease run out
+            async with self._lock:
+                await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        if not self.registered:
+            await self._register(new=False)
+            return
+        try:
+            await self.logic.heartbeat(self.instance)
+        except NotFound:
+            # Reaped (the lease ran out while the engine was away) or removed by
+            # an operator: its blocks are gone, so start the stream over.
+            log.info("%s: instance was dropped; registering it again", self.instance)
+            await self._register(new=True)
+            self.next_seq = None
+        except Unavailable as e:
+            log.warning("%s: heartbeat: backend unavailable: %s", self.instance, e)
+
+    # -- registration --------------------------------------------------------
+
+    async def _adopt(self) -> None:
+        """Take over an instance the index already holds (resume after a replica restart)."""
+        while True:
+            try:
+                states = await self.logic.list_instances(self.endpoint.model)
+                break
+            except Unavailable:
+                await asyncio.sleep(_BACKOFF_CAP_S)
+        for st in states:
+            if st.spec.instance == self.instance:
+                self.incarnation = st.spec.incarnation
+                if st.applied_sequence is not None:
+                    self.next_seq = st.applied_sequence + 1
+                log.info(
+                    "%s: resuming incarnation %s after sequence %s",
+                    self.instance,
+                    self.incarnation,
+                    st.applied_sequence,
+                )
+                return
+
+    async def _register(self, *, new: bool) -> None:
+        """Register (``new``: with a fresh incarnation, which resets the instance)."""
+        if new or not self.incarnation:
+            self.incarnation = _new_incarnation()
+        ep = self.endpoint
+        spec = InstanceSpec(
+            instance=self.instance,
+            model=ep.model,
+            address=ep.address,
+            lease_ttl_s=self.lease_ttl_s,
+            incarnation=self.incarnation,
+        )
+        await self._retrying(lambda: self.logic.register(spec))
+        self.registered = True
+        self.counters.registrations += 1
+        if new:
+            self._replayed_from = None
+
+    async def _retrying(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """Await ``call()`` until the backend serves (or the subscriber stops)."""
+        delay = _BACKOFF_START_S
+        while True:
+            try:
+                return await call()
+            except Unavailable:
+                if self._stopping:
+                    raise
+                self.counters.backend_retries += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_CAP_S)
+
+    # -- the stream ----------------------------------------------------------
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        self.counters.messages += 1
+        if len(frames) != 3:
+            self.counters.frames_malformed += 1
+            log.warning("%s: message of %d frames, not 3; skipped", self.instance, len(frames))
+            return
+        try:
+            seq = decode_seq(frames[1])
+        except MalformedFrame as e:
+            self.counters.frames_malformed += 1
+            log.warning("%s: %s; skipped", self.instance, e)
+            return
+        if not self.registered:
+            await self._register(new=False)
+        if self.next_seq is not None and seq < self.next_seq:
+            if self._replayed_from is not None and seq >= self._replayed_from:
+                if seq == self.next_seq - 1:
+                    # The live stream reached the end of the replay: from here on
+                    # a lower sequence can only mean a restart.
+                    self._replayed_from = None
+                return  # already applied through replay
+            self.counters.publisher_restarts += 1
+            log.warning(
+                "%s: sequence went back from %d to %d: the publisher restarted; "
+                "resetting the instance",
+                self.instance,
+                self.next_seq - 1,
+                seq,
+            )
+            await self._register(new=True)
+            self.next_seq = None
+        if (self.next_seq is None and seq > 0) or (
+            self.next_seq is not None and seq > self.next_seq
+        ):
+            if self.next_seq is not None:
+                self.counters.gaps += 1
+            await self._catch_up(self.next_seq or 0)
+            if self.next_seq is not None and seq < self.next_seq:
+                return  # the replay covered it
+        if self.next_seq is not None and seq > self.next_seq:
+            await self._lost(self.next_seq, seq)
+        self._replayed_from = None  # the live stream has caught up with the replay
+        await self._apply(seq, frames[2])
+
+    async def _catch_up(self, start: int) -> None:
+        """Replay from ``start`` and apply what comes back, in order."""
+        if not self.endpoint.replay_endpoint:
+            return
+        self.counters.replays += 1
+        got = await self._replay(start)
+        if got is None:
+            self.counters.replay_failures += 1
+            return
+        self._replayed_from = start
+        for seq, payload in got:
+            if self.next_seq is not None and seq < self.next_seq:
+                continue
+            if self.next_seq is not None and seq > self.next_seq:
+                await self._lost(self.next_seq, seq)
+            self.counters.batches_replayed += 1
+            await self._apply(seq, payload)
+        log.info("%s: replayed %d batch(es) from %d", self.instance, len(got), start)
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The publisher's buffered batches from ``start``; None when it does not answer."""
+        assert self.endpoint.replay_endpoint
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._secure(sock)
+        # A fresh socket per request: a late reply to a timed-out request must
+        # never be read as the answer to the next one.
+        try:
+            sock.connect(self.endpoint.replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            out: list[tuple[int, bytes]] = []
+            timeout_ms = int(self.settings.replay_timeout_s * 1000)
+            while True:
+                if not await sock.poll(timeout_ms):
+                    log.warning(
+                        "%s: replay from %d: no reply within %.1fs",
+                        self.instance,
+                        start,
+                        self.settings.replay_timeout_s,
+                    )
+                    return None
+                frames = await sock.recv_multipart()
+                if len(frames) == 3:
+                    seq_b, payload = frames[1], frames[2]
+                elif len(frames) == 4:
+                    seq_b, payload = frames[2], frames[3]
+                else:
+                    self.counters.frames_malformed += 1
+                    continue
+                if len(seq_b) != 8:
+                    self.counters.frames_malformed += 1
+                    continue
+                seq = int.from_bytes(seq_b, "big", signed=True)
+                if seq == REPLAY_END_SEQ:
+                    return out
+                out.append((seq, payload))
+        finally:
+            sock.close(linger=0)
+
+    async def _lost(self, expected: int, got: int) -> None:
+        """Batches ``expected .. got-1`` are gone for good."""
+        self.counters.unrecoverable_gaps += 1
+        if self.settings.on_unrecoverable_gap == "reset":
+            log.warning(
+                "%s: batches %d..%d are lost; resetting the instance (policy reset)",
+                self.instance,
+                expected,
+                got - 1,
+            )
+            # The stream goes on from ``got``, the reset instance's first batch
+            # (replaying from 0 instead would only meet the same loss again).
+            await self._register(new=True)
+        else:
+            log.warning(
+                "%s: batches %d..%d are lost; the instance is stale until the engine clears "
+                "its cache (policy stale)",
+                self.instance,
+                expected,
+                got - 1,
+            )
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode and publish one batch; ``next_seq`` moves past it whatever happens."""
+        self.next_seq = seq + 1
+        try:
+            decoded = decode_batch(payload, engine_hash_keys=self._engine_hash_keys)
+        except MalformedFrame as e:
+            self.counters.frames_malformed += 1
+            log.warning("%s: batch %d: %s; skipped", self.instance, seq, e)
+            await self._lost(seq, seq + 1)
+            return
+        self.counters.events_malformed += decoded.malformed_events
+        if decoded.dp_rank is not None and decoded.dp_rank != self.instance.dp_rank:
+            self.counters.dp_rank_mismatches += 1
+            if not self._warned_rank:
+                self._warned_rank = True
+                log.warning(
+                    "%s: batches say data-parallel rank %d; applying them to the configured "
+                    "rank %d (check the endpoint's dp_rank)",
+                    self.instance,
+                    decoded.dp_rank,
+                    self.instance.dp_rank,
+                )
+        batch = EventBatch(self.instance, seq, decoded.events, decoded.timestamp)
+        try:
+            try:
+                result = await self._retrying(lambda: self.logic.publish(batch))
+            except FailedPrecondition:
+                # Not registered: reaped while the engine was away, so its blocks
+                # are gone already; register anew and apply the batch once more.
+                await self._register(new=True)
+                result = await self._retrying(lambda: self.logic.publish(batch))
+        except KvmeshError as e:
+            self.counters.batches_rejected += 1
+            log.warning("%s: batch %d rejected: %s", self.instance, seq, e)
+            await self._lost(seq, seq + 1)
+            return
+        if result.outcome is BatchOutcome.DUPLICATE:
+            self.counters.batches_duplicate += 1
+        else:
+            self.counters.batches_applied += 1
+
+
+class EngineEventSubscribers:
+    """Every configured endpoint subscriber, started and stopped with the server."""
+
+    def __init__(self, logic: IndexerLogic, settings: EngineEventSettings) -> None:
+        self.settings = settings
+        self._ctx = zmq.asyncio.Context()
+        self.subscribers = [
+            EndpointSubscriber(logic, ep, settings, self._ctx) for ep in settings.endpoints
+        ]
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Start one task per endpoint on the running loop."""
+        for s in self.subscribers:
+            task = asyncio.create_task(self._run(s), name=f"kvmesh-zmq-{s.instance}")
+            self._tasks.append(task)
+
+    @staticmethod
+    async def _run(s: EndpointSubscriber) -> None:
+        # A subscriber that fails for an unforeseen reason restarts after a
+        # pause: one broken endpoint must not stop the others or the server.
+        while True:
+            try:
+                await s.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: subscriber failed; restarting in 1s", s.instance)
+                await asyncio.sleep(1.0)
+
+    def counters(self) -> SubscriberCounters:
+        """Sum of every subscriber's counters."""
+        total = SubscriberCounters()
+        for s in self.subscribers:
+            total.add(s.counters)
+        return total
+
+    async def stop(self) -> None:
+        """Stop every subscriber and close the ZMQ context."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._ctx.term()

@@ -1,0 +1,483 @@
+"""The indexer's logic: validation, keying, caps, counters and background tasks.
+
+No grpc here: indexer/server.py converts messages (indexer/convert.py) to the
+request types of indexer/model.py, calls :class:`IndexerLogic`, and the call
+scope of kvmesh/grpcsvc.py maps raised :class:`~kvmesh.errors.KvmeshError`
+codes to statuses. Every validation error names the offending field with the
+path the proto uses, e.g. ``token_ids[3]`` or ``events[2].stored.token_ids[7]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from indexer.config import IndexerConfig
+from indexer.index import Index
+from indexer.model import (
+    AllBlocksCleared,
+    ApplyResult,
+    BatchOutcome,
+    BlockRemoved,
+    BlockStored,
+    Counters,
+    Event,
+    EventBatch,
+    InstanceId,
+    InstanceSpec,
+    InstanceState,
+    MatchQuery,
+    MatchResult,
+    Namespace,
+    ServiceStats,
+)
+from kvmesh.auth import current_client, require_owner
+from kvmesh.blockkeys import TOKEN_ID_LIMIT, block_keys
+from kvmesh.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvmeshError,
+    ResourceExhausted,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+#: Longest worker id, model, LoRA name or incarnation accepted, in UTF-8 bytes.
+MAX_NAME_BYTES = 256
+#: Longest instance address accepted (a URL), in UTF-8 bytes.
+MAX_ADDRESS_BYTES = 2048
+#: Largest data-parallel rank accepted (fits the proto's uint32).
+MAX_DP_RANK = (1 << 32) - 1
+#: Blocks one DumpIndex returns when it names no max_blocks.
+DUMP_MAX_BLOCKS = 100_000
+
+
+def check_token_ids(token_ids: Sequence[int], field_name: str) -> None:
+    """Raise InvalidArgument naming ``field_name[i]`` for the first id outside [0, 2^32)."""
+    try:
+        array("I", token_ids)  # C-speed range check of the common, valid case
+        return
+    except (OverflowError, TypeError):
+        pass
+    for i, t in enumerate(token_ids):
+        if not isinstance(t, int) or t < 0 or t >= TOKEN_ID_LIMIT:
+            raise InvalidArgument(f"must be in [0, 2^32), got {t}", field=f"{field_name}[{i}]")
+
+
+def _check_name(value: str, field_name: str, *, required: bool = True) -> None:
+    if required and not value:
+        raise InvalidArgument("must not be empty", field=field_name)
+    if len(value.encode("utf-8")) > MAX_NAME_BYTES:
+        raise InvalidArgument(f"longer than {MAX_NAME_BYTES} bytes", field=field_name)
+
+
+def check_instance(instance: InstanceId, prefix: str = "instance") -> None:
+    """Validate an instance reference (worker id 1..256 bytes, rank a uint32)."""
+    _check_name(instance.worker_id, f"{prefix}.worker_id")
+    if not 0 <= instance.dp_rank <= MAX_DP_RANK:
+        raise InvalidArgument("must be in [0, 2^32)", field=f"{prefix}.dp_rank")
+
+
+class IndexerLogic:
+    """Request handling on top of an :class:`~indexer.index.Index`.
+
+    One per replica, used from one event loop. ``on_backend_health`` is called
+    with ``False`` as soon as a call finds the backend unavailable and with the
+    result of each periodic ping afterwards, so that health status follows the
+    backend (the server wires it to grpc.health.v1).
+    """
+
+    def __init__(
+        self,
+        index: Index,
+        config: IndexerConfig,
+        *,
+        on_backend_health: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.index = index
+        self.config = config
+        self.counters = Counters()
+        self._on_health = on_backend_health
+        self._healthy: bool | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        # instance -> model, to find the block size of a model-specific batch
+        # (only consulted when per-model block sizes are configured).
+        self._models: dict[InstanceId, str] = {}
+
+    # -- background tasks ----------------------------------------------------
+
+    def start(self) -> None:
+        """Start the reaper and the backend health monitor on the running loop."""
+        if self._tasks:
+            return
+        self._tasks = [
+            asyncio.create_task(self._reap_loop(), name="kvmesh-reaper"),
+            asyncio.create_task(self._health_loop(), name="kvmesh-health"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop the background tasks (the index is left open)."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def reap_once(self) -> list[InstanceId]:
+        """Drop expired instances now; backend errors are logged and counted, not raised."""
+        try:
+            reaped = await self.index.reap_expired()
+        except Exception as e:  # the reaper must survive anything the backend does
+            self.counters.reap_errors += 1
+            if isinstance(e, Unavailable):
+                self._set_health(False)
+                log.warning("reaper: backend unavailable: %s", e)
+            else:
+                log.exception("reaper: reap_expired failed")
+            return []
+        if reaped:
+            self.counters.instances_reaped += len(reaped)
+            for iid in reaped:
+                self._models.pop(iid, None)
+            log.info("reaped %d expired instance(s): %s", len(reaped), ", ".join(map(str, reaped)))
+        return reaped
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            await self.reap_once()
+
+    async def check_backend(self) -> bool:
+        """Ping the backend once, update health, and return whether it serves."""
+        try:
+            await self.index.ping()
+        except Exception as e:
+            if not isinstance(e, KvmeshError):
+                log.warning("backend ping failed: %r", e)
+            self._set_health(False)
+            return False
+        self._set_health(True)
+        return True
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_backend()
+            await asyncio.sleep(self.config.health_check_interval_s)
+
+    @property
+    def healthy(self) -> bool | None:
+        """Last known backend health (None before the first check)."""
+        return self._healthy
+
+    def _set_health(self, ok: bool) -> None:
+        if ok == self._healthy:
+            return
+        self._healthy = ok
+        if ok:
+            log.info("backend %s is serving", self.index.name)
+        else:
+            log.warning("backend %s is unavailable", self.index.name)
+        if self._on_health is not None:
+            self._on_health(ok)
+
+    def _note_error(self, e: BaseException) -> None:
+        if isinstance(e, Unavailable):
+            self._set_health(False)
+
+    # -- instances -----------------------------------------------------------
+
+    async def register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
+        """Validate and register an instance; a lease of 0 takes the default."""
+        check_instance(spec.instance)
+        _check_name(spec.model, "model")
+        _check_name(spec.incarnation, "incarnation", required=False)
+        if len(spec.address.encode("utf-8")) > MAX_ADDRESS_BYTES:
+            raise InvalidArgument(f"longer than {MAX_ADDRESS_BYTES} bytes", field="address")
+        ttl = spec.lease_ttl_s
+        max_ttl = self.config.limits.max_lease_ttl_s
+        if not math.isfinite(ttl) or ttl < 0 or ttl > max_ttl:
+            raise InvalidArgument(
+                f"must be in [0, {max_ttl:g}], got {ttl}", field="lease_ttl_seconds"
+            )
+        if ttl == 0:
+            spec = replace(spec, lease_ttl_s=self.config.default_lease_ttl_s)
+        require_owner(spec.model, spec.instance.worker_id)
+        try:
+            await self._check_capacity(spec)
+            state, reset = await self.index.register(spec)
+        except Unavailable as e:
+            self._note_error(e)
+            raise
+        self._models[spec.instance] = spec.model
+        return state, reset
+
+    async def _check_capacity(self, spec: InstanceSpec) -> None:
+        """RESOURCE_EXHAUSTED when a new instance would pass the namespace limits."""
+        lim = self.config.limits
+        states = await self.index.list_instances()
+        per_model: dict[str, int] = {}
+        for st in states:
+            if st.spec.instance == spec.instance:
+                return  # a re-registration adds nothing
+            per_model[st.spec.model] = per_model.get(st.spec.model, 0) + 1
+        n = per_model.get(spec.model, 0)
+        if n == 0 and len(per_model) >= lim.max_namespaces:
+            raise ResourceExhausted(
+                f"{len(per_model)} namespaces already hold instances (limits.max_namespaces)",
+                field="model",
+            )
+        if n >= lim.max_instances_per_namespace:
+            raise ResourceExhausted(
+                f"namespace {spec.model!r} already has {n} instances "
+                "(limits.max_instances_per_namespace)",
+                field="instance",
+            )
+
+    async def _check_owner(self, instance: InstanceId) -> None:
+        """PERMISSION_DENIED unless the calling identity owns ``instance``."""
+        c = current_client()
+        if c is None or c.principal.via == "open" or "admin" in c.principal.roles:
+            return
+        model = self._models.get(instance)
+        if model is None:
+            with contextlib.suppress(KvmeshError):
+                model = await self._model_of(instance)
+        require_owner(model or "", instance.worker_id)
+
+    async def heartbeat(self, instance: InstanceId) -> InstanceState:
+        """Renew an instance's lease (NotFound when unknown)."""
+        check_instance(instance)
+        await self._check_owner(instance)
+        try:
+            return await self.index.heartbeat(instance)
+        except Unavailable as e:
+            self._note_error(e)
+            raise
+
+    async def remove_instance(self, instance: InstanceId) -> int:
+        """Drop an instance and its blocks; return the entries dropped."""
+        check_instance(instance)
+        await self._check_owner(instance)
+        try:
+            n = await self.index.remove_instance(instance)
+        except Unavailable as e:
+            self._note_error(e)
+            raise
+        self._models.pop(instance, None)
+        return n
+
+    async def list_instances(self, model: str = "") -> list[InstanceState]:
+        """Every registered instance (of ``model`` when given)."""
+        _check_name(model, "model", required=False)
+        try:
+            states = await self.index.list_instances(model)
+        except Unavailable as e:
+            self._note_error(e)
+            raise
+        for s in states:
+            self._models[s.spec.instance] = s.spec.model
+        return states
+
+    # -- events --------------------------------------------------------------
+
+    async def _model_of(self, instance: InstanceId) -> str:
+        model = self._models.get(instance)
+        if model is None:
+            await self.list_instances()  # refreshes the cache (another replica registered it)
+            model = self._models.get(instance)
+        if model is None:
+            raise FailedPrecondition(f"instance {instance} is not registered", field="instance")
+        return model
+
+    async def publish(self, batch: EventBatch) -> ApplyResult:
+        """Validate and apply one batch; counts it as applied, duplicate or rejected.
+
+        Raises a :class:`KvmeshError` for a rejected batch (nothing applied).
+        """
+        try:
+            check_instance(batch.instance)
+            await self._check_owner(batch.instance)
+            batch = await self._validate_batch(batch)
+            result = await self.index.apply(batch)
+        except KvmeshError as e:
+            self.counters.batches_rejected += 1
+            self._note_error(e)
+            raise
+        if result.outcome is BatchOutcome.DUPLICATE:
+            self.counters.batches_duplicate += 1
+        else:
+            self.counters.batches_applied += 1
+            if result.outcome is BatchOutcome.APPLIED_AFTER_GAP:
+                self.counters.sequence_gaps += 1
+                log.warning(
+                    "sequence gap for %s before batch %d: instance is stale until it resyncs",
+                    batch.instance,
+                    batch.sequence,
+                )
+        return result
+
+    async def _validate_batch(self, batch: EventBatch) -> EventBatch:
+        # batch.instance was checked by publish(), before the ownership check.
+        lim = self.config.limits
+        if len(batch.events) > lim.max_events_per_batch:
+            raise InvalidArgument(
+                f"{len(batch.events)} events, more than the cap of {lim.max_events_per_batch} "
+                "(limits.max_events_per_batch); split the batch",
+                field="events",
+            )
+        if batch.sequence < 0 or batch.sequence >= 1 << 64:
+            raise InvalidArgument("must be in [0, 2^64)", field="sequence")
+        events: list[Event] | None = None
+        for i, ev in enumerate(batch.events):
+            if isinstance(ev, BlockStored):
+                fixed = await self._validate_stored(batch.instance, ev, f"events[{i}].stored")
+                if fixed is not ev:
+                    if events is None:
+                        events = list(batch.events)
+                    events[i] = fixed
+            elif isinstance(ev, BlockRemoved):
+                if len(ev.block_hashes) > lim.max_blocks_per_event:
+                    raise InvalidArgument(
+                        f"{len(ev.block_hashes)} blocks, more than the cap of "
+                        f"{lim.max_blocks_per_event} (limits.max_blocks_per_event)",
+                        field=f"events[{i}].removed.block_hashes",
+                    )
+            elif not isinstance(ev, AllBlocksCleared):  # pragma: no cover - convert guards
+                raise InvalidArgument("unknown event kind", field=f"events[{i}]")
+        return batch if events is None else replace(batch, events=tuple(events))
+
+    async def _validate_stored(
+        self, instance: InstanceId, ev: BlockStored, path: str
+    ) -> BlockStored:
+        n = len(ev.block_hashes)
+        cap = self.config.limits.max_blocks_per_event
+        if n > cap:
+            raise InvalidArgument(
+                f"{n} blocks, more than the cap of {cap} (limits.max_blocks_per_event)",
+                field=f"{path}.block_hashes",
+            )
+        _check_name(ev.lora_name, f"{path}.lora_name", required=False)
+        if ev.block_keys is not None:
+            if len(ev.block_keys) != n:
+                raise InvalidArgument(
+                    f"{len(ev.block_keys)} keys for {n} block hashes; need one per hash",
+                    field=f"{path}.block_keys",
+                )
+            return ev
+        if self.config.model_block_sizes:
+            expected = self.config.block_size_for(await self._model_of(instance))
+        else:
+            expected = self.config.block_size
+        size = ev.block_size or expected
+        if size != expected:
+            raise InvalidArgument(
+                f"is {ev.block_size}, but the indexer keys this model with blocks of "
+                f"{expected} tokens (block_size / model_block_sizes)",
+                field=f"{path}.block_size",
+            )
+        if len(ev.token_ids) != n * size:
+            raise InvalidArgument(
+                f"has {len(ev.token_ids)} ids; need len(block_hashes) x block_size = "
+                f"{n} x {size} = {n * size}",
+                field=f"{path}.token_ids",
+            )
+        check_token_ids(ev.token_ids, f"{path}.token_ids")
+        return ev if ev.block_size == size else replace(ev, block_size=size)
+
+    # -- match ---------------------------------------------------------------
+
+    def keys_for(self, query: MatchQuery) -> tuple[list[int], int]:
+        """Validated, truncated block keys of a query, and the block size used (0 for keys)."""
+        cap = self.config.limits.max_match_blocks
+        if query.token_ids and query.block_keys:
+            raise InvalidArgument("give token_ids or block_keys, not both", field="block_keys")
+        if query.max_blocks < 0 or query.max_blocks > cap:
+            raise InvalidArgument(
+                f"must be in [0, {cap}] (limits.max_match_blocks), got {query.max_blocks}",
+                field="max_blocks",
+            )
+        limit = query.max_blocks or cap
+        ns = query.namespace
+        _check_name(ns.model, "model")
+        _check_name(ns.lora_name, "lora_name", required=False)
+        if query.block_keys:
+            keys = query.block_keys
+            if not query.max_blocks and len(keys) > cap:
+                raise InvalidArgument(
+                    f"{len(keys)} blocks, more than the cap of {cap} (limits.max_match_blocks); "
+                    "set max_blocks to look at a prefix",
+                    field="block_keys",
+                )
+            return list(keys[:limit]), 0
+        bs = self.config.block_size_for(ns.model)
+        tokens = query.token_ids
+        n_blocks = len(tokens) // bs
+        if not query.max_blocks and n_blocks > cap:
+            raise InvalidArgument(
+                f"{n_blocks} blocks of {bs} tokens, more than the cap of {cap} "
+                "(limits.max_match_blocks); set max_blocks to look at a prefix",
+                field="token_ids",
+            )
+        check_token_ids(tokens, "token_ids")
+        used = tokens[: min(n_blocks, limit) * bs]
+        return block_keys(used, bs, ns.model, ns.lora_name), bs
+
+    async def match(self, query: MatchQuery) -> MatchResult:
+        """Validate, key and truncate the prompt, then ask the index."""
+        keys, bs = self.keys_for(query)
+        if keys:
+            try:
+                hits = await self.index.match(
+                    query.namespace, keys, include_stale=query.include_stale
+                )
+            except Unavailable as e:
+                self._note_error(e)
+                raise
+        else:
+            hits = []
+        self.counters.matches += 1
+        if hits:
+            self.counters.matched_blocks += hits[0].depth
+        if query.max_instances and len(hits) > query.max_instances:
+            hits = hits[: query.max_instances]
+        return MatchResult(hits, len(keys), bs)
+
+    # -- admin ---------------------------------------------------------------
+
+    async def dump(
+        self, model: str = "", max_blocks: int = 0
+    ) -> tuple[list[tuple[Namespace, int, dict[InstanceId, int]]], bool]:
+        """The index's blocks ``(namespace, key, {instance: tier mask})`` in order, and
+        whether ``max_blocks`` (0: :data:`DUMP_MAX_BLOCKS`) cut them short."""
+        _check_name(model, "model", required=False)
+        cap = max_blocks or DUMP_MAX_BLOCKS
+        # No health change on failure: a debugging read without SCAN rights
+        # must not take the replica out of service.
+        content = await self.index.dump()
+        out: list[tuple[Namespace, int, dict[InstanceId, int]]] = []
+        for ns in sorted(content.blocks):
+            if model and ns.model != model:
+                continue
+            for key in sorted(content.blocks[ns]):
+                if len(out) == cap:
+                    return out, True
+                out.append((ns, key, content.blocks[ns][key]))
+        return out, False
+
+    # -- stats ---------------------------------------------------------------
+
+    async def stats(self) -> ServiceStats:
+        """Shared index sizes plus this replica's counters."""
+        try:
+            idx = await self.index.stats()
+        except Unavailable as e:
+            self._note_error(e)
+            raise
+        return ServiceStats(idx, replace(self.counters))

@@ -1,0 +1,1 @@
+"""The Redis backend: connection settings, key names, Lua scripts and the key schema (KEYS.md)."""

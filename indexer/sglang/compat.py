@@ -1,0 +1,433 @@
+"""SGLang's external KV indexer API on the kvmesh index: the logic, no grpc.
+
+indexer/sglang/server.py converts ``kv_indexer.v1`` messages to the types
+here and calls :class:`SglangCompat`, which works through the same
+:class:`~indexer.logic.IndexerLogic` (validation, caps, counters) and the
+same index as ``kvmesh.indexer.v1``.
+
+Mapping:
+
+- A worker is the instance ``(worker_id, dp_rank 0)`` in the namespace
+  ``sglang.model`` (the API names no model). Hashes are SGLang's block hashes,
+  used as block keys as they are (signed 64-bit on the wire, unsigned in the
+  index), so the router's hashes of a prompt match the engine's.
+- Tiers: HBM → GPU, DRAM → CPU, SSD → DISK.
+- REPORT → ``BlockStored`` with ``block_keys`` = the hashes; REVOKE →
+  ``BlockRemoved`` on that tier; CLEAR_ALL_AT_TIER → ``AllBlocksCleared``: the
+  index has no per-tier clear, so clearing any tier clears the worker on every
+  tier (under-reporting a hit is safe; SGLang's bridge clears all three tiers
+  together anyway).
+- Workers fed through this API carry an incarnation ``sglang/<epoch>/<nonce>``;
+  a new ``worker_epoch`` resets the worker, and ConfigureExpectedWorkers only
+  ever removes workers with such an incarnation (never a ZMQ-fed or
+  kvmesh-API instance sharing the namespace).
+
+Sequences (``seq``), with duplicate detection in every mode:
+
+- ``seq`` at or below the last applied one is a duplicate: acknowledged with
+  ``duplicate`` and not applied again — except ``seq`` 0 after a higher
+  sequence without ``enforce_sequence``, which is a restarted event stream
+  (publishers count from 0): the worker is reset and the batch applied.
+- ``enforce_sequence``: the worker must hold a snapshot installed by
+  ReplaceExternalKvSnapshot under the same ``worker_epoch``
+  (FAILED_PRECONDITION otherwise), and a gap clears the worker and answers
+  FAILED_PRECONDITION until a new snapshot is installed.
+- Without it, a gap is applied and marks the worker stale, kvmesh's rule
+  (indexer/index.py): stale workers are left out of prefix matches until a
+  snapshot or a clear resyncs them.
+
+Hit counters (GetExternalKvHitCounts) count, per hash, the prefix matches
+that found it (every hash of ``hashes[0..best_prefix_blocks)``) and the
+MatchExternalKv lookups with ``count_as_hit`` that found it. They are this
+replica's, not shared between replicas, and bounded by
+``sglang.max_hit_counters`` (oldest hash dropped first).
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from indexer.config import SglangApiSettings
+from indexer.logic import MAX_ADDRESS_BYTES, IndexerLogic, check_instance
+from indexer.model import (
+    AllBlocksCleared,
+    BatchOutcome,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    InstanceId,
+    InstanceSpec,
+    InstanceState,
+    MatchQuery,
+    Namespace,
+    Tier,
+)
+from kvmesh.errors import FailedPrecondition, InvalidArgument
+
+#: Incarnation prefix of workers fed through this API.
+INCARNATION_PREFIX = "sglang/"
+
+
+class ActionKind(enum.Enum):
+    """Kind of one batch action."""
+
+    REPORT = "report"
+    REVOKE = "revoke"
+    CLEAR = "clear"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One action: ``hashes`` are unsigned 64-bit block keys."""
+
+    kind: ActionKind
+    tier: Tier
+    hashes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyRequest:
+    """ApplyExternalKvBatch in domain form."""
+
+    worker_id: str
+    seq: int
+    actions: tuple[Action, ...]
+    worker_address: str = ""
+    worker_epoch: str = ""
+    enforce_sequence: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """One worker's contiguous prefix."""
+
+    worker_address: str
+    matched_prefix_blocks: int
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixResult:
+    """MatchExternalKvPrefix in domain form."""
+
+    matches: list[PrefixMatch]
+    best_prefix_blocks: int
+    blocks_read: int
+
+
+@dataclass(slots=True)
+class NodeMatch:
+    """MatchExternalKv: which of the hashes one worker holds, by (fastest) tier."""
+
+    worker_id: str
+    address: str
+    by_tier: dict[Tier, list[int]] = field(default_factory=dict)
+
+
+def make_incarnation(epoch: str) -> str:
+    """A fresh incarnation for ``epoch`` (the nonce makes each one reset the worker)."""
+    return f"{INCARNATION_PREFIX}{epoch}/{uuid.uuid4().hex[:8]}"
+
+
+def epoch_of(incarnation: str) -> str | None:
+    """The epoch in an incarnation made here; None for any other incarnation."""
+    if not incarnation.startswith(INCARNATION_PREFIX):
+        return None
+    return incarnation[len(INCARNATION_PREFIX) :].rpartition("/")[0]
+
+
+class SglangCompat:
+    """The six ``kv_indexer.v1.KVIndexer`` calls on an :class:`IndexerLogic`.
+
+    Used from the server's event loop. Holds a per-replica cache of the
+    registrations of workers it feeds (worker id -> spec), refreshed from the
+    index on a miss, and the hit counters.
+    """
+
+    def __init__(self, logic: IndexerLogic, settings: SglangApiSettings) -> None:
+        self.logic = logic
+        self.settings = settings
+        self.namespace = Namespace(settings.model, "")
+        self.hit_counts: dict[int, int] = {}
+        self._specs: dict[str, InstanceSpec] = {}
+
+    # -- workers -------------------------------------------------------------
+
+    async def _spec(self, worker_id: str) -> InstanceSpec | None:
+        spec = self._specs.get(worker_id)
+        if spec is None:
+            for st in await self.logic.list_instances(self.namespace.model):
+                if st.spec.instance.dp_rank == 0:
+                    self._specs[st.spec.instance.worker_id] = st.spec
+            spec = self._specs.get(worker_id)
+        return spec
+
+    async def _register(
+        self, worker_id: str, address: str, incarnation: str
+    ) -> tuple[InstanceState, bool]:
+        spec = InstanceSpec(
+            instance=InstanceId(worker_id, 0),
+            model=self.namespace.model,
+            address=address,
+            lease_ttl_s=self.settings.lease_ttl_s,
+            incarnation=incarnation,
+        )
+        try:
+            result = await self.logic.register(spec)
+        except InvalidArgument as e:
+            # Name the field the way this API does (register's paths are kvmesh's).
+            raise InvalidArgument(e.message, field=_field_name(e.field)) from None
+        self._specs[worker_id] = spec
+        return result
+
+    def _events(self, actions: Sequence[Action]) -> tuple[Event, ...]:
+        cap = self.logic.config.limits.max_blocks_per_event
+        out: list[Event] = []
+        for a in actions:
+            if a.kind is ActionKind.CLEAR:
+                if not out or not isinstance(out[-1], AllBlocksCleared):
+                    out.append(AllBlocksCleared())
+                continue
+            # Split long actions so that each event stays within the index's cap.
+            for i in range(0, len(a.hashes), cap):
+                chunk = a.hashes[i : i + cap]
+                if a.kind is ActionKind.REPORT:
+                    out.append(BlockStored(block_hashes=chunk, tier=a.tier, block_keys=chunk))
+                else:
+                    out.append(BlockRemoved(block_hashes=chunk, tier=a.tier))
+        return tuple(out)
+
+    async def apply(self, req: ApplyRequest) -> tuple[int, bool]:
+        """ApplyExternalKvBatch: ``(applied_seq, duplicate)``."""
+        if not req.worker_id:
+            raise InvalidArgument("must not be empty", field="worker_id")
+        spec = await self._spec(req.worker_id)
+        epoch = None if spec is None else epoch_of(spec.incarnation)
+        if req.enforce_sequence:
+            if spec is None or not req.worker_epoch or epoch != req.worker_epoch:
+                raise FailedPrecondition(
+                    f"worker {req.worker_id!r} has no snapshot for epoch {req.worker_epoch!r}; "
+                    "install one with ReplaceExternalKvSnapshot first",
+                    field="worker_epoch",
+                )
+            if spec.address != req.worker_address:
+                await self._register(req.worker_id, req.worker_address, spec.incarnation)
+        elif spec is None or (req.worker_epoch and epoch != req.worker_epoch):
+            await self._register(
+                req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
+            )
+        elif spec.address != req.worker_address:
+            await self._register(req.worker_id, req.worker_address, spec.incarnation)
+        events = self._events(req.actions)
+        cap = self.logic.config.limits.max_events_per_batch
+        if len(events) > cap:
+            raise InvalidArgument(
+                f"the actions make {len(events)} events of at most "
+                f"{self.logic.config.limits.max_blocks_per_event} blocks, more than "
+                f"limits.max_events_per_batch ({cap}); split the batch",
+                field="actions",
+            )
+        batch = EventBatch(InstanceId(req.worker_id, 0), req.seq, events)
+        try:
+            result = await self.logic.publish(batch)
+        except FailedPrecondition:
+            # Not registered any more (its lease ran out and it was reaped).
+            self._specs.pop(req.worker_id, None)
+            if req.enforce_sequence:
+                raise FailedPrecondition(
+                    f"worker {req.worker_id!r} expired; install a new snapshot",
+                    field="worker_id",
+                ) from None
+            await self._register(
+                req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
+            )
+            result = await self.logic.publish(batch)
+        if result.outcome is BatchOutcome.DUPLICATE:
+            if req.seq == 0 and result.applied_sequence > 0 and not req.enforce_sequence:
+                # Publishers count from 0: a new stream, so a restarted worker.
+                await self._register(
+                    req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
+                )
+                result = await self.logic.publish(batch)
+                return result.applied_sequence, False
+            # A duplicate carries no news, but an idle worker's repeated
+            # heartbeat batch must still keep its lease.
+            await self.logic.heartbeat(batch.instance)
+            return result.applied_sequence, True
+        if result.outcome is BatchOutcome.APPLIED_AFTER_GAP and req.enforce_sequence:
+            await self._register(req.worker_id, req.worker_address, make_incarnation(""))
+            raise FailedPrecondition(
+                f"sequence gap before seq {req.seq}: worker {req.worker_id!r} is cleared until "
+                "a new snapshot is installed",
+                field="seq",
+            )
+        return result.applied_sequence, False
+
+    async def configure(self, workers: Sequence[tuple[str, str]]) -> tuple[int, int]:
+        """ConfigureExpectedWorkers with ``(worker_id, worker_address)`` pairs.
+
+        Registers (or renews) each listed worker and removes the workers this
+        API fed before that are not listed. Returns ``(total, ready)``, ready
+        meaning live, not stale, and holding an applied batch or snapshot.
+        """
+        seen: set[str] = set()
+        for i, (wid, address) in enumerate(workers):
+            # Checked before any registration, so that a bad entry changes nothing.
+            check_instance(InstanceId(wid, 0), prefix=f"workers[{i}]")
+            if len(address.encode("utf-8")) > MAX_ADDRESS_BYTES:
+                raise InvalidArgument(
+                    f"longer than {MAX_ADDRESS_BYTES} bytes", field=f"workers[{i}].worker_address"
+                )
+            if wid in seen:
+                raise InvalidArgument(f"{wid!r} is listed twice", field=f"workers[{i}].worker_id")
+            seen.add(wid)
+        states = await self.logic.list_instances(self.namespace.model)
+        ours = {
+            st.spec.instance.worker_id: st
+            for st in states
+            if st.spec.instance.dp_rank == 0 and epoch_of(st.spec.incarnation) is not None
+        }
+        ready = 0
+        for i, (wid, address) in enumerate(workers):
+            old = ours.get(wid)
+            incarnation = old.spec.incarnation if old is not None else make_incarnation("")
+            address = address or (old.spec.address if old is not None else "")
+            try:
+                st, _ = await self._register(wid, address, incarnation)
+            except InvalidArgument as e:
+                where = f"workers[{i}].{e.field}" if e.field else f"workers[{i}]"
+                raise InvalidArgument(e.message, field=where) from None
+            if st.live and not st.stale and st.applied_sequence is not None:
+                ready += 1
+        for wid, st in ours.items():
+            if wid not in seen:
+                await self.logic.remove_instance(st.spec.instance)
+                self._specs.pop(wid, None)
+        return len(workers), ready
+
+    async def replace_snapshot(
+        self,
+        worker_id: str,
+        worker_address: str,
+        worker_epoch: str,
+        applied_seq: int,
+        tiers: Sequence[tuple[Tier, Sequence[int]]],
+    ) -> int:
+        """ReplaceExternalKvSnapshot: clear the worker, store the snapshot, set its sequence."""
+        if not worker_id:
+            raise InvalidArgument("must not be empty", field="worker_id")
+        actions = [Action(ActionKind.REPORT, tier, tuple(h)) for tier, h in tiers if h]
+        events = self._events(actions)
+        cap = self.logic.config.limits.max_events_per_batch
+        if len(events) > cap:
+            raise InvalidArgument(
+                f"snapshot needs {len(events)} events of at most "
+                f"{self.logic.config.limits.max_blocks_per_event} blocks, more than "
+                f"limits.max_events_per_batch ({cap})",
+                field="hashes_by_tier",
+            )
+        # A fresh incarnation resets the worker (blocks and sequence) in one
+        # step; the snapshot then applies as its first batch.
+        await self._register(worker_id, worker_address, make_incarnation(worker_epoch))
+        batch = EventBatch(InstanceId(worker_id, 0), applied_seq, events)
+        result = await self.logic.publish(batch)
+        return result.applied_sequence
+
+    # -- queries -------------------------------------------------------------
+
+    def _count_hits(self, keys: Sequence[int]) -> None:
+        cap = self.settings.max_hit_counters
+        counts = self.hit_counts
+        for k in keys:
+            n = counts.get(k)
+            if n is None:
+                if cap == 0:
+                    return
+                if len(counts) >= cap:
+                    del counts[next(iter(counts))]  # the oldest hash first
+                counts[k] = 1
+            else:
+                counts[k] = n + 1
+
+    async def match_prefix(self, keys: Sequence[int], max_blocks: int) -> PrefixResult:
+        """MatchExternalKvPrefix: per worker, the largest gap-free prefix of ``keys``.
+
+        Never rejected for length: beyond ``limits.max_match_blocks`` the tail
+        is not looked at (``blocks_read`` says how many were), which can only
+        under-report a match.
+        """
+        if not keys:
+            raise InvalidArgument("must not be empty", field="hashes")
+        cap = self.logic.config.limits.max_match_blocks
+        limit = min(len(keys), max_blocks or len(keys), cap)
+        used = list(keys[:limit])
+        result = await self.logic.match(
+            MatchQuery(self.namespace, block_keys=used, max_blocks=limit)
+        )
+        matches: list[PrefixMatch] = []
+        addresses: set[str] = set()
+        for m in result.matches:  # deepest first, then worker id
+            # A worker with no address cannot be routed to; one address with
+            # several ranks is reported once, at its deepest.
+            if not m.address or m.address in addresses:
+                continue
+            addresses.add(m.address)
+            matches.append(PrefixMatch(m.address, m.depth, m.instance.worker_id))
+        best = matches[0].matched_prefix_blocks if matches else 0
+        self._count_hits(used[:best])
+        return PrefixResult(matches, best, len(used))
+
+    async def match_each(self, keys: Sequence[int], count_as_hit: bool) -> list[NodeMatch]:
+        """MatchExternalKv: every worker holding any of ``keys``, each hash at its fastest tier.
+
+        A diagnostic call: one index lookup per distinct hash.
+        """
+        _check_hashes(keys, self.logic.config.limits.max_match_blocks)
+        nodes: dict[InstanceId, NodeMatch] = {}
+        for k in dict.fromkeys(keys):
+            result = await self.logic.match(
+                MatchQuery(self.namespace, block_keys=[k], max_blocks=1)
+            )
+            for m in result.matches:
+                node = nodes.get(m.instance)
+                if node is None:
+                    node = nodes[m.instance] = NodeMatch(m.instance.worker_id, m.address)
+                tier = Tier.GPU if m.gpu_blocks else Tier.CPU if m.cpu_blocks else Tier.DISK
+                node.by_tier.setdefault(tier, []).append(k)
+            if count_as_hit and result.matches:
+                self._count_hits((k,))
+        return [nodes[i] for i in sorted(nodes)]
+
+    def hits(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """GetExternalKvHitCounts: ``(key, count)`` for each requested key, in order.
+
+        At most ``limits.max_match_blocks`` keys, like MatchExternalKv: the
+        answer is larger than the request, so an uncapped one could pass the
+        message size limit.
+        """
+        _check_hashes(keys, self.logic.config.limits.max_match_blocks)
+        return [(k, self.hit_counts.get(k, 0)) for k in keys]
+
+
+def _check_hashes(keys: Sequence[int], cap: int) -> None:
+    """A per-hash lookup's ``hashes``: 1 to ``cap`` (limits.max_match_blocks) of them."""
+    if not keys:
+        raise InvalidArgument("must not be empty", field="hashes")
+    if len(keys) > cap:
+        raise InvalidArgument(
+            f"{len(keys)} hashes, more than the cap of {cap} (limits.max_match_blocks)",
+            field="hashes",
+        )
+
+
+def _field_name(kvmesh_field: str) -> str:
+    # The incarnation is made from the worker's epoch (make_incarnation).
+    return {
+        "instance.worker_id": "worker_id",
+        "address": "worker_address",
+        "incarnation": "worker_epoch",
+    }.get(kvmesh_field, kvmesh_field)

@@ -1,0 +1,1 @@
+"""Benchmarks and harnesses of every service: each `kvmesh bench <part>` is a module here."""

@@ -92,6 +92,12 @@ class BlockStored:
     Content keys come from ``block_keys`` when given, else from ``token_ids``
     chained after the content key of ``parent_block_hash`` (or the namespace
     seed when there is no parent).
+
+    ``position_known`` is False when the event does not say where its blocks
+    sit in their chain: no ``parent_block_hash``, yet ``block_hashes[0]`` need
+    not start a prompt (SGLang's REPORT names pages without their position).
+    Only the Redis Cluster layout reads it (it places blocks by chain position;
+    indexer/redis/KEYS.md, "Unplaced blocks"); the contract ignores it.
     """
 
     block_hashes: tuple[int, ...]
@@ -101,6 +107,7 @@ class BlockStored:
     lora_name: str = ""
     tier: Tier = Tier.GPU
     block_keys: tuple[int, ...] | None = None
+    position_known: bool = True
 
 
 @dataclass(frozen=True, slots=True)

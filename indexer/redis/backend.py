@@ -7,9 +7,14 @@ indexer/redis/scripts.py).
 - A Match is one EVALSHA (``match.lua``) that walks the prefix and stops at the
   first block no candidate holds. Which instances to leave out (lease expired
   per ``clock``, stale, retired) comes from a cached instance table, passed as
-  ARGV. The table is refreshed when the script reports a new generation (at
-  most every ``instance_cache_ttl_s``), when a cached lease seems to have run
-  out, and at once when the script names an instance id it does not know.
+  ARGV. Once the table is older than ``instance_cache_ttl_s`` the script
+  checks its generation against ``P:gen`` (bumped by every change of the
+  table but ordinary lease renewals) and answers nothing on a mismatch, so
+  the Match rereads the table and asks again; the table is also reread when a
+  cached lease has run out since it was read (it may have been renewed
+  elsewhere), and at once when the script names an instance id it does not
+  know. So a replica's view lags the table in Redis by at most
+  ``instance_cache_ttl_s`` plus one round trip (:class:`RedisIndex`).
 - An apply is one EVALSHA (``apply.lua``): sequence check, lease renewal and
   every mutation, atomically. Content keys are chained here in Python; parent
   keys come from a local LRU of engine hash -> (namespace, key), verified by
@@ -22,8 +27,13 @@ indexer/redis/scripts.py).
 With ``cluster=True`` the same index lives in a Redis Cluster (KEYS.md,
 "Redis Cluster"): control keys share one slot, block keys carry their chain's
 anchor (the block at depth ``anchor_depth``) as hash tag, and the shallower
-blocks are copied on every master, so a Match is still one EVALSHA on one
-node. An apply is one control script plus one script per data node touched.
+blocks (and those whose chain position is unknown) are copied under every
+registered copy tag, so a Match is still one EVALSHA on one node. An apply
+has two phases: one control script, which records the data-node writes as
+pending, one script per data node touched, then a confirmation; writes a
+failure cut off are finished by the retry, the instance's next batch or
+:meth:`RedisIndex.maintain`. The slot map and the copy tags follow slots that
+move.
 
 Every method raises :class:`~kvmesh.errors.Unavailable` when Redis cannot be
 reached (after at most ``socket_timeout_s`` per round trip) and recovers by
@@ -119,12 +129,43 @@ PURGE_CHUNK = 512
 #: under concurrent writes to the same instance.
 _APPLY_ATTEMPTS = 4
 
+#: Namespaces whose constants (id, block-name prefix, registry value) a
+#: replica keeps, least recently used first out. One costs about 520 bytes, so
+#: the default holds 2 MB at most; a namespace is a model or a LoRA adapter, and
+#: real fleets have far fewer. Only namespaces Redis holds blocks of are kept,
+#: so names a client invents in Matches never enter it.
+NS_CACHE_SIZE = 4096
+
 #: Keys fetched per HGETALL pipeline in dump(): bounds client memory per step.
 _DUMP_BATCH = 1000
 
 #: Cluster mode: node tags tried per master. Each slot is hit by about one in
 #: 16,384 tags, so a few hundred thousand cover every layout with certainty.
 _NODE_TAG_SEARCH = 1 << 20
+
+#: Cluster mode: seconds between reloads of the slot map and the copy-tag
+#: registry (KEYS.md, "Copy tags"), on the next cluster call. MOVED replies keep
+#: the slot map current in between and a copy tag this node lost is found at
+#: once (match.lua answers that it serves none), so this only bounds how long
+#: a master that lost its copy tag to a resharding waits for a new one. A
+#: reload is one CLUSTER SLOTS and one HGETALL.
+_TOPOLOGY_REFRESH_S = 5.0
+#: Cluster mode: after a failed call, the slot map is reloaded at most this
+#: often (a master that is down makes every call to it fail; one reload per
+#: call would add a round trip to each).
+_TOPOLOGY_RETRY_S = 0.2
+#: Cluster mode: a copy tag still being seeded after this many seconds belongs
+#: to a replica that died while seeding it; another one seeds it again. Far
+#: above a seeding's duration (a copy of the shallow and unplaced blocks).
+_SEED_STALE_S = 60.0
+#: Cluster mode: copies read per step when seeding a copy tag, and pending
+#: records re-driven per control script: both bound a script's and a reply's size.
+_SEED_CHUNK = 512
+#: Cluster mode: attempts to write one batch's data-node writes when a newer
+#: write for the same instance superseded them meanwhile (each attempt re-reads
+#: the pending record). Two writers of one instance at once is rare; three is
+#: plenty.
+_DRIVE_ATTEMPTS = 3
 
 # Redis replies that mean "not serving right now" rather than "bad request".
 _TRANSIENT = (b"LOADING", b"BUSY", b"MASTERDOWN", b"READONLY", b"TRYAGAIN", b"CLUSTERDOWN")
@@ -194,6 +235,23 @@ _DEPTH1_TIERS: tuple[tuple[int, int, int], ...] = (
 )
 
 
+def _slot_moved(exc: BaseException) -> bool:
+    """Whether a cluster error says that a slot is not where the slot map put it
+    (a script touched a name its node does not serve)."""
+    text = str(exc)
+    return "non local key" in text or "hash slot" in text
+
+
+def _unpack_locations(packed: bytes) -> list[bytes]:
+    """The locations of a pending record's value (each prefixed by its length)."""
+    out, i = [], 0
+    while i < len(packed):
+        n = packed[i]
+        out.append(packed[i + 1 : i + 1 + n])
+        i += n + 1
+    return out
+
+
 def _pack(values: Sequence[int], what: str) -> bytes:
     try:
         return struct.pack(f">{len(values)}Q", *values)
@@ -208,7 +266,15 @@ class RedisIndex(Index):
     indexes can share one Redis. ``clock`` returns seconds and judges leases
     (lease expiry stamps in Redis are absolute ``clock()`` values).
     ``instance_cache_ttl_s`` bounds how often the cached instance table is
-    refreshed; ``parent_cache_size`` caps the local engine-hash LRU.
+    refreshed and, with it, how far this replica's view may lag: the instance
+    table a Match answers from (ids, addresses, stale flags, leases) lags the
+    one in Redis by at most ``instance_cache_ttl_s`` plus one round trip. A
+    live instance is never hidden past that bound (a cached lease that ran out
+    is read again once the bound allows), and an instance that expired, was
+    removed or was registered again is never answered with its old id,
+    address or flags past it (KEYS.md, "Instance table, leases, staleness").
+    ``parent_cache_size`` caps the local engine-hash LRU; ``ns_cache_size``
+    the namespaces whose constants are kept (:data:`NS_CACHE_SIZE`).
     ``cluster`` talks to a Redis Cluster through ``url`` (any node);
     ``anchor_depth`` is then the depth of the block whose tag places a chain
     (blocks above it are copied on every master; 0 tags chains by their root).
@@ -232,6 +298,7 @@ class RedisIndex(Index):
         instance_cache_ttl_s: float = 0.25,
         socket_timeout_s: float = 1.0,
         parent_cache_size: int = 200_000,
+        ns_cache_size: int = NS_CACHE_SIZE,
         cluster: bool = False,
         anchor_depth: int = 1,
         username: str = "",
@@ -315,11 +382,24 @@ class RedisIndex(Index):
         if self._tracer is not None:
             # Bound once here, so that tracing off adds nothing to the call path.
             self._exec = traced_exec(self._exec, self._tracer, url, self._scripts.values())
-        # cluster topology: node name -> node tag, slot -> node tag (see _topology)
-        self._node_tags: dict[str, bytes] = {}
-        self._slot_tags: list[bytes] = []
+        # cluster topology (see _topology): the copy-tag registry, its version,
+        # each master's first ready copy tag, the probe list match.lua tries.
+        self._tags: list[bytes] = []
+        self._tag_state: dict[bytes, bytes] = {}
+        self._tags_version: bytes | None = None
+        self._tags_arg: list[Any] = [0]
+        self._ready: list[bytes] = []
+        self._node_ready: dict[str, bytes] = {}
+        self._probes: dict[bytes, bytes] = {}
         self._tag_slots: dict[bytes, int] = {}
+        self._topo_at = float("-inf")  # time.monotonic() of the last reload
+        self._topo_loaded = False
+        self._topo_busy = False
+        self._upkeep: asyncio.Future[None] | None = None  # background re-drive (Match path)
         self._rr = 0
+        self._plain_block = K.base(prefix) + K.BLOCK
+        self._tags_key = K.key(self._ctl_prefix, K.TAGS)
+        self._pend_key = K.key(self._ctl_prefix, K.PENDING)
         #: Requests sent to Redis (a pipeline counts once): the cost figure that
         #: KEYS.md promises, exposed for tests and benchmarks.
         self.round_trips = 0
@@ -331,12 +411,17 @@ class RedisIndex(Index):
         self._dead: set[bytes] = set()
         self._gen: bytes | None = None
         self._refreshed_at = float("-inf")  # time.monotonic() of the last snapshot
+        self._snap_clock = float("-inf")  # clock() just before the last snapshot
+        # clock() from which a cached lease has run out since it was read: the
+        # table must then be read again (another replica may have renewed it).
+        self._recheck_at = float("-inf")
         self._excl_all: list[bytes] = []
         self._excl_stale_ok: list[bytes] = []
         self._excl_until = float("-inf")  # clock() at which a cached lease runs out
         self._excl_dirty = True
-        # per-namespace constants
-        self._ns_cache: dict[tuple[str, str], tuple[bytes, bytes, bytes]] = {}
+        # per-namespace constants: a bounded LRU (NS_CACHE_SIZE says why)
+        self._ns_cache: OrderedDict[tuple[str, str], tuple[bytes, bytes, bytes]] = OrderedDict()
+        self._ns_cap = ns_cache_size
         self._ns_names: dict[bytes, Namespace] = {}
         # (instance name, engine hash) -> ns id + block key, as last written
         self._parents: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
@@ -445,7 +530,9 @@ class RedisIndex(Index):
                 res = await self._exec("EVALSHA", script.sha, numkeys, *args)
         except CLIENT_ERRORS as exc:
             if self.cluster:
-                self._slot_tags = []  # reload the topology on the next call
+                # Reload the slot map soon: a slot may have moved, a master failed.
+                soon = time.monotonic() - _TOPOLOGY_REFRESH_S + _TOPOLOGY_RETRY_S
+                self._topo_at = min(self._topo_at, soon)
             raise self._map_error(exc) from exc
         if self.cluster and script.name in CLUSTER_CONTROL:
             reply, bumped = res if len(res) == 2 else (res[0], None)
@@ -456,83 +543,344 @@ class RedisIndex(Index):
 
     # -- cluster topology ----------------------------------------------------------
 
-    async def _topology(self) -> None:
-        """Load which master serves each slot and pick a node tag per master."""
-        from redis.crc import key_slot
-
-        self.round_trips += 1
-        try:
-            await self._r.initialize()
-        except CLIENT_ERRORS as exc:
-            raise self._map_error(exc) from exc
-        owner: list[str] = [""] * 16384
-        for slot, nodes in self._r.nodes_manager.slots_cache.items():
-            if nodes:
-                owner[slot] = nodes[0].name
-        tags: dict[str, bytes] = {}
-        want = {n.name for n in self._r.get_primaries()}
-        for i in range(_NODE_TAG_SEARCH):
-            t = K.node_tag(i)
-            name = owner[key_slot(t)]
-            if name in want and name not in tags:
-                tags[name] = t
-                if len(tags) == len(want):
-                    break
-        self._node_tags = tags
-        self._slot_tags = [tags.get(name, b"") for name in owner]
-
-    async def _node_tag_list(self) -> list[bytes]:
-        if not self._slot_tags:
-            await self._topology()
-        return sorted(self._node_tags.values())
-
     def _slot_of_tag(self, tag: bytes) -> int:
+        """Hash slot of the names tagged ``{tag}`` (cached)."""
         slot = self._tag_slots.get(tag)
         if slot is None:
             from redis.crc import key_slot
 
-            slot = self._tag_slots[tag] = key_slot(tag)
+            slot = self._tag_slots[tag] = key_slot(b"{" + tag + b"}")
         return slot
 
+    def _owner(self, slot: int) -> str | None:
+        """The master serving ``slot`` in the client's slot map, which MOVED
+        replies keep current between reloads; None when no master serves it."""
+        nodes = self._r.nodes_manager.slots_cache.get(slot)
+        return cast(str, nodes[0].name) if nodes else None
+
+    def _served_owner(self, slot: int) -> str:
+        owner = self._owner(slot)
+        if owner is None:
+            raise Unavailable(f"redis cluster: no master serves slot {slot}")
+        return owner
+
+    async def _topology(self) -> None:
+        """Reload the slot map and the copy-tag registry, and give a copy tag to
+        every master that serves none (KEYS.md, "Copy tags")."""
+        self._topo_at = time.monotonic()
+        try:
+            await self._reload_topology()
+        except KvmeshError:
+            self._topo_at = time.monotonic() - _TOPOLOGY_REFRESH_S + _TOPOLOGY_RETRY_S
+            raise
+        if self._topo_busy:
+            return  # called while seeding: the slot map and the tags are enough
+        masters = sorted(n.name for n in self._r.get_primaries())
+        if not self._tags:
+            # A new index: one copy tag per master, with nothing to copy yet.
+            cmds: list[Sequence[Any]] = []
+            for m in masters:
+                t = self._pick_tag(m)
+                if t is not None:
+                    cmds.append(("HSETNX", self._tags_key, t, b"r"))
+            if cmds:
+                cmds.append(("HINCRBY", self._tags_key, b"#", 1))
+                await self._pipe(cmds)
+                await self._load_tags()
+        served = {self._owner(self._slot_of_tag(t)) for t in self._tags}
+        due = [self._pick_tag(m) for m in masters if m not in served]
+        now = time.time()
+        for t, state in self._tag_state.items():
+            if state[:1] == b"s" and now - float(state[1:] or 0) > _SEED_STALE_S:
+                due.append(t)  # its seeder died
+        for t in dict.fromkeys(due):
+            if t is not None:
+                await self._seed(t)
+
+    async def _reload_topology(self) -> None:
+        """The slot map (CLUSTER SLOTS) and the copy-tag registry."""
+        self.round_trips += 1
+        try:
+            if self._topo_loaded:
+                await self._r.nodes_manager.initialize()
+            else:
+                await self._r.initialize()
+        except CLIENT_ERRORS as exc:
+            raise self._map_error(exc) from exc
+        self._topo_loaded = True
+        await self._load_tags()
+
+    def _pick_tag(self, master: str) -> bytes | None:
+        """The first candidate tag whose slot ``master`` serves."""
+        from redis.crc import key_slot
+
+        for i in range(_NODE_TAG_SEARCH):
+            t = K.node_tag(i)
+            if self._owner(key_slot(t)) == master:  # not cached: most are tried once
+                return t
+        return None
+
+    async def _load_tags(self) -> None:
+        """Read the copy-tag registry; derive the probe lists of match.lua."""
+        raw = dict(await self._cmd("HGETALL", self._tags_key))
+        self._tags_version = raw.pop(b"#", b"")
+        self._tag_state = raw
+        self._tags = sorted(raw)
+        self._tags_arg = [len(self._tags), *self._tags]
+        ready = [t for t in self._tags if raw[t] == b"r"]
+        self._ready = ready or self._tags
+        order = ready + [t for t in self._tags if raw[t] != b"r"]
+        self._node_ready = {}
+        for t in reversed(ready):
+            owner = self._owner(self._slot_of_tag(t))
+            if owner is not None:
+                self._node_ready[owner] = t
+        self._probes = {b"": b" ".join(order)}
+        for t in order:
+            self._probes[t] = b" ".join([t, *(x for x in order if x != t)])
+
+    def _probe(self, guess: bytes) -> bytes:
+        """match.lua's copy tags: ``guess`` first, then the ready ones, then
+        those being seeded."""
+        got = self._probes.get(guess)
+        return got if got is not None else self._probes.get(b"", b"")
+
+    async def _seed(self, tag: bytes) -> None:
+        """Give a master the copy tag ``tag`` and a full copy set under it.
+
+        Registered first (as being seeded), so that every write from then on
+        includes it; the writes still pending from before are re-driven; then
+        the copies of a ready tag are merged in (never over a newer write) and
+        checked against the control node ('k:'), which removes any copy a
+        concurrent removal deleted before the merge wrote it; then it is ready.
+        """
+        self._topo_busy = True
+        try:
+            stamp = b"s%d" % int(time.time())
+            await self._pipe(
+                [("HSET", self._tags_key, tag, stamp), ("HINCRBY", self._tags_key, b"#", 1)]
+            )
+            await self._load_tags()
+            with contextlib.suppress(Unavailable):
+                await self._redrive_all()  # what stays pending is re-driven to tag later
+            sources = [t for t in self._ready if t != tag and self._tag_state.get(t) == b"r"]
+            for src in sources:
+                try:
+                    await self._copy_tag(src, tag)
+                    break
+                except Unavailable:
+                    continue  # its master is down: try another copy
+            gen = await self._cmd("GET", self._gen_key)
+            if gen is not None:
+                await self._eval(
+                    self._scripts["cgen"],
+                    1,
+                    K.node_key(self._prefix, K.NODE_GEN, tag),
+                    self._base,
+                    gen,
+                )
+            await self._pipe(
+                [("HSET", self._tags_key, tag, b"r"), ("HINCRBY", self._tags_key, b"#", 1)]
+            )
+            await self._load_tags()
+        except KvmeshError:
+            # Left half seeded: stamped as long dead, the next reload seeds it again.
+            with contextlib.suppress(KvmeshError):
+                await self._cmd("HSET", self._tags_key, tag, b"s0")
+            raise
+        finally:
+            self._topo_busy = False
+
+    async def _copy_tag(self, src: bytes, dst: bytes) -> None:
+        """Merge the copies under ``src`` into ``dst``, then check them (``_seed``)."""
+        index = K.node_key(self._prefix, K.NODE_COPIES, src)
+        owner = self._served_owner(self._slot_of_tag(dst))
+        dst_counts = K.node_key(self._prefix, K.NODE_COUNTS, dst)
+        src_names = self._plain_block + b"{" + src + b"}"
+        dst_names = self._plain_block + b"{" + dst + b"}"
+        cursor: Any = 0
+        while True:
+            cursor, fields = await self._cmd("HSCAN", index, cursor, "COUNT", _SEED_CHUNK)
+            names = list(fields)
+            if names:
+                copies = await self._pipe([("HGETALL", src_names + f) for f in names])
+                ops: list[Any] = []
+                checks: list[Any] = []
+                for f, holders in zip(names, copies, strict=True):
+                    kind = b"u" if len(f) == 17 else b"s"
+                    suf = f[-16:]
+                    for int_id, mask in holders.items():
+                        ops += (dst_names + f, int_id, mask, kind + suf[:8])
+                        checks += (int_id, suf, kind, mask)
+                if ops:
+                    await self._run_groups({owner: (dst_counts, ops)}, b"m")
+                    await self._check_copies(checks)
+            if int(cursor) == 0:
+                return
+
+    async def _check_copies(self, checks: list[Any]) -> None:
+        """Fix merged copies that 'k:' contradicts; again for the ids whose fix a
+        newer write superseded."""
+        for _ in range(_DRIVE_ATTEMPTS):
+            res = await self._eval(
+                self._s_apply, 1, self._gen_key, self._base, b"", b"", b"v", *checks
+            )
+            epoch, _ids, tver, ops = res[1]
+            if not ops:
+                return
+            dropped = await self._write_blocks(ops, epoch, tver)
+            if not dropped:
+                return
+            checks = [
+                x for j in range(0, len(checks), 4) if checks[j] in dropped
+                for x in checks[j : j + 4]
+            ]  # fmt: skip
+        raise Unavailable("redis cluster: copies kept changing while seeding; retry later")
+
     async def _spread_gen(self, gen: Any) -> None:
-        """Copy a new generation to every master (a Match reads its node's copy)."""
-        tags = await self._node_tag_list()
+        """Copy a new generation under every copy tag (a Match reads its node's copy)."""
+        if not self._tags:
+            await self._topology()
         script = self._scripts["cgen"]
         await asyncio.gather(
             *(
                 self._eval(script, 1, K.node_key(self._prefix, K.NODE_GEN, t), self._base, gen)
-                for t in tags
+                for t in self._tags
             ),
             return_exceptions=True,  # a master that is down gets it from a later refresh
         )
 
-    async def _write_blocks(self, ops: Sequence[Any]) -> None:
-        """Cluster: write block entries (location, suffix, id, mask quadruples), one
-        script per data node, all nodes at once."""
-        if not ops:
+    async def maintain(self) -> None:
+        """Cluster upkeep (KEYS.md, "Redis Cluster"): reload the slot map and the
+        copy tags, seeding a master that serves none, then finish every write
+        left pending (a replica that died, or a caller that gave up, between
+        the two halves of an apply). The cluster code paths reload the slot map
+        by themselves every few seconds, and an instance's next batch finishes
+        its pending writes first; this is for everything else, and the reaper
+        runs it. Nothing to do with a single Redis. Raises Unavailable when a
+        write still fails: it stays pending, for the next call."""
+        if not self.cluster:
             return
-        tags = await self._node_tag_list()
-        per_node: dict[bytes, list[Any]] = {}
-        plain = K.base(self._prefix) + K.BLOCK
+        await self._topology()
+        await self._redrive_all()
+
+    async def _redrive_quietly(self) -> None:
+        with contextlib.suppress(Unavailable):  # still pending: the next round
+            await self._redrive_all()
+
+    async def _redrive(self, *ids: bytes) -> None:
+        """Finish the pending writes of these int ids, if they have any."""
+        res = await self._eval(self._s_apply, 1, self._gen_key, self._base, b"", b"", b"r", *ids)
+        await self._drive(res[1])
+
+    async def _redrive_all(self) -> None:
+        """Re-drive the pending record of every id that has one."""
+        ids = sorted(await self._cmd("SMEMBERS", self._pend_key))
+        failed: Unavailable | None = None
+        for i in range(0, len(ids), _SEED_CHUNK):
+            try:
+                await self._redrive(*ids[i : i + _SEED_CHUNK])
+            except Unavailable as exc:
+                failed = exc  # the others still go
+        if failed is not None:
+            raise failed
+
+    async def _drive(self, w: Sequence[Any]) -> None:
+        """Write the data-node writes of a capply.lua reply (``W``) and confirm
+        them, which drops the pending records they came from. When a newer
+        write of the same instance superseded some of them (cblocks.lua drops
+        writes under an older epoch), the records are re-driven under a new
+        epoch, so that the batch is on the data nodes before it is acknowledged.
+        Raises Unavailable when a write fails: the records stay pending."""
+        for _ in range(_DRIVE_ATTEMPTS):
+            epoch, ids, tver, ops = w
+            if not epoch:
+                return
+            dropped = await self._write_blocks(ops, epoch, tver)
+            if not dropped:
+                await self._eval(
+                    self._s_apply, 1, self._gen_key, self._base, b"", b"", b"c", epoch, *ids
+                )
+                return
+            res = await self._eval(
+                self._s_apply, 1, self._gen_key, self._base, b"", b"", b"r", *ids
+            )
+            w = res[1]
+        raise Unavailable("redis cluster: concurrent writes for one instance; retry later")
+
+    def _group(self, ops: Sequence[Any]) -> dict[str, tuple[bytes, list[Any]]]:
+        """Block writes (location, suffix, id, mask quadruples) per master: the
+        name to route by and cblocks.lua's quadruples. Shallow and unplaced
+        entries go under every copy tag, deep ones under their anchor's tag."""
+        plain = self._plain_block
+        groups: dict[str, tuple[bytes, list[Any]]] = {}
         for j in range(0, len(ops), 4):
             loc, suf, int_id, mask = ops[j], ops[j + 1], ops[j + 2], ops[j + 3]
-            ns = suf[:8]
-            if loc[:1] == b"s":
-                for t in tags:
-                    name = plain + b"{" + t + b"}" + suf
-                    per_node.setdefault(t, []).extend((name, int_id, mask, b"s" + ns))
-            else:
+            c = loc[:1]
+            if c == b"d":
                 tag = loc[1:]
-                t = self._slot_tags[self._slot_of_tag(b"{" + tag + b"}")]
                 name = plain + b"{" + tag + b"}" + suf
-                per_node.setdefault(t, []).extend((name, int_id, mask, b"d" + ns))
+                owner = self._served_owner(self._slot_of_tag(tag))
+                got = groups.get(owner)
+                if got is None:
+                    got = groups[owner] = (name, [])
+                got[1].extend((name, int_id, mask, b"d" + suf[:8]))
+            else:
+                mid, cf = (b"}u", b"u" + suf[:8]) if c == b"u" else (b"}", b"s" + suf[:8])
+                for t in self._tags:
+                    served = self._owner(self._slot_of_tag(t))
+                    if served is None:
+                        continue  # no master serves it: no Match reads that copy either
+                    name = plain + b"{" + t + mid + suf
+                    got = groups.get(served)
+                    if got is None:
+                        got = groups[served] = (name, [])
+                    got[1].extend((name, int_id, mask, cf))
+        return groups
+
+    async def _run_groups(
+        self, groups: dict[str, tuple[bytes, list[Any]]], epoch: bytes
+    ) -> set[bytes]:
+        """One cblocks.lua per master, all at once; the ids whose writes a newer
+        epoch superseded. Every script runs to its end before the first error
+        is raised (none is left in flight behind the caller)."""
         script = self._scripts["cblocks"]
-        await asyncio.gather(
+        got = await asyncio.gather(
             *(
-                self._eval(script, 1, K.node_key(self._prefix, K.NODE_COUNTS, t), self._base, *a)
-                for t, a in per_node.items()
-            )
+                self._eval(script, 1, key, self._base, epoch, *self._tags_arg, *quads)
+                for key, quads in groups.values()
+            ),
+            return_exceptions=True,
         )
+        dropped: set[bytes] = set()
+        for r in got:
+            if isinstance(r, BaseException):
+                raise r
+            dropped.update(r)
+        return dropped
+
+    async def _write_blocks(
+        self, ops: Sequence[Any], epoch: bytes = b"", tags_version: bytes | None = None
+    ) -> set[bytes]:
+        """Cluster: write block entries (location, suffix, id, mask quadruples)
+        under write epoch ``epoch`` ('' unconditionally); return the ids whose
+        writes were dropped as superseded. ``tags_version`` is the copy-tag
+        registry version the control script saw: the tags are reread first
+        when it is not ours. A write that meets a slot somewhere else than the
+        slot map said reloads it and runs again (the writes are idempotent)."""
+        if not ops:
+            return set()
+        if time.monotonic() - self._topo_at >= _TOPOLOGY_REFRESH_S:
+            await self._topology()
+        elif tags_version is not None and tags_version != self._tags_version:
+            await self._load_tags()
+        try:
+            return await self._run_groups(self._group(ops), epoch)
+        except Unavailable as exc:
+            if not _slot_moved(exc):
+                raise
+        await self._topology()
+        return await self._run_groups(self._group(ops), epoch)
 
     async def _cmd(self, *args: Any) -> Any:
         self.round_trips += 1
@@ -566,14 +914,28 @@ class RedisIndex(Index):
             raise self._map_error(exc) from exc
 
     def _ns(self, model: str, lora: str) -> tuple[bytes, bytes, bytes]:
-        """(ns id, block name prefix, ns registry value), cached."""
-        got = self._ns_cache.get((model, lora))
+        """(ns id, block name prefix, ns registry value) of a namespace being
+        written (so Redis holds it), kept in the namespace LRU."""
+        key = (model, lora)
+        got = self._ns_cache.get(key)
         if got is None:
-            nid = K.ns_id(model, lora)
-            got = (nid, K.block_prefix(self._prefix, nid), K.ns_name(model, lora))
-            self._ns_cache[(model, lora)] = got
-            self._ns_names[nid] = Namespace(model, lora)
+            got = self._ns_make(model, lora)
+            self._ns_keep(key, got)
+        else:
+            self._ns_cache.move_to_end(key)
         return got
+
+    def _ns_make(self, model: str, lora: str) -> tuple[bytes, bytes, bytes]:
+        nid = K.ns_id(model, lora)
+        return nid, K.block_prefix(self._prefix, nid), K.ns_name(model, lora)
+
+    def _ns_keep(self, key: tuple[str, str], got: tuple[bytes, bytes, bytes]) -> None:
+        cache = self._ns_cache
+        cache[key] = got
+        self._ns_names[got[0]] = Namespace(*key)
+        while len(cache) > self._ns_cap:
+            _, (nid, _, _) = cache.popitem(last=False)
+            self._ns_names.pop(nid, None)
 
     def _inst_key(self, instance: InstanceId) -> tuple[bytes, bytes]:
         name = K.instance_name(instance.worker_id, instance.dp_rank)
@@ -599,6 +961,8 @@ class RedisIndex(Index):
         self._excl_dirty = True
 
     async def _refresh(self) -> None:
+        """Read the whole instance table (``snapshot.lua``) into the cache."""
+        snap_clock = self._clock()
         res = await self._eval(
             self._scripts["snapshot"], len(self._ctl_keys), *self._ctl_keys, self._base
         )
@@ -615,29 +979,43 @@ class RedisIndex(Index):
         self._dead = set(dead)
         self._gen = gen
         self._refreshed_at = time.monotonic()
+        self._snap_clock = snap_clock
         self._excl_dirty = True
 
     def _recompute_exclusions(self, now: float) -> None:
+        """Exclusion lists at ``now``, when they next change, and when a cached
+        lease next runs out after it was read (``_recheck_at``).
+
+        A lease that had already run out when the snapshot was taken needs no
+        second look: reviving it bumps the generation. One that ran out since
+        may have been renewed elsewhere (renewals do not bump it), so the
+        table is read again at the first Match the bound allows.
+        """
         excl_all = list(self._dead)
         excl_stale_ok = list(self._dead)
-        until = float("inf")
+        until = recheck = float("inf")
+        snap = self._snap_clock
         for inst in self._by_name.values():
-            if inst.exp <= now:
+            exp = inst.exp
+            if exp > snap and exp < recheck:
+                recheck = exp
+            if exp <= now:
                 excl_all.append(inst.int_id)
                 excl_stale_ok.append(inst.int_id)
             else:
-                until = min(until, inst.exp)
+                if exp < until:
+                    until = exp
                 if inst.stale:
                     excl_all.append(inst.int_id)
         self._excl_all, self._excl_stale_ok = excl_all, excl_stale_ok
         self._excl_until = until
+        self._recheck_at = recheck if self._gen is not None else float("-inf")
         self._excl_dirty = False
 
-    async def _exclusions(self, now: float, include_stale: bool) -> list[bytes]:
+    def _exclusions(self, now: float, include_stale: bool) -> list[bytes]:
+        """The int ids a Match at ``now`` leaves out (retired, lease run out per
+        the cache, stale unless ``include_stale``)."""
         if self._excl_dirty or now >= self._excl_until:
-            if now >= self._excl_until and time.monotonic() - self._refreshed_at >= self._cache_ttl:
-                # A cached lease ran out; another replica may have renewed it.
-                await self._refresh()
             self._recompute_exclusions(now)
         return self._excl_stale_ok if include_stale else self._excl_all
 
@@ -711,7 +1089,15 @@ class RedisIndex(Index):
         ]
 
     async def reap_expired(self) -> list[InstanceId]:
-        """Drop every instance whose lease has expired; return their ids."""
+        """Drop every instance whose lease has expired; return their ids.
+
+        In Cluster mode it first finishes data-node writes left pending (by a
+        stalled master, a timeout or a cancelled caller), so a replica that
+        serves no Match still drives them.
+        """
+        if self.cluster:
+            with contextlib.suppress(Unavailable):
+                await self.maintain()
         now = self._clock()
         for dead in await self._cmd("SMEMBERS", K.key(self._ctl_prefix, K.DEAD)):
             await self._purge(dead)  # left over by an interrupted purge
@@ -737,21 +1123,38 @@ class RedisIndex(Index):
     async def _purge_cluster(self, int_id: bytes) -> None:
         """Cluster: delete a chunk's data-node entries first, then its control
         fields (next call), so an interrupted purge only ever leaves control
-        fields whose entries may be gone: the next purge repeats them."""
+        fields whose entries may be gone: the next purge repeats them. Once
+        'k:<id>' is empty, the same for the id's pending record (entries whose
+        place only it knows), then the id's version on each data node goes."""
         script = self._scripts["cpurge"]
+        phase: bytes = b""
         done: list[bytes] = []
         while True:
             res = await self._eval(
-                script, 1, *self._ctl_keys, self._base, int_id, PURGE_CHUNK, *done
+                script, 1, *self._ctl_keys, self._base, int_id, PURGE_CHUNK, phase, *done
             )
-            chunk = res[1:]
-            if not chunk:
-                return
+            phase = res[0]
+            if not phase:
+                break
+            tver = res[1]
+            chunk = res[3:] if phase == b"k" else res[2:]
             ops: list[Any] = []
             for j in range(0, len(chunk), 2):
-                ops += (chunk[j + 1][1:], chunk[j], int_id, b"0")
-            await self._write_blocks(ops)
+                if phase == b"k":
+                    ops += (chunk[j + 1][1:], chunk[j], int_id, b"0")
+                else:
+                    for loc in _unpack_locations(chunk[j + 1]):
+                        ops += (loc, chunk[j], int_id, b"0")
+            await self._write_blocks(ops, b"", tver)
             done = chunk[0::2]
+        groups: dict[str, tuple[bytes, list[Any]]] = {}
+        for t in self._tags:
+            owner = self._owner(self._slot_of_tag(t))
+            if owner is not None and owner not in groups:
+                key = K.node_key(self._prefix, K.NODE_COUNTS, t)
+                groups[owner] = (key, [b"", int_id, b"", b""])
+        with contextlib.suppress(Unavailable):  # a version left behind costs a few bytes
+            await self._run_groups(groups, b"")
 
     # -- events ----------------------------------------------------------------
 
@@ -817,10 +1220,13 @@ class RedisIndex(Index):
                 hb = _pack(hashes, "block_hashes")
                 ops += (_OP_STORE, nid, ev.tier.bit, parent_arg, hb, kb)
                 if self.cluster:
-                    # The engine hash whose location the chain continues.
-                    ops.append(
-                        K.u64(parent) if parent is not None and 0 <= parent < 1 << 64 else b""
-                    )
+                    # The engine hash whose location the chain continues; b"" for
+                    # a chain that starts a prompt, b"?" where the event does not
+                    # say (KEYS.md, "Unplaced blocks").
+                    if parent is None:
+                        ops.append(b"" if ev.position_known else b"?")
+                    else:
+                        ops.append(K.u64(parent) if 0 <= parent < 1 << 64 else b"?")
                 if ks:
                     for i in range(min(len(hashes), len(ks))):
                         overlay[hashes[i]] = nid + kb[8 * i : 8 * i + 8]
@@ -895,9 +1301,11 @@ class RedisIndex(Index):
             )
             status = res[0]
             if status == b"ok":
+                writes: Sequence[Any] = ()
                 if self.cluster:
-                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, retired, ops = res
-                    await self._write_blocks(ops)
+                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, retired, writes = (
+                        res
+                    )
                 else:
                     _, gap, stale, exp, bits, stored, removed, orphaned, int_id, *retired = res
                 if inst.exp <= now:
@@ -915,6 +1323,10 @@ class RedisIndex(Index):
                     self._by_id[int_id] = inst
                     self._excl_dirty = True
                 self._remember(inst.name, written)
+                if writes:
+                    # The data-node half; acknowledged only once it is written. On
+                    # failure the writes stay pending (KEYS.md, "Apply: two phases").
+                    await self._drive(writes)
                 for dead in retired:
                     await self._purge(dead)
                 return ApplyResult(
@@ -926,10 +1338,14 @@ class RedisIndex(Index):
                     stale=bool(stale),
                 )
             if status == b"dup":
-                _, seq, stale, exp, bits = res
+                _, seq, stale, exp, bits, *pending = res
                 if inst.exp <= now:
                     self._excl_dirty = True
                 inst.exp = float(exp)
+                if pending:
+                    # Cluster: writes the instance left pending (a retry of a batch
+                    # cut off after its control half) are written before the ack.
+                    await self._drive(pending[0])
                 return ApplyResult(BatchOutcome.DUPLICATE, int(seq), stale=bool(stale))
             # Our view of the instance is outdated: reread and retry from Redis.
             await self._refresh()
@@ -946,94 +1362,165 @@ class RedisIndex(Index):
     async def match(
         self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
     ) -> list[InstanceMatch]:
-        """Per-instance longest gap-free prefix of ``keys``, deepest first (one EVALSHA)."""
+        """Per-instance longest gap-free prefix of ``keys``, deepest first (one EVALSHA).
+
+        The instance table comes from the cache, read again first when a
+        cached lease has run out since it was read, and checked by the script
+        against ``P:gen`` once it is older than ``instance_cache_ttl_s``: a
+        moved generation makes the script answer nothing, and the Match reads
+        the table and asks again (three round trips instead of one).
+        """
         if not keys:
             return []
-        ns = self._ns_cache.get((namespace.model, namespace.lora_name))
+        nskey = (namespace.model, namespace.lora_name)
+        ns = self._ns_cache.get(nskey)
+        known_ns = ns is not None
         if ns is None:
-            ns = self._ns(namespace.model, namespace.lora_name)
+            ns = self._ns_make(*nskey)  # kept below only if Redis holds it
+        else:
+            self._ns_cache.move_to_end(nskey)
         blob = _pack(keys, "keys")
         now = self._clock()
-        excl = (
-            (self._excl_stale_ok if include_stale else self._excl_all)
-            if not self._excl_dirty and now < self._excl_until
-            else await self._exclusions(now, include_stale)
-        )
+        # Past the bound the cached table may be outdated: check or reread it.
+        due = time.monotonic() - self._refreshed_at >= self._cache_ttl
+        refreshed = False
+        excl = self._exclusions(now, include_stale)
+        if due and now >= self._recheck_at:
+            await self._refresh()  # a cached lease ran out (or nothing was read yet)
+            refreshed, due = True, False
+            excl = self._exclusions(now, include_stale)
         if self.cluster:
             res = await self._match_cluster(ns[0], keys, blob, excl)
+            if res[0] != self._gen and due:
+                await self._refresh()
+                refreshed = True
+                if res[0] != self._gen and self._gen:
+                    await self._spread_gen(self._gen)  # a restarted master lost its copy
         else:
-            res = await self._eval(
-                self._s_match, 0, self._base, self._gen_key, ns[1], ns[1], 0, blob, *excl
-            )
-        refreshed = False
-        if res[0] != self._gen and time.monotonic() - self._refreshed_at >= self._cache_ttl:
-            await self._refresh()
-            refreshed = True
-            if self.cluster and res[0] != self._gen and self._gen:
-                await self._spread_gen(self._gen)  # a restarted master lost its copy
+            check = (b"=" + self._gen,) if due and self._gen is not None else ()
+            args = (self._base, self._gen_key, ns[1], ns[1], 0, blob)
+            res = await self._eval(self._s_match, 0, *args, *check, *excl)
+            if len(res) == 1:
+                # The table changed since our snapshot: our exclusions may hide
+                # a live instance or keep a removed one. Reread, ask again.
+                await self._refresh()
+                refreshed = True
+                excl = self._exclusions(now, include_stale)
+                res = await self._eval(self._s_match, 0, *args, *excl)
+        first = res[1]
+        if first and not known_ns:
+            self._ns_keep(nskey, ns)  # Redis holds blocks of it: a real namespace
         # (int id, gpu, cpu, disk): candidates the script walked past block 1,
         # then the other holders of block 0, which matched exactly one block.
         rows = [(res[j], res[j + 1], res[j + 2], res[j + 3]) for j in range(2, len(res), 4)]
-        first = res[1]
         skip = {r[0] for r in rows}
         skip.update(excl)
         for j in range(0, len(first), 2):
             if first[j] not in skip:
                 rows.append((first[j], *_DEPTH1_TIERS[int(first[j + 1])]))
-        by_id = self._by_id
-        out: list[InstanceMatch] = []
-        for int_id, g, c, d in rows:
-            inst = by_id.get(int_id)
-            if inst is None and not refreshed:
-                await self._refresh()  # a new (or re-keyed) instance
-                refreshed = True
-                by_id = self._by_id
-                inst = by_id.get(int_id)
-            if inst is None:
-                continue
-            if refreshed and (inst.exp <= now or (inst.stale and not include_stale)):
-                continue
-            out.append(
-                InstanceMatch(inst.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
-            )
+        out = self._hits(rows, now, include_stale, checked=refreshed)
+        if out is None:
+            # An id the cache does not know: a new instance, or one another
+            # replica re-keyed (reset, clear) after our snapshot. Every row is
+            # resolved again from the new table, so no instance is ever named
+            # under two ids or with an address from two tables.
+            await self._refresh()
+            out = cast(list[InstanceMatch], self._hits(rows, now, include_stale, checked=True))
+            by_id = self._by_id
+            ghosts = [r[0] for r in rows if r[0] not in by_id]
+            if ghosts:
+                # Entries of ids the table does not hold (left behind by a purge
+                # in progress elsewhere): leave them out until the next snapshot
+                # instead of reading the table again at every Match.
+                self._dead.update(ghosts)
+                self._excl_dirty = True
         # Sort (-depth, instance, hit) tuples: C-level comparisons, no key calls
         # (instances are unique, so hits themselves are never compared).
         ranked = [(-m.depth, m.instance, m) for m in out]
         ranked.sort()
         return [r[2] for r in ranked]
 
+    def _hits(
+        self,
+        rows: Sequence[tuple[bytes, int, int, int]],
+        now: float,
+        include_stale: bool,
+        *,
+        checked: bool,
+    ) -> list[InstanceMatch] | None:
+        """Match rows resolved from the cached table, or None at the first id it
+        does not know. ``checked``: the table is newer than the Match's
+        exclusions, so skip unknown ids and judge lease and staleness again."""
+        by_id = self._by_id
+        out: list[InstanceMatch] = []
+        for int_id, g, c, d in rows:
+            inst = by_id.get(int_id)
+            if inst is None:
+                if not checked:
+                    return None
+                continue
+            if checked and (inst.exp <= now or (inst.stale and not include_stale)):
+                continue
+            out.append(
+                InstanceMatch(inst.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
+            )
+        return out
+
     async def _match_cluster(
         self, nid: bytes, keys: Sequence[int], blob: bytes, excl: Sequence[bytes]
     ) -> Any:
         """Cluster: the one EVALSHA of a Match, on the node of the chain's anchor.
 
-        A prompt no deeper than the anchor reads only shallow blocks, which
-        every master holds: those Matches go round robin, spreading the hot
-        root's reads over all masters.
+        A prompt no deeper than the anchor reads only copies (shallow and
+        unplaced blocks), which every master holds: those Matches go round
+        robin, spreading the hot root's reads over all masters. The script
+        picks this node's copy tag itself (the first of the tags we pass that
+        it serves); a node that serves none gets one (``_topology``) and the
+        Match runs again. So does a Match that met a slot elsewhere than the
+        slot map said.
         """
-        if not self._slot_tags:
+        if time.monotonic() - self._topo_at >= _TOPOLOGY_REFRESH_S:
             await self._topology()
+            task = self._upkeep
+            if task is None or task.done():
+                # Writes left pending by anyone: finished beside this Match, not
+                # in its way (a master that hangs would hold it).
+                self._upkeep = asyncio.ensure_future(self._redrive_quietly())
+        if not self._ready:
+            raise Unavailable("redis cluster: no copy tag is registered yet")
+        for attempt in range(2):
+            try:
+                res = await self._match_once(nid, keys, blob, excl)
+            except Unavailable as exc:
+                if attempt or not _slot_moved(exc):
+                    raise
+                await self._topology()
+                continue
+            if res[0] != 0:
+                return res
+            await self._topology()  # the node serves no copy tag: seed it one
+        return [b"", []]
+
+    async def _match_once(
+        self, nid: bytes, keys: Sequence[int], blob: bytes, excl: Sequence[bytes]
+    ) -> Any:
         na = self._anchor
-        plain = K.base(self._prefix) + K.BLOCK
         if len(keys) > na:
             tag = K.anchor_tag(keys[na])
-            dp = plain + b"{" + tag + b"}" + nid
-            nt = self._slot_tags[self._slot_of_tag(b"{" + tag + b"}")]
+            dp = self._plain_block + b"{" + tag + b"}" + nid
+            owner = self._owner(self._slot_of_tag(tag))
+            guess = self._node_ready.get(owner, b"") if owner is not None else b""
             declared = dp + blob[8 * na : 8 * na + 8]
         else:
-            tags = self._node_tag_list_cached()
-            self._rr = (self._rr + 1) % len(tags)
-            nt = tags[self._rr]
+            ready = self._ready
+            self._rr = (self._rr + 1) % len(ready)
+            guess = ready[self._rr]
             dp = b""
-            declared = K.node_key(self._prefix, K.NODE_GEN, nt)
-        sp = plain + b"{" + nt + b"}" + nid
-        gen_copy = K.node_key(self._prefix, K.NODE_GEN, nt)
+            declared = K.node_key(self._prefix, K.NODE_GEN, guess)
+        probe = self._probe(guess)
         return await self._eval(
-            self._s_match, 1, declared, self._base, gen_copy, sp, dp, na, blob, *excl
+            self._s_match, 1, declared, self._base, probe, nid, dp, na, blob, *excl
         )
-
-    def _node_tag_list_cached(self) -> list[bytes]:
-        return sorted(self._node_tags.values())
 
     async def stats(self) -> IndexStats:
         """Sizes of the whole index, from counters the scripts maintain (no SCAN)."""
@@ -1066,21 +1553,25 @@ class RedisIndex(Index):
 
     async def _cluster_block_counts(self) -> dict[bytes, int]:
         """Cluster: block keys per namespace, from the per-node counters: every
-        node's deep blocks plus one node's copies of the shallow ones."""
-        tags = await self._node_tag_list()
+        node's deep blocks, plus one copy tag's shallow and unplaced copies (a
+        key held placed by one instance and unplaced by another counts twice)."""
+        if not self._tags:
+            await self._topology()
+        tags = self._tags
         got = await asyncio.gather(
             *(self._cmd("HGETALL", K.node_key(self._prefix, K.NODE_COUNTS, t)) for t in tags)
         )
         out: dict[bytes, int] = {}
-        shallow: dict[bytes, int] = {}
+        copies: dict[bytes, int] = {}
         for counts in got:
             for field, v in counts.items():
-                if field[:1] == b"d":
-                    out[field[1:]] = out.get(field[1:], 0) + int(v)
-                else:
-                    shallow[field[1:]] = max(shallow.get(field[1:], 0), int(v))
-        for nid, v in shallow.items():
-            out[nid] = out.get(nid, 0) + v
+                kind, nid = field[:1], field[1:]
+                if kind == b"d":
+                    out[nid] = out.get(nid, 0) + int(v)
+                elif kind in (b"s", b"u"):
+                    copies[field] = max(copies.get(field, 0), int(v))
+        for field, v in copies.items():
+            out[field[1:]] = out.get(field[1:], 0) + v
         return out
 
     def _namespace(self, nid: bytes, nsmap: dict[bytes, bytes]) -> Namespace:
@@ -1127,7 +1618,8 @@ class RedisIndex(Index):
             for n, holders in zip(part, got, strict=True):
                 suffix = n[start:]
                 if self.cluster:
-                    suffix = suffix[suffix.index(b"}") + 1 :]
+                    # after the tag; an unplaced copy has a 'u' before ns id and key
+                    suffix = suffix[suffix.index(b"}") + 1 :][-16:]
                 ns = self._namespace(suffix[:8], nsmap)
                 key = int.from_bytes(suffix[8:16], "big")
                 for int_id, mask in holders.items():
@@ -1160,5 +1652,9 @@ class RedisIndex(Index):
 
     async def close(self) -> None:
         """Close the connection pool (the index can not be used afterwards)."""
+        if self._upkeep is not None and not self._upkeep.done():
+            self._upkeep.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KvmeshError):
+                await self._upkeep
         with contextlib.suppress(RedisError, OSError):
             await self._r.aclose()

@@ -22,7 +22,9 @@ import struct
 from kvmesh.blockkeys import namespace_seed
 
 #: Version of the layout below; stored at :func:`schema_key`, bumped on change.
-SCHEMA_VERSION = 1
+#: 2: Cluster copy tags, pending records and write epochs (KEYS.md, "Redis
+#: Cluster"); every replica of one Cluster index must run the same version.
+SCHEMA_VERSION = 2
 
 # Suffixes after "<prefix>:". One or two letters keep key names short: the
 # per-block names are the bulk of the keyspace.
@@ -40,6 +42,13 @@ KMAP = b"k:"  # cluster: + decimal int id -> hash ns id + block key -> mask digi
 NODE_GEN = b"g:"  # cluster: + {node tag} -> copy of GEN on that node
 NODE_COUNTS = b"c:"  # cluster: + {node tag} -> hash 'd'/'s' + ns id -> block hashes on the node
 BLOCK = b"b:"  # + ns id + block key -> hash int id -> tier mask
+# Cluster control keys of the two-phase apply and the copy-tag registry. The
+# scripts also build, from the same base: 'p:<id>' (hash: the id's pending
+# data-node writes, '#' -> write epoch), 'wv' (hash: id -> last write epoch)
+# and, per data node, 'v:{<copy tag>}' (hash: id -> highest epoch written there).
+TAGS = b"tags"  # cluster: hash copy tag -> 'r' ready | 's<unix time>' seeding; '#' -> version
+PENDING = b"pend"  # cluster: set of int ids with a pending record
+NODE_COPIES = b"x:"  # cluster: + {copy tag} -> hash copy name after the tag -> 1 (for seeding)
 
 #: Field order of an instance hash as the scripts return it (HMGET order).
 INSTANCE_FIELDS = (b"id", b"w", b"r", b"m", b"a", b"ttl", b"inc", b"exp", b"seq", b"st", b"n")

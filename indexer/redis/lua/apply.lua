@@ -1,6 +1,6 @@
 -- Apply one event batch atomically.
 -- KEYS: instance hash.
--- ARGV: base, now, seq, model, name,
+-- ARGV: base, now, seq (decimal, any uint64), model, name,
 --   nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
 --   nn, then nn pairs (ns id, model \0 lora) to register,
 --   then ops:  'S' ns tierbit parent hashes keys | 'R' mask hashes | 'C'
@@ -22,18 +22,16 @@ redis.call('HSET', meta, 'exp', exp)
 redis.call('ZADD', B .. 'lease', exp, ARGV[5])
 local revived = tonumber(h[6]) <= now
 local stale = h[5] == '1'
-local last = nil
-if h[4] then
-  last = tonumber(h[4])
-end
-local seq = tonumber(ARGV[3])
-if last and seq <= last then
+-- Sequences stay decimal strings: compared exactly (lib.lua seq_le).
+local last = h[4] or nil -- HMGET gives false for a missing field
+local seq = ARGV[3]
+if last and seq_le(seq, last) then
   if revived then
     bump_gen()
   end
   return {'dup', h[4], stale and 1 or 0, exp, h[7]}
 end
-local gap = last ~= nil and seq > last + 1
+local gap = last ~= nil and last ~= seq_dec(seq)
 local id = h[1]
 local ek = B .. 'e:' .. id
 -- Parents the caller resolved before the batch: all must be exact, checked before

@@ -1,18 +1,182 @@
--- Cluster mode: the control-slot half of apply.lua (see KEYS.md, "Redis Cluster").
--- KEYS: instance hash. ARGV: base, now, seq, model, name, A (shallow levels),
---   nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
---   nn, then nn pairs (ns id, model \0 lora) to register,
---   then ops:  'S' ns tierbit check hashes keys parent | 'R' mask hashes | 'C'
---   (check: parent engine hash for the orphan test, '' = none; parent: engine
---   hash whose location the chain continues, '' = a root chain).
+-- Cluster mode: the control-slot half of every write (KEYS.md, "Redis Cluster").
 -- Block entries are not touched here: the authoritative tier mask and location
 -- of every (block, id) live in 'k:<id>' (field ns id .. key, value mask digit
--- .. location) and the script returns the entries to write on the data nodes:
--- Returns {'noreg'} | {'model'} | {'retry'} | {'dup', seq, stale, exp, n} |
---   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, {retired ids},
---    {location, ns id .. key, id, mask (0 = delete), ...}}
--- A location is 's' .. depth byte (depth < A: copied on every master) or
--- 'd' .. 4 hex digits (tag of the chain's block at depth A, the anchor).
+-- .. location), and the caller writes the data nodes (cblocks.lua) from the
+-- writes this script returns. Each (block, id) whose data-node entries may
+-- differ from 'k:<id>' stays in the pending record 'p:<id>' until the caller
+-- confirms its writes (KEYS.md, "Apply: two phases").
+--
+-- Apply. KEYS: instance hash. ARGV: base, now, seq (decimal, any uint64),
+--   model, name, A (shallow levels), nb, then nb pairs (parent engine hash,
+--   value the caller assumed; '' = absent), nn, then nn pairs (ns id, model \0
+--   lora) to register, then ops: 'S' ns tierbit check hashes keys parent |
+--   'R' mask hashes | 'C' (check: parent engine hash for the orphan test, '' =
+--   none; parent: the engine hash whose location the chain continues, '' = the
+--   chain starts a prompt, '?' = its position is unknown).
+--   Returns {'noreg'} | {'model'} | {'retry'} | {'dup', seq, stale, exp, n, W} |
+--   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, {retired ids}, W}.
+-- Pending records. KEYS: any control key. ARGV: base, '', '', then
+--   'c' epoch id...: confirm: drop each record still stamped with epoch;
+--   'r' id...: re-drive: the writes of each record, under a new epoch;
+--   'v' (id, ns id .. key, kind, mask)...: check copies of a copy tag being
+--   seeded (kind 's' shallow, 'u' unplaced) against 'k:'; W fixes them.
+--   Returns {'pend', W}.
+-- W = {epoch, {ids whose records it stamped}, copy-tag registry version,
+--   {location, ns id .. key, id, mask (0 = delete), ...}}; epoch '' when
+--   there is nothing to write. A duplicate batch re-drives the instance's
+--   pending writes too: the retry of a batch cut off after this script.
+-- A location is 's' .. depth byte (depth < A: copied under every copy tag),
+-- 'd' .. 4 hex digits (tag of the chain's block at depth A, the anchor) or
+-- 'u' (unplaced: the position is unknown; copied under every copy tag).
+local sub, byte, char = string.sub, string.byte, string.char
+local PEND = B .. 'pend'
+local ops = {}
+local function emit(loc, suf, eid, mask)
+  ops[#ops + 1] = loc
+  ops[#ops + 1] = suf
+  ops[#ops + 1] = eid
+  ops[#ops + 1] = mask
+end
+local function new_epoch()
+  local k = B .. 'wv'
+  if redis.call('EXISTS', k) == 0 then
+    -- From the server time in microseconds: above any version a data node
+    -- kept from before the control node restarted empty.
+    local t = redis.call('TIME')
+    redis.call('SET', k, t[1] .. string.format('%06d', tonumber(t[2])))
+  end
+  return string.format('%d', redis.call('INCR', k))
+end
+local function tags_version()
+  return redis.call('HGET', B .. 'tags', '#') or ''
+end
+-- A record's value: the locations where (block, id) may have entries, each
+-- prefixed with its length (a location may hold any byte).
+local function locs_of(packed, into)
+  local i = 1
+  while i <= #packed do
+    local len = byte(packed, i)
+    into[sub(packed, i + 1, i + len)] = true
+    i = i + len + 1
+  end
+  return into
+end
+local function pack(set)
+  local out = {}
+  for loc in pairs(set) do
+    out[#out + 1] = char(#loc) .. loc
+  end
+  return table.concat(out)
+end
+-- The pending record of eid: {block -> set of locations}, or nil.
+local function record(eid)
+  local raw = redis.call('HGETALL', B .. 'p:' .. eid)
+  if #raw == 0 then
+    return nil, nil
+  end
+  local rec, name = {}, nil
+  for j = 1, #raw, 2 do
+    local f = raw[j]
+    if f == '@' then
+      name = raw[j + 1]
+    elseif f ~= '#' then
+      rec[f] = locs_of(raw[j + 1], {})
+    end
+  end
+  return rec, name
+end
+-- Emit the writes that bring the data nodes to 'k:<eid>' for every block of
+-- rec: the entry where k: places it, deletes everywhere else it may be. A
+-- retired id (live false) only has deletes.
+local function drive(eid, rec, live)
+  local kk = B .. 'k:' .. eid
+  for suf, locs in pairs(rec) do
+    local cur = live and redis.call('HGET', kk, suf)
+    local at = cur and sub(cur, 2)
+    for loc in pairs(locs) do
+      if loc ~= at then
+        emit(loc, suf, eid, 0)
+      end
+    end
+    if cur then
+      emit(at, suf, eid, sub(cur, 1, 1))
+    end
+  end
+end
+-- Store rec as the pending record of eid (of instance name), stamped epoch.
+local function save(eid, name, rec, epoch)
+  local pk = B .. 'p:' .. eid
+  local args = {'#', epoch, '@', name}
+  for suf, locs in pairs(rec) do
+    args[#args + 1] = suf
+    args[#args + 1] = pack(locs)
+    if #args >= 1000 then -- unpack() is bounded by Lua's C stack
+      redis.call('HSET', pk, unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then
+    redis.call('HSET', pk, unpack(args))
+  end
+  redis.call('SADD', PEND, eid)
+end
+-- Re-drive the records of ids under one new epoch: W.
+local function redrive(ids)
+  local stamped, epoch = {}, ''
+  for _, eid in ipairs(ids) do
+    local rec, name = record(eid)
+    if rec then
+      if epoch == '' then
+        epoch = new_epoch()
+      end
+      local live = name and redis.call('HGET', B .. 'i:' .. name, 'id') == eid
+      drive(eid, rec, live)
+      redis.call('HSET', B .. 'p:' .. eid, '#', epoch)
+      stamped[#stamped + 1] = eid
+    else
+      redis.call('SREM', PEND, eid)
+    end
+  end
+  return {epoch, stamped, tags_version(), ops}
+end
+
+if ARGV[3] == '' then
+  local action = ARGV[4]
+  if action == 'c' then
+    local epoch = ARGV[5]
+    for j = 6, #ARGV do
+      local pk = B .. 'p:' .. ARGV[j]
+      if redis.call('HGET', pk, '#') == epoch then
+        redis.call('DEL', pk)
+        redis.call('SREM', PEND, ARGV[j])
+      end
+    end
+    return {'pend', {'', {}, tags_version(), {}}}
+  elseif action == 'r' then
+    local ids = {}
+    for j = 5, #ARGV do
+      ids[#ids + 1] = ARGV[j]
+    end
+    return {'pend', redrive(ids)}
+  elseif action == 'v' then
+    local dead = {}
+    for _, d in ipairs(redis.call('SMEMBERS', B .. 'dead')) do
+      dead[d] = true
+    end
+    for j = 5, #ARGV, 4 do
+      local eid, suf, kind, mask = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
+      local cur = not dead[eid] and redis.call('HGET', B .. 'k:' .. eid, suf)
+      if not cur or sub(cur, 2, 2) ~= kind then
+        emit(kind, suf, eid, 0) -- no entry of this kind: the copy is a leftover
+      elseif sub(cur, 1, 1) ~= mask then
+        emit(sub(cur, 2), suf, eid, sub(cur, 1, 1))
+      end
+    end
+    return {'pend', {#ops > 0 and new_epoch() or '', {}, tags_version(), ops}}
+  end
+  return redis.error_reply('kvmesh capply: bad action ' .. tostring(action))
+end
+
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
 local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n')
@@ -27,20 +191,18 @@ redis.call('HSET', meta, 'exp', exp)
 redis.call('ZADD', B .. 'lease', exp, ARGV[5])
 local revived = tonumber(h[6]) <= now
 local stale = h[5] == '1'
-local last = nil
-if h[4] then
-  last = tonumber(h[4])
-end
-local seq = tonumber(ARGV[3])
-if last and seq <= last then
+-- Sequences stay decimal strings: compared exactly (lib.lua seq_le).
+local last = h[4] or nil -- HMGET gives false for a missing field
+local seq = ARGV[3]
+local id = h[1]
+if last and seq_le(seq, last) then
   if revived then
     bump_gen()
   end
-  return {'dup', h[4], stale and 1 or 0, exp, h[7]}
+  return {'dup', h[4], stale and 1 or 0, exp, h[7], redrive({id})}
 end
-local gap = last ~= nil and seq > last + 1
+local gap = last ~= nil and last ~= seq_dec(seq)
 local na = tonumber(ARGV[6])
-local id = h[1]
 local ek = B .. 'e:' .. id
 local kk = B .. 'k:' .. id
 local p = 7
@@ -60,27 +222,43 @@ p = p + 2 * nn + 1
 local n = tonumber(h[7])
 local stored, removed, orphaned = 0, 0, 0
 local cleared = false
-local retired, ops = {}, {}
-local sub, byte, char = string.sub, string.byte, string.char
-local function emit(loc, suf, eid, mask)
-  ops[#ops + 1] = loc
-  ops[#ops + 1] = suf
-  ops[#ops + 1] = eid
-  ops[#ops + 1] = mask
+local retired = {}
+-- Blocks of the current id whose entries this batch changed: ns id .. key ->
+-- set of locations (every place an entry may now be wrong).
+local touched = {}
+local function touch(suf, loc)
+  local set = touched[suf]
+  if not set then
+    set = {}
+    touched[suf] = set
+  end
+  set[loc] = true
+end
+-- touched merged into the stored pending record of eid.
+local function merged(eid)
+  local rec = record(eid) or {}
+  for suf, locs in pairs(touched) do
+    local set = rec[suf]
+    if not set then
+      rec[suf] = locs
+    else
+      for loc in pairs(locs) do
+        set[loc] = true
+      end
+    end
+  end
+  return rec
 end
 local function tag(key)
   return string.format('%02x%02x', byte(key, 1), byte(key, 2))
 end
 -- Location of a block at depth d + 1 after a block at location loc ('' = root).
 local function child(loc, key)
-  local d
-  if loc == '' then
-    d = 0
-  elseif sub(loc, 1, 1) == 'd' then
+  local c = sub(loc, 1, 1)
+  if c == 'd' or c == 'u' then
     return loc
-  else
-    d = byte(loc, 2) + 1
   end
+  local d = loc == '' and 0 or byte(loc, 2) + 1
   if d < na then
     return 's' .. char(d)
   end
@@ -94,7 +272,7 @@ local function kdrop(suf)
   end
   redis.call('HDEL', kk, suf)
   ns_add(sub(suf, 1, 8), 0, -1)
-  emit(sub(v, 2), suf, id, 0)
+  touch(suf, sub(v, 2))
   return POP[tonumber(sub(v, 1, 1))]
 end
 while p <= #ARGV do
@@ -111,18 +289,16 @@ while p <= #ARGV do
       end
     end
     if ok then
-      -- Where the chain continues. A parent this instance does not map can not be
-      -- placed: its blocks go under their own first key as anchor. No Match can
-      -- reach them through this instance anyway (it does not hold the parent).
+      -- Where the chain continues: after the parent's location, at the root,
+      -- or nowhere known ('u': a parent this instance does not map, in this
+      -- namespace, or an event that does not say).
       local loc = ''
-      if parent ~= '' then
+      if parent == '?' then
+        loc = 'u'
+      elseif parent ~= '' then
         local pv = redis.call('HGET', ek, parent)
-        local pk = pv and redis.call('HGET', kk, pv)
-        if pk then
-          loc = sub(pk, 2)
-        else
-          loc = 'd' .. tag(sub(kb, 1, 8))
-        end
+        local pk = pv and sub(pv, 1, 8) == ns and redis.call('HGET', kk, pv)
+        loc = pk and sub(pk, 2) or 'u'
       end
       local cnt = math.min(#hb, #kb) / 8
       for i = 1, cnt do
@@ -145,10 +321,13 @@ while p <= #ARGV do
           stored = stored + 1
           n = n + 1
           ns_add(ns, 0, 1)
-          emit(loc, suf, id, tb)
+          touch(suf, loc)
         else
           local m = tonumber(sub(v, 1, 1))
           local oloc = sub(v, 2)
+          if loc == 'u' then
+            loc = oloc -- a known place beats none; the chain continues from it
+          end
           local nm = m
           if bit.band(m, tb) == 0 then
             nm = m + tb
@@ -156,11 +335,11 @@ while p <= #ARGV do
             n = n + 1
           end
           if oloc ~= loc then
-            emit(oloc, suf, id, 0)
+            touch(suf, oloc)
           end
           if nm ~= m or oloc ~= loc then
             redis.call('HSET', kk, suf, nm .. loc)
-            emit(loc, suf, id, nm)
+            touch(suf, loc)
           end
         end
       end
@@ -181,13 +360,13 @@ while p <= #ARGV do
         if new ~= 0 then
           if d ~= 0 then
             redis.call('HSET', kk, suf, new .. sub(v, 2))
-            emit(sub(v, 2), suf, id, new)
+            touch(suf, sub(v, 2))
           end
         else
           if old ~= 0 then
             redis.call('HDEL', kk, suf)
             ns_add(sub(suf, 1, 8), 0, -1)
-            emit(sub(v, 2), suf, id, 0)
+            touch(suf, sub(v, 2))
           end
           redis.call('HDEL', ek, eh)
         end
@@ -195,10 +374,21 @@ while p <= #ARGV do
     end
   elseif op == 'C' then
     p = p + 1
+    -- The old id's changed blocks go to its pending record: purging it (it
+    -- is retired) deletes them where k: no longer says they are.
+    local rec = merged(id)
     local dead = retire(id)
+    if next(rec) then
+      save(id, ARGV[5], rec, '')
+      if dead == '' then
+        redis.call('SADD', B .. 'dead', id)
+        dead = id
+      end
+    end
     if dead ~= '' then
       retired[#retired + 1] = dead
     end
+    touched = {}
     removed = removed + n
     n = 0
     id = new_id()
@@ -216,4 +406,13 @@ redis.call('HSET', meta, 'seq', ARGV[3], 'st', nstale and 1 or 0, 'n', n)
 if revived or cleared or nstale ~= stale then
   bump_gen()
 end
-return {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, retired, ops}
+-- The writes: this batch's and any the instance still had pending.
+local rec = merged(id)
+local w = {'', {}, tags_version(), ops}
+if next(rec) then
+  local epoch = new_epoch()
+  save(id, ARGV[5], rec, epoch)
+  drive(id, rec, true)
+  w = {epoch, {id}, tags_version(), ops}
+end
+return {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, retired, w}

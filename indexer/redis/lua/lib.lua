@@ -84,3 +84,33 @@ local function retire(id)
   end
   return ''
 end
+
+-- Sequence numbers are uint64s passed and stored as decimal strings (no
+-- leading zeros). They are compared exactly, by length then digit by digit:
+-- a Lua number (a double) can not tell neighbours apart above 2^53.
+local function seq_le(a, b)
+  if #a ~= #b then
+    return #a < #b
+  end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then
+      return x < y
+    end
+  end
+  return true
+end
+
+-- The decimal string of s - 1, for a decimal string s > 0.
+local function seq_dec(s)
+  local i = #s
+  while string.byte(s, i) == 48 do -- trailing zeros become nines
+    i = i - 1
+  end
+  local head = string.sub(s, 1, i - 1)
+  local d = string.byte(s, i) - 1
+  if head ~= '' or d ~= 48 or i == #s then -- no leading zero, but '0' itself
+    head = head .. string.char(d)
+  end
+  return head .. string.rep('9', #s - i)
+end

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -42,6 +43,7 @@ from kvmesh.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvmeshError,
+    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -56,6 +58,22 @@ MAX_ADDRESS_BYTES = 2048
 MAX_DP_RANK = (1 << 32) - 1
 #: Blocks one DumpIndex returns when it names no max_blocks.
 DUMP_MAX_BLOCKS = 100_000
+#: Instances whose model a replica remembers at most. Far above a fleet (the
+#: default limits allow 4,096 instances per namespace) so that a steady fleet
+#: never evicts one; the bound only keeps churn (instances registered and
+#: dropped over weeks, on any replica) from growing the table, at about 200
+#: bytes an entry.
+MODEL_CACHE_SIZE = 65_536
+#: Seconds a remembered model is believed when nothing contradicts it. Another
+#: replica may register the instance with another model at any time; a batch
+#: whose block size disagrees or an ownership refusal rereads the model at
+#: once, and this bounds how long a stale model can be believed where nothing
+#: disagrees (an ownership check that should now refuse). One reread (one
+#: list_instances) renews every entry, so a steady fleet costs one a second.
+#: It is also the least time between two rereads for a disagreement about one
+#: instance: a caller that keeps sending what the backend's answer refuses
+#: (a wrong block size, an instance it does not own) costs one a second.
+MODEL_CACHE_TTL_S = 1.0
 
 
 def check_token_ids(token_ids: Sequence[int], field_name: str) -> None:
@@ -84,6 +102,25 @@ def check_instance(instance: InstanceId, prefix: str = "instance") -> None:
         raise InvalidArgument("must be in [0, 2^32)", field=f"{prefix}.dp_rank")
 
 
+def _size_error(ev: BlockStored, expected: int, path: str) -> InvalidArgument | None:
+    """Why ``ev``'s tokens do not make blocks of ``expected`` tokens; None when they do."""
+    n = len(ev.block_hashes)
+    size = ev.block_size or expected
+    if size != expected:
+        return InvalidArgument(
+            f"is {ev.block_size}, but the indexer keys this model with blocks of "
+            f"{expected} tokens (block_size / model_block_sizes)",
+            field=f"{path}.block_size",
+        )
+    if len(ev.token_ids) != n * size:
+        return InvalidArgument(
+            f"has {len(ev.token_ids)} ids; need len(block_hashes) x block_size = "
+            f"{n} x {size} = {n * size}",
+            field=f"{path}.token_ids",
+        )
+    return None
+
+
 class IndexerLogic:
     """Request handling on top of an :class:`~indexer.index.Index`.
 
@@ -106,9 +143,14 @@ class IndexerLogic:
         self._on_health = on_backend_health
         self._healthy: bool | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        # instance -> model, to find the block size of a model-specific batch
-        # (only consulted when per-model block sizes are configured).
-        self._models: dict[InstanceId, str] = {}
+        # instance -> (model, monotonic time it was read), for the block size
+        # of a model-specific batch and for ownership checks; see
+        # MODEL_CACHE_SIZE and MODEL_CACHE_TTL_S. Oldest insertion first.
+        self._models: dict[InstanceId, tuple[str, float]] = {}
+        # The reread of every instance in flight, shared by concurrent callers.
+        self._reload: asyncio.Task[list[InstanceState]] | None = None
+        # instance -> monotonic time of its last reread for a disagreement.
+        self._disputed: dict[InstanceId, float] = {}
 
     # -- background tasks ----------------------------------------------------
 
@@ -145,7 +187,7 @@ class IndexerLogic:
         if reaped:
             self.counters.instances_reaped += len(reaped)
             for iid in reaped:
-                self._models.pop(iid, None)
+                self._forget(iid)
             log.info("reaped %d expired instance(s): %s", len(reaped), ", ".join(map(str, reaped)))
         return reaped
 
@@ -215,7 +257,7 @@ class IndexerLogic:
         except Unavailable as e:
             self._note_error(e)
             raise
-        self._models[spec.instance] = spec.model
+        self._remember(spec.instance, state.spec.model)
         return state, reset
 
     async def _check_capacity(self, spec: InstanceSpec) -> None:
@@ -245,21 +287,30 @@ class IndexerLogic:
         c = current_client()
         if c is None or c.principal.via == "open" or "admin" in c.principal.roles:
             return
-        model = self._models.get(instance)
-        if model is None:
+        model, fresh = "", False
+        with contextlib.suppress(KvmeshError):
+            model, fresh = await self._model_of(instance)
+        if not fresh and not c.principal.owns(model, instance.worker_id):
+            # Refused on a remembered model: another replica may have changed it.
+            model = ""
             with contextlib.suppress(KvmeshError):
-                model = await self._model_of(instance)
-        require_owner(model or "", instance.worker_id)
+                model, _ = await self._model_of(instance, reread=True)
+        require_owner(model, instance.worker_id)
 
     async def heartbeat(self, instance: InstanceId) -> InstanceState:
         """Renew an instance's lease (NotFound when unknown)."""
         check_instance(instance)
         await self._check_owner(instance)
         try:
-            return await self.index.heartbeat(instance)
+            state = await self.index.heartbeat(instance)
+        except NotFound:
+            self._forget(instance)
+            raise
         except Unavailable as e:
             self._note_error(e)
             raise
+        self._remember(instance, state.spec.model)
+        return state
 
     async def remove_instance(self, instance: InstanceId) -> int:
         """Drop an instance and its blocks; return the entries dropped."""
@@ -267,34 +318,86 @@ class IndexerLogic:
         await self._check_owner(instance)
         try:
             n = await self.index.remove_instance(instance)
+        except NotFound:
+            self._forget(instance)
+            raise
         except Unavailable as e:
             self._note_error(e)
             raise
-        self._models.pop(instance, None)
+        self._forget(instance)
         return n
 
     async def list_instances(self, model: str = "") -> list[InstanceState]:
         """Every registered instance (of ``model`` when given)."""
         _check_name(model, "model", required=False)
+        started = time.monotonic()
         try:
             states = await self.index.list_instances(model)
         except Unavailable as e:
             self._note_error(e)
             raise
+        listed = {s.spec.instance for s in states}
+        # What the listing covers and does not name is gone (removed or reaped,
+        # maybe by another replica); an entry written while it was in flight
+        # is newer than the listing and stays.
+        for iid, (m, at) in list(self._models.items()):
+            if iid not in listed and at <= started and (not model or m == model):
+                self._forget(iid)
         for s in states:
-            self._models[s.spec.instance] = s.spec.model
+            self._remember(s.spec.instance, s.spec.model, started)
         return states
 
-    # -- events --------------------------------------------------------------
+    # -- the instance -> model cache -----------------------------------------
 
-    async def _model_of(self, instance: InstanceId) -> str:
-        model = self._models.get(instance)
-        if model is None:
-            await self.list_instances()  # refreshes the cache (another replica registered it)
-            model = self._models.get(instance)
-        if model is None:
+    def _remember(self, instance: InstanceId, model: str, at: float | None = None) -> None:
+        """Note ``instance``'s model as the backend gave it (at ``at``, default now)."""
+        models = self._models
+        if instance not in models and len(models) >= MODEL_CACHE_SIZE:
+            self._forget(next(iter(models)))  # the oldest entry first
+        models[instance] = (model, time.monotonic() if at is None else at)
+
+    def _forget(self, instance: InstanceId) -> None:
+        self._models.pop(instance, None)
+        self._disputed.pop(instance, None)
+
+    async def _reread_all(self) -> None:
+        """Reread every instance's model; concurrent callers share one reread."""
+        task = self._reload
+        if task is None or task.done():
+            task = self._reload = asyncio.ensure_future(self.list_instances())
+            # Its error reaches every caller still waiting; none may be left.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(task)
+
+    async def _model_of(self, instance: InstanceId, *, reread: bool = False) -> tuple[str, bool]:
+        """``instance``'s model and whether it was just read from the backend.
+
+        A remembered model younger than :data:`MODEL_CACHE_TTL_S` is used as
+        it is, unless ``reread``: then (a caller saw it disagree) the backend
+        is asked at once. Raises FailedPrecondition for an unknown instance.
+        """
+        entry = self._models.get(instance)
+        now = time.monotonic()
+        if reread and entry is not None:
+            last = self._disputed.get(instance)
+            if last is not None and now - last < MODEL_CACHE_TTL_S:
+                return entry[0], True  # the backend was just asked: the caller is wrong
+            if len(self._disputed) >= MODEL_CACHE_SIZE:
+                del self._disputed[next(iter(self._disputed))]
+            self._disputed.pop(instance, None)
+            self._disputed[instance] = now
+        if reread or entry is None:
+            await self.list_instances()  # newer than the miss or the disagreement
+        elif now - entry[1] >= MODEL_CACHE_TTL_S:
+            await self._reread_all()
+        else:
+            return entry[0], False
+        entry = self._models.get(instance)
+        if entry is None:
             raise FailedPrecondition(f"instance {instance} is not registered", field="instance")
-        return model
+        return entry[0], True
+
+    # -- events --------------------------------------------------------------
 
     async def publish(self, batch: EventBatch) -> ApplyResult:
         """Validate and apply one batch; counts it as applied, duplicate or rejected.
@@ -309,6 +412,8 @@ class IndexerLogic:
         except KvmeshError as e:
             self.counters.batches_rejected += 1
             self._note_error(e)
+            if isinstance(e, FailedPrecondition) and e.field == "instance":
+                self._forget(batch.instance)  # not registered (any more)
             raise
         if result.outcome is BatchOutcome.DUPLICATE:
             self.counters.batches_duplicate += 1
@@ -372,23 +477,20 @@ class IndexerLogic:
                 )
             return ev
         if self.config.model_block_sizes:
-            expected = self.config.block_size_for(await self._model_of(instance))
+            model, fresh = await self._model_of(instance)
+            expected = self.config.block_size_for(model)
+            if not fresh and _size_error(ev, expected, path) is not None:
+                # The remembered model disagrees with the batch: another
+                # replica may have registered the instance with another model.
+                model, _ = await self._model_of(instance, reread=True)
+                expected = self.config.block_size_for(model)
         else:
             expected = self.config.block_size
-        size = ev.block_size or expected
-        if size != expected:
-            raise InvalidArgument(
-                f"is {ev.block_size}, but the indexer keys this model with blocks of "
-                f"{expected} tokens (block_size / model_block_sizes)",
-                field=f"{path}.block_size",
-            )
-        if len(ev.token_ids) != n * size:
-            raise InvalidArgument(
-                f"has {len(ev.token_ids)} ids; need len(block_hashes) x block_size = "
-                f"{n} x {size} = {n * size}",
-                field=f"{path}.token_ids",
-            )
+        err = _size_error(ev, expected, path)
+        if err is not None:
+            raise err
         check_token_ids(ev.token_ids, f"{path}.token_ids")
+        size = ev.block_size or expected
         return ev if ev.block_size == size else replace(ev, block_size=size)
 
     # -- match ---------------------------------------------------------------

@@ -6,6 +6,17 @@ the reverse index used to clear or remove the instance. Match walks the keys
 in order and narrows the set of instances still holding the prefix, so its cost
 is the number of (block, instance) pairs visited, never the size of the index.
 
+Garbage collection: a full collection walks every container the collector
+tracks. With a tracked dict per block key and a tuple per engine hash, that
+paused the process (every Match and health check with it) for 20 to 100 ms
+at a time while the conversation trace was ingested. So neither is tracked:
+holder dicts are keyed by each instance's plain ``(worker_id, dp_rank)``
+tuple, which the collector stops tracking once it has seen it (it never does
+for a NamedTuple such as InstanceId), and a dict whose keys and values are
+all untracked is not tracked either; an engine-hash entry is one int,
+``namespace number << 64 | content key``. What is left to walk is one table
+per namespace, one visit per block key.
+
 Semantics are those of :mod:`indexer.index`. Every method runs to completion
 without awaiting, so each is atomic on the event loop.
 """
@@ -46,20 +57,35 @@ _DEPTH1_TIERS: tuple[tuple[int, int, int], ...] = tuple(
 )
 # Number of bits set in each tier mask 0..7.
 _POPCOUNT = (0, 1, 1, 2, 1, 2, 2, 3)
+# Low 64 bits of an engine-hash entry: the content key.
+_U64 = (1 << 64) - 1
 
 
 def _match_order(m: InstanceMatch) -> tuple[int, InstanceId]:
     return (-m.depth, m.instance)
 
 
+def _no_depth1() -> list[InstanceMatch | None]:
+    return [None] * 8
+
+
 @dataclass(slots=True)
 class _Instance:
     spec: InstanceSpec
     lease_expires_at: float
+    #: ``(worker_id, dp_rank)`` as a plain tuple: the key of every holder table
+    #: and of the instance table (see the module docstring).
+    key: tuple[str, int]
     stale: bool = False
     applied_sequence: int | None = None
     bits: int = 0
-    engine_hashes: dict[int, tuple[Namespace, int]] = field(default_factory=dict)
+    #: engine hash -> namespace number << 64 | content key.
+    engine_hashes: dict[int, int] = field(default_factory=dict)
+    #: The InstanceMatch of a depth-1 hit, by tier mask of block 0 (1..7): most
+    #: holders of a shared first block go no deeper. Kept on the instance so
+    #: that it goes with it (remove, reap) and is bounded by 7 per instance;
+    #: replaced by a fresh list whenever the address or the stale flag changes.
+    depth1: list[InstanceMatch | None] = field(default_factory=_no_depth1)
 
 
 class MemoryIndex(Index):
@@ -69,23 +95,23 @@ class MemoryIndex(Index):
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._instances: dict[InstanceId, _Instance] = {}
-        self._blocks: dict[Namespace, dict[int, dict[InstanceId, int]]] = {}
+        # Keyed by _Instance.key; an InstanceId finds its entry too (equal tuples).
+        self._instances: dict[tuple[str, int], _Instance] = {}
+        self._blocks: dict[Namespace, dict[int, dict[tuple[str, int], int]]] = {}
         self._ns_pairs: dict[Namespace, int] = {}
+        # Namespace numbers of engine-hash entries, and back (never reused).
+        self._ns_ids: dict[Namespace, int] = {}
+        self._ns_list: list[Namespace] = []
         # Match fast path: while clock() < _visible_until every registered
         # instance is live and fresh, so Match skips the per-holder checks.
         # Renewals only raise leases, so the bound stays valid through them;
         # anything that can make an instance visible again sets _dirty.
         self._visible_until = -math.inf
         self._dirty = True
-        # (instance, tier mask of block 0) -> the InstanceMatch of a depth-1
-        # hit: most holders of a shared first block go no deeper. Cleared when
-        # an address or a stale flag changes.
-        self._depth1: dict[tuple[InstanceId, int], InstanceMatch] = {}
 
     # -- instances -----------------------------------------------------------
 
-    def _state(self, iid: InstanceId, inst: _Instance, now: float) -> InstanceState:
+    def _state(self, inst: _Instance, now: float) -> InstanceState:
         return InstanceState(
             spec=inst.spec,
             lease_expires_at=inst.lease_expires_at,
@@ -102,23 +128,24 @@ class MemoryIndex(Index):
         inst = self._instances.get(iid)
         reset = False
         if inst is None:
-            inst = _Instance(spec=spec, lease_expires_at=now + spec.lease_ttl_s)
-            self._instances[iid] = inst
+            key = (str(iid.worker_id), int(iid.dp_rank))
+            inst = _Instance(spec=spec, lease_expires_at=now + spec.lease_ttl_s, key=key)
+            self._instances[key] = inst
             reset = True
         else:
             if inst.spec.incarnation != spec.incarnation or inst.spec.model != spec.model:
-                self._clear(iid, inst)
+                self._clear(inst)
                 inst.stale = False
                 inst.applied_sequence = None
                 reset = True
-            if inst.spec.address != spec.address:
-                self._depth1.clear()
+            if reset or inst.spec.address != spec.address:
+                inst.depth1 = _no_depth1()
             inst.spec = spec
             inst.lease_expires_at = now + spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)
         if reset:
             self._dirty = True
-        return self._state(iid, inst, now), reset
+        return self._state(inst, now), reset
 
     async def heartbeat(self, instance: InstanceId) -> InstanceState:
         """Renew the lease; NotFound for an unknown instance."""
@@ -126,13 +153,13 @@ class MemoryIndex(Index):
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)
-        return self._state(instance, inst, now)
+        return self._state(inst, now)
 
     async def remove_instance(self, instance: InstanceId) -> int:
         """Drop an instance and its blocks; return the entries dropped."""
         inst = self._get(instance, NotFound)
-        removed = self._clear(instance, inst)
-        del self._instances[instance]
+        removed = self._clear(inst)
+        del self._instances[inst.key]
         self._dirty = True
         return removed
 
@@ -140,20 +167,23 @@ class MemoryIndex(Index):
         """Registered instances, sorted by id."""
         now = self._clock()
         return [
-            self._state(iid, inst, now)
-            for iid, inst in sorted(self._instances.items())
+            self._state(inst, now)
+            for _, inst in sorted(self._instances.items())
             if not model or inst.spec.model == model
         ]
 
     async def reap_expired(self) -> list[InstanceId]:
         """Drop instances whose lease has expired."""
         now = self._clock()
-        dead = [iid for iid, inst in self._instances.items() if inst.lease_expires_at <= now]
-        for iid in dead:
-            self._clear(iid, self._instances.pop(iid))
+        dead = [key for key, inst in self._instances.items() if inst.lease_expires_at <= now]
+        gone = []
+        for key in dead:
+            inst = self._instances.pop(key)
+            self._clear(inst)
+            gone.append(inst.spec.instance)
         if dead:
             self._dirty = True
-        return sorted(dead)
+        return sorted(gone)
 
     def _renewed(self, expires_at: float) -> None:
         if expires_at < self._visible_until:
@@ -183,8 +213,7 @@ class MemoryIndex(Index):
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
         """Apply one batch (see :mod:`indexer.index`)."""
-        iid = batch.instance
-        inst = self._get(iid, FailedPrecondition)
+        inst = self._get(batch.instance, FailedPrecondition)
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)
@@ -197,22 +226,22 @@ class MemoryIndex(Index):
         cleared = False
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                s, r, o = self._store(iid, inst, ev)
+                s, r, o = self._store(inst, ev)
                 stored += s
                 removed += r
                 orphaned += o
             elif isinstance(ev, BlockRemoved):
                 mask = ALL_TIERS_MASK if ev.tier is None else ev.tier.bit
                 for h in ev.block_hashes:
-                    removed += self._remove_hash(iid, inst, h, mask)
+                    removed += self._remove_hash(inst, h, mask)
             elif isinstance(ev, AllBlocksCleared):
-                removed += self._clear(iid, inst)
+                removed += self._clear(inst)
                 cleared = True
         inst.applied_sequence = seq
         stale = (inst.stale or gap) and not cleared
         if stale != inst.stale:
             inst.stale = stale
-            self._depth1.clear()
+            inst.depth1 = _no_depth1()
             if stale:
                 self._visible_until = -math.inf
             else:
@@ -220,55 +249,67 @@ class MemoryIndex(Index):
         outcome = BatchOutcome.APPLIED_AFTER_GAP if gap else BatchOutcome.APPLIED
         return ApplyResult(outcome, seq, stored, removed, orphaned, inst.stale)
 
-    def _store(self, iid: InstanceId, inst: _Instance, ev: BlockStored) -> tuple[int, int, int]:
+    def _ns_id(self, ns: Namespace) -> int:
+        nid = self._ns_ids.get(ns)
+        if nid is None:
+            nid = self._ns_ids[ns] = len(self._ns_list)
+            self._ns_list.append(ns)
+        return nid
+
+    def _store(self, inst: _Instance, ev: BlockStored) -> tuple[int, int, int]:
         ns = Namespace(inst.spec.model, ev.lora_name)
+        nid = self._ns_id(ns)
+        ehs = inst.engine_hashes
         if ev.block_keys is not None:
             keys: Sequence[int] = ev.block_keys
         else:
             if ev.parent_block_hash is None:
                 parent = namespace_seed(ns.model, ns.lora_name)
             else:
-                mapped = inst.engine_hashes.get(ev.parent_block_hash)
-                if mapped is None or mapped[0] != ns:
+                mapped = ehs.get(ev.parent_block_hash)
+                if mapped is None or mapped >> 64 != nid:
                     return 0, 0, len(ev.block_hashes)
-                parent = mapped[1]
+                parent = mapped & _U64
             keys = chain_keys(parent, ev.token_ids, ev.block_size)
         table = self._blocks.setdefault(ns, {})
         bit = ev.tier.bit
+        base = nid << 64
+        ikey = inst.key
         stored = removed = 0
-        ehs = inst.engine_hashes
         for h, key in zip(ev.block_hashes, keys, strict=False):
+            entry = base | key
             prev = ehs.get(h)
-            if prev is not None and prev != (ns, key):
-                removed += self._remove_hash(iid, inst, h, ALL_TIERS_MASK)
-            ehs[h] = (ns, key)
+            if prev is not None and prev != entry:
+                removed += self._remove_hash(inst, h, ALL_TIERS_MASK)
+            ehs[h] = entry
             holders = table.get(key)
             if holders is None:
                 holders = table[key] = {}
-            old = holders.get(iid, 0)
+            old = holders.get(ikey, 0)
             if not old & bit:
                 if not old:
                     self._ns_pairs[ns] = self._ns_pairs.get(ns, 0) + 1
-                holders[iid] = old | bit
+                holders[ikey] = old | bit
                 inst.bits += 1
                 stored += 1
         return stored, removed, 0
 
-    def _remove_hash(self, iid: InstanceId, inst: _Instance, h: int, mask: int) -> int:
-        mapped = inst.engine_hashes.get(h)
-        if mapped is None:
+    def _remove_hash(self, inst: _Instance, h: int, mask: int) -> int:
+        entry = inst.engine_hashes.get(h)
+        if entry is None:
             return 0
-        ns, key = mapped
+        ns, key = self._ns_list[entry >> 64], entry & _U64
+        ikey = inst.key
         table = self._blocks.get(ns)
         holders = table.get(key) if table is not None else None
-        old = holders.get(iid, 0) if holders is not None else 0
+        old = holders.get(ikey, 0) if holders is not None else 0
         new = old & ~mask
         cleared = _POPCOUNT[old] - _POPCOUNT[new]
         if holders is not None and table is not None and old:
             if new:
-                holders[iid] = new
+                holders[ikey] = new
             else:
-                del holders[iid]
+                del holders[ikey]
                 self._ns_pairs[ns] -= 1
                 if not holders:
                     del table[key]
@@ -277,16 +318,20 @@ class MemoryIndex(Index):
         inst.bits -= cleared
         return cleared
 
-    def _clear(self, iid: InstanceId, inst: _Instance) -> int:
+    def _clear(self, inst: _Instance) -> int:
         removed = 0
-        for ns, key in inst.engine_hashes.values():
+        ikey = inst.key
+        ns_list = self._ns_list
+        for entry in inst.engine_hashes.values():
+            ns = ns_list[entry >> 64]
             table = self._blocks.get(ns)
             if table is None:
                 continue
+            key = entry & _U64
             holders = table.get(key)
             if holders is None:
                 continue
-            old = holders.pop(iid, 0)
+            old = holders.pop(ikey, 0)
             if old:
                 removed += _POPCOUNT[old]
                 self._ns_pairs[ns] -= 1
@@ -317,7 +362,7 @@ class MemoryIndex(Index):
         instances = self._instances
         now = self._clock()
         # candidates: visible holders of block 0 -> their tier mask there
-        cand: dict[InstanceId, int]
+        cand: dict[tuple[str, int], int]
         if self._all_visible(now):
             cand = first
         else:
@@ -330,7 +375,7 @@ class MemoryIndex(Index):
                 return []
         # Block 1 splits the candidates: those that go no deeper are settled
         # with C-level set operations, the rest walk on with tier counters.
-        active: dict[InstanceId, list[int]] = {}
+        active: dict[tuple[str, int], list[int]] = {}
         holders = table.get(keys[1]) if len(keys) > 1 else None
         if holders:
             small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
@@ -341,7 +386,7 @@ class MemoryIndex(Index):
                     counts[_FASTEST[holders[iid]]] += 1
                     active[iid] = counts
         shallow = sorted(cand.keys() - active.keys()) if active else sorted(cand)
-        done: list[tuple[InstanceId, list[int]]] = []
+        done: list[tuple[tuple[str, int], list[int]]] = []
         depth = 2
         while active and depth < len(keys):
             holders = table.get(keys[depth])
@@ -359,17 +404,20 @@ class MemoryIndex(Index):
         out = []
         for iid, (g, c, d) in done:
             inst = instances[iid]
-            out.append(InstanceMatch(iid, inst.spec.address, g + c + d, g, c, d, inst.stale))
+            out.append(
+                InstanceMatch(inst.spec.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
+            )
         out.sort(key=_match_order)
-        cache = self._depth1
         for iid in shallow:
             mask = cand[iid]
-            hit = cache.get((iid, mask))
+            cache = instances[iid].depth1
+            hit = cache[mask]
             if hit is None:
                 inst = instances[iid]
                 g, c, d = _DEPTH1_TIERS[mask]
-                hit = InstanceMatch(iid, inst.spec.address, 1, g, c, d, inst.stale)
-                cache[(iid, mask)] = hit
+                hit = cache[mask] = InstanceMatch(
+                    inst.spec.instance, inst.spec.address, 1, g, c, d, inst.stale
+                )
             out.append(hit)
         return out
 
@@ -392,19 +440,24 @@ class MemoryIndex(Index):
     async def dump(self) -> IndexDump:
         """The whole content in canonical form."""
         now = self._clock()
+        ids = {key: inst.spec.instance for key, inst in self._instances.items()}
+        ns_list = self._ns_list
         blocks = {
-            ns: {k: dict(h) for k, h in table.items()}
+            ns: {k: {ids[i]: m for i, m in h.items()} for k, h in table.items()}
             for ns, table in self._blocks.items()
             if table
         }
         return IndexDump(
             blocks=blocks,
             engine_hashes={
-                iid: dict(inst.engine_hashes)
-                for iid, inst in self._instances.items()
+                inst.spec.instance: {
+                    h: (ns_list[e >> 64], e & _U64) for h, e in inst.engine_hashes.items()
+                }
+                for inst in self._instances.values()
                 if inst.engine_hashes
             },
             instances={
-                iid: replace(self._state(iid, inst, now)) for iid, inst in self._instances.items()
+                inst.spec.instance: replace(self._state(inst, now))
+                for inst in self._instances.values()
             },
         )

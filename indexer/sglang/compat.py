@@ -36,6 +36,13 @@ Sequences (``seq``), with duplicate detection in every mode:
   (indexer/index.py): stale workers are left out of prefix matches until a
   snapshot or a clear resyncs them.
 
+Across replicas: each replica caches the registrations of the workers it
+feeds (epoch, address) and reads them again from the index whenever a request
+disagrees with the cache (another epoch or address: another replica may have
+installed a snapshot or moved the worker meanwhile), after a batch finds the
+worker gone, and at least every :data:`SPEC_CACHE_TTL_S`. A worker is reset
+only when the index, not the cache, says its epoch differs.
+
 Hit counters (GetExternalKvHitCounts) count, per hash, the prefix matches
 that found it (every hash of ``hashes[0..best_prefix_blocks)``) and the
 MatchExternalKv lookups with ``count_as_hit`` that found it. They are this
@@ -45,7 +52,9 @@ replica's, not shared between replicas, and bounded by
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,6 +79,15 @@ from kvmesh.errors import FailedPrecondition, InvalidArgument
 
 #: Incarnation prefix of workers fed through this API.
 INCARNATION_PREFIX = "sglang/"
+#: Seconds a cached worker registration is believed when the request agrees
+#: with it. Another replica may install a snapshot under a new epoch at any
+#: time; a request naming another epoch or address rereads at once, and this
+#: bounds how long a replica can take an old epoch's batch for the current
+#: one. One reread (list_instances of the namespace) renews every worker, so
+#: a busy replica costs one a second. It is also the least time between two
+#: rereads for one worker's disagreeing requests (a bridge that keeps sending
+#: an old epoch costs one a second).
+SPEC_CACHE_TTL_S = 1.0
 
 
 class ActionKind(enum.Enum):
@@ -144,8 +162,9 @@ class SglangCompat:
     """The six ``kv_indexer.v1.KVIndexer`` calls on an :class:`IndexerLogic`.
 
     Used from the server's event loop. Holds a per-replica cache of the
-    registrations of workers it feeds (worker id -> spec), refreshed from the
-    index on a miss, and the hit counters.
+    registrations of workers it feeds (worker id -> spec and when it was
+    read), reread from the index on a miss, on a disagreement and after
+    :data:`SPEC_CACHE_TTL_S` (see the module docstring), and the hit counters.
     """
 
     def __init__(self, logic: IndexerLogic, settings: SglangApiSettings) -> None:
@@ -153,18 +172,55 @@ class SglangCompat:
         self.settings = settings
         self.namespace = Namespace(settings.model, "")
         self.hit_counts: dict[int, int] = {}
-        self._specs: dict[str, InstanceSpec] = {}
+        self._specs: dict[str, tuple[InstanceSpec, float]] = {}
+        # The reread of the namespace in flight, shared by concurrent callers.
+        self._reload: asyncio.Task[None] | None = None
+        # worker id -> monotonic time of its last reread for a disagreement.
+        self._disputed: dict[str, float] = {}
 
     # -- workers -------------------------------------------------------------
 
-    async def _spec(self, worker_id: str) -> InstanceSpec | None:
-        spec = self._specs.get(worker_id)
-        if spec is None:
-            for st in await self.logic.list_instances(self.namespace.model):
-                if st.spec.instance.dp_rank == 0:
-                    self._specs[st.spec.instance.worker_id] = st.spec
-            spec = self._specs.get(worker_id)
-        return spec
+    async def _read_workers(self) -> None:
+        """Reread every worker of the namespace from the index (the cache becomes that)."""
+        started = time.monotonic()
+        states = await self.logic.list_instances(self.namespace.model)
+        specs = {
+            st.spec.instance.worker_id: (st.spec, started)
+            for st in states
+            if st.spec.instance.dp_rank == 0
+        }
+        # A registration made here while the listing was in flight is newer.
+        for wid, (spec, at) in self._specs.items():
+            if at > started:
+                specs[wid] = (spec, at)
+        self._specs = specs
+        self._disputed = {w: t for w, t in self._disputed.items() if w in specs}
+
+    async def _spec(self, worker_id: str, *, reread: bool = False) -> InstanceSpec | None:
+        """The worker's registration: cached when younger than the TTL, else read.
+
+        ``reread``: the caller saw the cache disagree, read the index now.
+        """
+        entry = self._specs.get(worker_id)
+        if reread and entry is not None:
+            now = time.monotonic()
+            last = self._disputed.get(worker_id)
+            if last is not None and now - last < SPEC_CACHE_TTL_S:
+                return entry[0]  # the index was just asked: the request is what disagrees
+            self._disputed[worker_id] = now
+        if reread:
+            await self._read_workers()
+        elif entry is None or time.monotonic() - entry[1] >= SPEC_CACHE_TTL_S:
+            task = self._reload
+            if task is None or task.done():
+                task = self._reload = asyncio.ensure_future(self._read_workers())
+                # Its error reaches every caller still waiting; none may be left.
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            await asyncio.shield(task)
+        else:
+            return entry[0]
+        entry = self._specs.get(worker_id)
+        return None if entry is None else entry[0]
 
     async def _register(
         self, worker_id: str, address: str, incarnation: str
@@ -181,7 +237,7 @@ class SglangCompat:
         except InvalidArgument as e:
             # Name the field the way this API does (register's paths are kvmesh's).
             raise InvalidArgument(e.message, field=_field_name(e.field)) from None
-        self._specs[worker_id] = spec
+        self._specs[worker_id] = (result[0].spec, time.monotonic())
         return result
 
     def _events(self, actions: Sequence[Action]) -> tuple[Event, ...]:
@@ -196,7 +252,12 @@ class SglangCompat:
             for i in range(0, len(a.hashes), cap):
                 chunk = a.hashes[i : i + cap]
                 if a.kind is ActionKind.REPORT:
-                    out.append(BlockStored(block_hashes=chunk, tier=a.tier, block_keys=chunk))
+                    # A REPORT names hashes, not where they sit in their chain.
+                    out.append(
+                        BlockStored(
+                            block_hashes=chunk, tier=a.tier, block_keys=chunk, position_known=False
+                        )
+                    )
                 else:
                     out.append(BlockRemoved(block_hashes=chunk, tier=a.tier))
         return tuple(out)
@@ -206,6 +267,9 @@ class SglangCompat:
         if not req.worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
         spec = await self._spec(req.worker_id)
+        if spec is not None and _disagrees(spec, req):
+            # Another replica may have installed a snapshot or moved the worker.
+            spec = await self._spec(req.worker_id, reread=True)
         epoch = None if spec is None else epoch_of(spec.incarnation)
         if req.enforce_sequence:
             if spec is None or not req.worker_epoch or epoch != req.worker_epoch:
@@ -411,6 +475,14 @@ class SglangCompat:
         """
         _check_hashes(keys, self.logic.config.limits.max_match_blocks)
         return [(k, self.hit_counts.get(k, 0)) for k in keys]
+
+
+def _disagrees(spec: InstanceSpec, req: ApplyRequest) -> bool:
+    """Whether ``req`` names another epoch or address than the registration ``spec``."""
+    if spec.address != req.worker_address:
+        return True
+    wants_epoch = req.enforce_sequence or bool(req.worker_epoch)
+    return wants_epoch and epoch_of(spec.incarnation) != req.worker_epoch
 
 
 def _check_hashes(keys: Sequence[int], cap: int) -> None:

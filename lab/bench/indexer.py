@@ -20,6 +20,17 @@ Redis Cluster (:class:`lab.redisproc.RedisClusterProcess`): ``cluster_*``
 figures, with round trips counted over every master and the largest master's
 share of all keys after the build.
 
+"Match during ingest" (memory backend; ``--no-zmq`` skips it, ``--zmq-only``
+runs only it): ``zmq_publishers`` real engine publishers (ZMQ PUB plus ROUTER
+replay, vLLM's msgpack wire) in a child process stream the trace at full speed
+into an indexer child subscribed to every one of them, once alone
+(``memory_zmq_ingest_blocks_per_s``) and once while a client sends a Match and
+a Ping every 10 ms and a health check every 50 ms, each on time whether or not
+the last was answered (``memory_ingest_during_probe_blocks_per_s``,
+``memory_match_during_ingest_p50_ms`` / ``_p99_ms``,
+``memory_health_during_ingest_p99_ms``): what a router and a kubelet see while
+engines flood the replica.
+
 Every latency figure has its floor measured in the same run: ``Ping`` on the
 same server, which does no work. Figures are printed as one table with
 targets, and written with ``--json FILE`` as ``{"figures": ..., "params": ...}``.
@@ -46,6 +57,7 @@ from lab.bench.indexer_common import (
     BenchParams,
     Workload,
     bench_backend,
+    bench_zmq_ingest,
     inproc_match_p50,
 )
 from lab.bench.report import fmt, table, write_report
@@ -78,6 +90,13 @@ _ROWS: tuple[_Row, ...] = (
     ("Redis round trips / Match", None, "redis_roundtrips_per_match", "", "== 1"),
     ("Redis commands / Match", None, "redis_commands_per_match", "", "incl. inside the script"),
     ("Redis bytes / (block, inst)", None, "redis_bytes_per_block_instance", "B", ""),
+    ("ingest, ZMQ engines", "memory_zmq_ingest_blocks_per_s", None, "blocks/s", ""),
+    ("  same, while probed", "memory_ingest_during_probe_blocks_per_s", None, "blocks/s",
+     ">= 0.9x unprobed"),
+    ("Match p50 during ZMQ ingest", "memory_match_during_ingest_p50_ms", None, "ms", ""),
+    ("Match p99 during ZMQ ingest", "memory_match_during_ingest_p99_ms", None, "ms", "<= 50"),
+    ("health p99 during ZMQ ingest", "memory_health_during_ingest_p99_ms", None, "ms",
+     "<= 50"),
 )  # fmt: skip
 
 
@@ -158,6 +177,14 @@ def _checks(f: dict[str, float]) -> dict[str, list[bool]]:
         add("ingest, stream publish", f["memory_ingest_blocks_per_s"] >= 200_000)
         add("Match p50 / empty rpc p50", f["memory_match_over_empty_rpc"] <= 1.2)
         add("Match p50, 32 blocks", f["memory_match_over_empty_rpc"] <= 1.2)
+    if "memory_ingest_during_probe_blocks_per_s" in f:
+        add(
+            "  same, while probed",
+            f["memory_ingest_during_probe_blocks_per_s"]
+            >= 0.9 * f["memory_zmq_ingest_blocks_per_s"],
+        )
+        add("Match p99 during ZMQ ingest", f["memory_match_during_ingest_p99_ms"] <= 50)
+        add("health p99 during ZMQ ingest", f["memory_health_during_ingest_p99_ms"] <= 50)
     if "redis_ingest_blocks_per_s" in f:
         add("ingest, stream publish", f["redis_ingest_blocks_per_s"] >= 100_000)
         add("Match p50, 32 blocks", f["redis_grpc_match_p50_us"] <= 1000)
@@ -185,19 +212,27 @@ def format_table(figures: dict[str, float]) -> str:
 
 
 def run_bench(
-    params: BenchParams, backends: Sequence[str], cluster: bool = False
+    params: BenchParams, backends: Sequence[str], cluster: bool = False, zmq: bool = True
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Run the benchmark; return ``(figures, params)`` as written to JSON."""
+    """Run the benchmark; return ``(figures, params)`` as written to JSON.
+
+    ``zmq``: with the memory backend, also the "Match during ingest" figures
+    (:func:`lab.bench.indexer_common.bench_zmq_ingest`); with no backends, only those.
+    """
     work = Workload.load(params)
     trace, plan, prompts32, prompts256 = work.trace, work.plan, work.prompts32, work.prompts256
     figures: dict[str, float] = {}
     extra: dict[str, Any] = {}
+    if zmq and not backends:
+        bench_zmq_ingest(trace, prompts32, params, figures, extra)
     if "memory" in backends:
         figures["memory_inproc_match_p50_us"] = inproc_match_p50(
             plan, prompts32, params.inproc_calls
         )
         bench_backend("memory", plan, prompts32, prompts256, params, figures, extra)
         figures["grpc_empty_rpc_p50_us"] = figures["memory_grpc_empty_rpc_p50_us"]
+        if zmq:
+            bench_zmq_ingest(trace, prompts32, params, figures, extra)
     if "redis" in backends:
         with RedisProcess() as rp:
             client = redis.Redis.from_url(rp.url)
@@ -238,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--cluster", action="store_true", help="also run redis against a local 3-master cluster"
     )
+    p.add_argument("--no-zmq", action="store_true", help="skip the Match-during-ZMQ-ingest figures")
+    p.add_argument(
+        "--zmq-only",
+        action="store_true",
+        help="only the Match-during-ZMQ-ingest figures (memory backend)",
+    )
     p.add_argument(
         "--floor", action="store_true", help="instead: the empty-RPC floor under gRPC variants"
     )
@@ -259,9 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.requests < 1:
             p.error("--requests must be >= 1")
         params = BenchParams(**{**_asdict(params), "requests": args.requests})
-    backends = ("memory", "redis") if args.backend == "both" else (args.backend,)
+    backends: tuple[str, ...] = ("memory", "redis") if args.backend == "both" else (args.backend,)
+    if args.zmq_only:
+        backends = ()
     t0 = time.perf_counter()
-    figures, run_params = run_bench(params, backends, args.cluster)
+    figures, run_params = run_bench(params, backends, args.cluster, not args.no_zmq)
     bad = [k for k, v in figures.items() if not math.isfinite(v)]
     print(
         f"kvmesh bench indexer: {run_params['requests']:,} requests, "

@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import platform
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import grpc.aio
+import msgpack  # type: ignore[import-untyped]
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer.config import IndexerConfig, Limits, RedisSettings
 from indexer.convert import batch_from_pb
@@ -37,11 +45,12 @@ from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.configfile import merge
 from kvmesh.stats import percentile
 from kvmesh.tls import ChannelFactory, ClientTLS
-from lab.children import ChildProcess, python_module, serve_until_told
-from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake
+from lab.children import ChildProcess, announce_ready, python_module, serve_until_told
+from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_block_key
 from lab.workload import (
     TRACE_MODEL,
     PublishPlan,
+    ReplayInstance,
     make_instances,
     match_request,
     plan_publish,
@@ -64,6 +73,14 @@ class BenchParams:
     concurrency: int = 32  # in-flight Matches for the throughput figure
     throughput_s: float = 3.0
     inproc_calls: int = 5000
+    #: Engines (ZMQ PUB + ROUTER replay pairs) of the "Match during ingest" figures.
+    zmq_publishers: int = 64
+    #: Seconds between two probe rounds (a Match and a Ping; a health check every
+    #: fifth round) while the ZMQ ingest runs: 100 Matches/s, a router's steady
+    #: trickle, light next to the ingest itself.
+    probe_interval_s: float = 0.01
+    #: Longest a ZMQ ingest round may take before the run gives up on it.
+    zmq_timeout_s: float = 300.0
 
 
 DEFAULT_PARAMS = BenchParams(requests=None)
@@ -76,6 +93,8 @@ QUICK_PARAMS = BenchParams(
     concurrency=8,
     throughput_s=0.3,
     inproc_calls=500,
+    zmq_publishers=8,
+    zmq_timeout_s=30.0,
 )
 
 
@@ -382,6 +401,397 @@ def bench_backend(
             figures.update({f"{name}_{k}": v for k, v in probe(srv.target).items()})
 
 
+# -- Match during ZMQ ingest -------------------------------------------------------
+#
+# Engines publish with vLLM's ZMQ wire (PUB [topic, 8-byte big-endian seq,
+# msgpack batch], ROUTER replay answering [b"", start] with [b"", seq, payload]
+# frames and an end marker of seq -1) from a child process of their own; the
+# indexer child subscribes to every one of them (engine_events.endpoints) and
+# ingests with its own ZMQ subscribers, the path gRPC publishing does not take.
+
+#: Topic the benchmark's engines publish on.
+ZMQ_TOPIC = b"kv"
+#: The replay stream's end marker: seq -1, 8 signed big-endian bytes.
+_REPLAY_END = (-1).to_bytes(8, "big", signed=True)
+#: Send high-water mark of an engine's PUB socket: vLLM's default (100,000
+#: batches), so that a burst waits in the queues instead of being dropped.
+_ENGINE_SNDHWM = 100_000
+#: Seconds between two polls of ListInstances that tell whether a round has
+#: been ingested. A full round takes about 0.3 s, so the end is seen 5 ms late
+#: on average (2 %); each poll costs the server about 0.1 ms, so the polls
+#: take about 1 % of it, in both rounds alike.
+_DONE_POLL_S = 0.01
+#: Ingest rounds of one run: the first without probes, the second with them.
+ZMQ_ROUNDS = 2
+
+
+def zmq_round_model(r: int) -> str:
+    """Model (namespace) of ingest round ``r``: each round fills a namespace of its own."""
+    return f"{TRACE_MODEL}-zmq{r}"
+
+
+def zmq_plan(
+    trace: Sequence[TraceRequest], publishers: int, requests_per_batch: int, r: int
+) -> PublishPlan:
+    """What the engines of round ``r`` publish: the trace over ``publishers`` instances."""
+    instances = [
+        ReplayInstance(f"zmq{r}-engine-{i:03d}", f"http://zmq{r}-engine-{i:03d}:8000")
+        for i in range(publishers)
+    ]
+    return plan_publish(trace, instances, requests_per_batch=requests_per_batch)
+
+
+def vllm_payload(batch: pb.EventBatch) -> bytes:
+    """One batch in vLLM's msgpack wire (map form, as current vLLM encodes it).
+
+    Engine hashes are the trace's block keys (the indexer subscribes with
+    ``keys=engine_hashes``), so Match asks with the keys the gRPC figures use.
+    """
+    events = []
+    for ev in batch.events:
+        st = ev.stored
+        parent = trace_block_key(st.parent_block_hash) if st.HasField("parent_block_hash") else None
+        events.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": list(st.block_keys),
+                "parent_block_hash": parent,
+                "token_ids": [],
+                "block_size": st.block_size,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+        )
+    return bytes(msgpack.packb({"ts": time.time(), "events": events, "data_parallel_rank": 0}))
+
+
+class _Engine:
+    """One engine's publisher (child side): PUB socket, ROUTER replay, the batches to send."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, payloads: list[bytes]) -> None:
+        self.worker_id = worker_id
+        self.payloads = payloads
+        self.sent = 0  # batches published so far: the replay buffer holds exactly these
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, _ENGINE_SNDHWM)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def serve_replay(self) -> None:
+        """Answer replay requests from the batches sent so far."""
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue
+            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq in range(start, self.sent):
+                await self.router.send_multipart(
+                    [ident, b"", seq.to_bytes(8, "big"), self.payloads[seq]]
+                )
+            await self.router.send_multipart([ident, b"", _REPLAY_END, b""])
+
+    def close(self) -> None:
+        """Close both sockets."""
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+async def _stream(engines: Sequence[_Engine]) -> None:
+    """Publish every engine's batches as fast as they go, engines interleaved."""
+    longest = max((len(e.payloads) for e in engines), default=0)
+    for k in range(longest):
+        for e in engines:
+            if k < len(e.payloads):
+                await e.pub.send_multipart([ZMQ_TOPIC, k.to_bytes(8, "big"), e.payloads[k]])
+                e.sent = k + 1
+        await asyncio.sleep(0)  # let replay requests in between
+
+
+def publish_child(requests: int | None, publishers: int, requests_per_batch: int) -> int:
+    """Child process of :class:`EnginesChild`: bind every engine, announce them, publish on cue.
+
+    Prints ``READY [[round, worker_id, endpoint, replay_endpoint], ...]``, then
+    for each ``go R`` line on stdin publishes round R and prints ``SENT R``;
+    exits when stdin closes.
+    """
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        trace = load_mooncake(limit=requests)
+        rounds: list[list[_Engine]] = []
+        for r in range(ZMQ_ROUNDS):
+            plan = zmq_plan(trace, publishers, requests_per_batch, r)
+            rounds.append(
+                [
+                    _Engine(
+                        ctx,
+                        inst.worker_id,
+                        [vllm_payload(b.batch) for b in plan.batches.get(inst.worker_id, [])],
+                    )
+                    for inst in plan.instances
+                ]
+            )
+        every = [e for engines in rounds for e in engines]
+        tasks = [asyncio.create_task(e.serve_replay()) for e in every]
+        announce_ready(
+            json.dumps(
+                [
+                    [r, e.worker_id, e.endpoint, e.replay_endpoint]
+                    for r, engines in enumerate(rounds)
+                    for e in engines
+                ]
+            )
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            while line := await loop.run_in_executor(None, sys.stdin.readline):
+                cmd, _, arg = line.strip().partition(" ")
+                if cmd == "go":
+                    await _stream(rounds[int(arg)])
+                    print(f"SENT {arg}", flush=True)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for e in every:
+                e.close()
+            ctx.term()
+
+    asyncio.run(run())
+    return 0
+
+
+class EnginesChild:
+    """The engines' publishers in a child process (context manager).
+
+    ``endpoints`` are ``(round, worker_id, endpoint, replay_endpoint)``;
+    :meth:`go` has round R published, :meth:`wait_sent` waits until it was.
+    """
+
+    def __init__(self, params: BenchParams) -> None:
+        args = ["--publish", "--publishers", str(params.zmq_publishers)]
+        args += ["--requests-per-batch", str(params.requests_per_batch)]
+        if params.requests is not None:
+            args += ["--requests", str(params.requests)]
+        self.child = ChildProcess(
+            python_module("lab.bench.indexer_common", *args), name="zmq engines", pipes=True
+        )
+        self.endpoints: list[tuple[int, str, str, str]] = []
+
+    def __enter__(self) -> EnginesChild:
+        self.child.start()
+        try:
+            self.endpoints = [tuple(e) for e in json.loads(self.child.wait_line())]
+        except BaseException:
+            self.child.stop()
+            raise
+        return self
+
+    def go(self, r: int) -> None:
+        """Have round ``r`` published (returns at once)."""
+        self.child.send_line(f"go {r}")
+
+    def wait_sent(self, r: int, timeout_s: float) -> None:
+        """Wait until the child says round ``r`` is published."""
+        while self.child.wait_line(timeout_s, word="SENT") != str(r):
+            pass
+
+    def __exit__(self, *exc: object) -> None:
+        self.child.stop()
+
+
+@dataclass(slots=True)
+class _Probes:
+    """Open-loop probes: every interval a Match and a Ping, a health check every fifth.
+
+    Each probe is its own call, sent on time whether or not the earlier ones
+    were answered, so a stalled server shows as long latencies, not as fewer
+    samples.
+    """
+
+    stub: pb_grpc.IndexerServiceAsyncStub
+    health: health_pb2_grpc.HealthStub
+    reqs: Sequence[pb.MatchRequest]
+    interval_s: float
+    timeout_s: float
+    match_ms: list[float] = field(default_factory=list)
+    ping_ms: list[float] = field(default_factory=list)
+    health_ms: list[float] = field(default_factory=list)
+    _calls: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def _timed(self, out: list[float], call: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        await call()
+        out.append((time.perf_counter() - t0) * 1000)
+
+    def _spawn(self, out: list[float], call: Callable[[], Any]) -> None:
+        task = asyncio.create_task(self._timed(out, call))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Probe until ``stop`` is set, then wait for every answer."""
+        ping, check = pb.PingRequest(), health_pb2.HealthCheckRequest()
+        t, k = time.perf_counter(), 0
+        while not stop.is_set():
+            req = self.reqs[k % len(self.reqs)]
+            timeout = self.timeout_s
+            self._spawn(self.match_ms, functools.partial(self.stub.Match, req, timeout=timeout))
+            self._spawn(self.ping_ms, functools.partial(self.stub.Ping, ping, timeout=timeout))
+            if k % 5 == 0:
+                self._spawn(
+                    self.health_ms, functools.partial(self.health.Check, check, timeout=timeout)
+                )
+            k += 1
+            t += self.interval_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, t - time.perf_counter()))
+        await asyncio.gather(*self._calls)
+
+
+async def _ingest_round(
+    stub: pb_grpc.IndexerServiceAsyncStub,
+    engines: EnginesChild,
+    r: int,
+    plan: PublishPlan,
+    timeout_s: float,
+    probes: _Probes | None,
+) -> float:
+    """Have round ``r`` published and wait until the indexer applied all of it; the seconds."""
+    last = {w: len(b) - 1 for w, b in plan.batches.items() if b}
+    req = pb.ListInstancesRequest(model=zmq_round_model(r))
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    engines.go(r)
+    probing = asyncio.create_task(probes.run(stop)) if probes is not None else None
+    try:
+        while True:
+            resp = await stub.ListInstances(req, timeout=timeout_s)
+            seqs = {
+                i.instance.worker_id: i.applied_sequence
+                for i in resp.instances
+                if i.has_applied_sequence
+            }
+            if all(seqs.get(w, -1) >= s for w, s in last.items()):
+                break
+            if time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"ZMQ ingest round {r} not done after {timeout_s:.0f} s")
+            await asyncio.sleep(_DONE_POLL_S)
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop.set()
+        if probing is not None:
+            await probing
+    engines.wait_sent(r, timeout_s)
+    return elapsed
+
+
+async def _zmq_rounds(
+    srv: ServerChild,
+    engines: EnginesChild,
+    plans: Sequence[PublishPlan],
+    prompts: Sequence[Sequence[int]],
+    params: BenchParams,
+) -> tuple[list[float], list[float | None], _Probes]:
+    """Both rounds: their seconds, the server's CPU seconds in each, the probes."""
+    async with grpc.aio.insecure_channel(srv.target) as channel:
+        stub = pb_grpc.IndexerServiceStub(channel)
+        want = len(engines.endpoints)
+        deadline = time.perf_counter() + params.zmq_timeout_s
+        # Every subscriber registers its instance once its engine's socket connects.
+        while len((await stub.ListInstances(pb.ListInstancesRequest())).instances) < want:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"fewer than {want} ZMQ subscribers connected")
+            await asyncio.sleep(_DONE_POLL_S)
+        # The SUB sockets' subscriptions reach the publishers just after the connect.
+        await asyncio.sleep(0.3)
+        cpu0 = srv.cpu_seconds()
+        quiet = await _ingest_round(stub, engines, 0, plans[0], params.zmq_timeout_s, None)
+        cpu1 = srv.cpu_seconds()
+        reqs = [match_request(k, model=zmq_round_model(1)) for k in prompts]
+        probes = _Probes(
+            stub,
+            health_pb2_grpc.HealthStub(channel),
+            reqs,
+            params.probe_interval_s,
+            params.zmq_timeout_s,
+        )
+        probed = await _ingest_round(stub, engines, 1, plans[1], params.zmq_timeout_s, probes)
+        cpu2 = srv.cpu_seconds()
+        cpu: list[float | None] = [None, None]
+        if cpu0 is not None and cpu1 is not None and cpu2 is not None:
+            cpu = [cpu1 - cpu0, cpu2 - cpu1]
+        return [quiet, probed], cpu, probes
+
+
+def bench_zmq_ingest(
+    trace: Sequence[TraceRequest],
+    prompts: Sequence[Sequence[int]],
+    params: BenchParams,
+    figures: dict[str, float],
+    extra: dict[str, Any],
+) -> None:
+    """Match, Ping and health latency while the memory backend ingests from ZMQ engines.
+
+    ``params.zmq_publishers`` engines in a child process publish the trace
+    (:func:`zmq_plan`) at full speed into an indexer child subscribed to all
+    of them; round 0 is timed alone, round 1 while a client probes
+    (:class:`_Probes`). Adds ``memory_zmq_ingest_blocks_per_s`` (round 0),
+    ``memory_ingest_during_probe_blocks_per_s`` (round 1), the server's CPU
+    time per block in each (``..._server_cpu_us_per_block``) and the probes'
+    ``memory_{match,ping,health}_during_ingest_p{50,99}_ms``.
+    """
+    plans = [
+        zmq_plan(trace, params.zmq_publishers, params.requests_per_batch, r)
+        for r in range(ZMQ_ROUNDS)
+    ]
+    with EnginesChild(params) as engines:
+        endpoints = [
+            {
+                "worker_id": worker,
+                "model": zmq_round_model(r),
+                "address": f"http://{worker}:8000",
+                "endpoint": endpoint,
+                "replay_endpoint": replay,
+                "topic": ZMQ_TOPIC.decode(),
+                "keys": "engine_hashes",
+                "lease_ttl_s": 600.0,
+            }
+            for r, worker, endpoint, replay in engines.endpoints
+        ]
+        with ServerChild("memory", overrides={"engine_events": {"endpoints": endpoints}}) as srv:
+            seconds, cpu, probes = asyncio.run(_zmq_rounds(srv, engines, plans, prompts, params))
+    figures["memory_zmq_ingest_blocks_per_s"] = plans[0].blocks / seconds[0]
+    figures["memory_ingest_during_probe_blocks_per_s"] = plans[1].blocks / seconds[1]
+    for name, used, plan in (
+        ("zmq_ingest", cpu[0], plans[0]),
+        ("ingest_during_probe", cpu[1], plans[1]),
+    ):
+        if used:
+            # The server's CPU time per block: apart from the wall clock, which
+            # other processes on the machine (the probing client among them) share.
+            figures[f"memory_{name}_server_cpu_us_per_block"] = used * 1e6 / plan.blocks
+    for name, lat in (
+        ("match", probes.match_ms),
+        ("ping", probes.ping_ms),
+        ("health", probes.health_ms),
+    ):
+        figures[f"memory_{name}_during_ingest_p50_ms"] = percentile(lat, 0.5)
+        figures[f"memory_{name}_during_ingest_p99_ms"] = percentile(lat, 0.99)
+    extra["zmq_publishers"] = params.zmq_publishers
+    extra["zmq_blocks_per_round"] = plans[1].blocks
+    extra["zmq_batches_per_round"] = plans[1].batch_count
+    extra["zmq_probe_interval_s"] = params.probe_interval_s
+    extra["zmq_matches_probed"] = len(probes.match_ms)
+    extra["zmq_wire"] = "vLLM ZMQ (map-form msgpack), keys=engine_hashes, replay ROUTER"
+
+
 # -- what a run publishes and asks ------------------------------------------------
 
 
@@ -431,12 +841,20 @@ class Workload:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the server child (``--serve BACKEND``) of :class:`ServerChild`."""
+    """Entry point of the children: the server (``--serve BACKEND``) of :class:`ServerChild`,
+    the engines (``--publish``) of :class:`EnginesChild`."""
     p = argparse.ArgumentParser(prog="python -m lab.bench.indexer_common")
-    p.add_argument("--serve", required=True, help="backend: memory, redis or cluster")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--serve", help="backend: memory, redis or cluster")
+    mode.add_argument("--publish", action="store_true", help="be the ZMQ engines")
     p.add_argument("--redis-url", default="")
     p.add_argument("--server-config", default="", help="JSON overrides of server_config")
+    p.add_argument("--requests", type=int, default=None, help="trace requests (--publish)")
+    p.add_argument("--publishers", type=int, default=64, help="engines per round (--publish)")
+    p.add_argument("--requests-per-batch", type=int, default=8, help="(--publish)")
     args = p.parse_args(argv)
+    if args.publish:
+        return publish_child(args.requests, args.publishers, args.requests_per_batch)
     return serve_child(args.serve, args.redis_url, args.server_config)
 
 

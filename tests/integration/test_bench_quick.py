@@ -31,6 +31,12 @@ FIGURES = (
     "redis_roundtrips_per_match",
     "redis_bytes_per_block_instance",
     "grpc_empty_rpc_p50_us",
+    # Match during ZMQ ingest: real engine publishers into the memory backend.
+    "memory_zmq_ingest_blocks_per_s",
+    "memory_ingest_during_probe_blocks_per_s",
+    "memory_match_during_ingest_p50_ms",
+    "memory_match_during_ingest_p99_ms",
+    "memory_health_during_ingest_p99_ms",
 )
 
 
@@ -53,8 +59,16 @@ def test_quick_bench_writes_every_figure(
     )
     assert figures["redis_commands_per_match"] > 1.0  # the script's reads are counted too
     assert doc["params"]["instances"] == 64
+    # Every block the engines published was ingested (the round waits for it), and
+    # the probes ran during the ingest.
+    assert doc["params"]["zmq_publishers"] == 8
+    assert doc["params"]["zmq_blocks_per_round"] > 0
+    assert doc["params"]["zmq_matches_probed"] >= 1
+    p50, p99 = (figures[f"memory_match_during_ingest_{q}_ms"] for q in ("p50", "p99"))
+    assert p50 <= p99
     printed = capsys.readouterr().out
     assert "Redis round trips / Match" in printed and "memory" in printed
+    assert "Match p99 during ZMQ ingest" in printed
 
 
 def test_quickstart_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:

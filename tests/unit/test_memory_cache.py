@@ -1,0 +1,155 @@
+"""The memory backend: cached depth-1 answers follow their instance; blocks cost the GC nothing.
+
+Most holders of a shared first block go no deeper, so the memory backend
+caches their one-block answer (address, tiers, stale flag). These tests check
+that an answer never outlives what it describes: an instance removed, reaped
+or reset and registered again is answered with its new address and staleness,
+and churn leaves nothing behind. And that stored blocks add no object for the
+garbage collector to walk, whose full collections would otherwise pause
+every Match for a time that grows with the index.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+from indexer.memory import MemoryIndex
+from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
+from kvmesh.blockkeys import block_keys
+from tests.conftest import FakeClock
+
+BS = 4
+NS = Namespace("llama")
+PROMPT = list(range(100, 108))  # 2 blocks of 4
+KEYS = block_keys(PROMPT, BS, "llama")
+A = InstanceId("a", 0)
+B = InstanceId("b", 0)
+
+
+def first_block() -> BlockStored:
+    """BlockStored of PROMPT's first block only: a depth-1 holder."""
+    return BlockStored(block_hashes=(1000,), token_ids=tuple(PROMPT[:BS]), block_size=BS)
+
+
+def both_blocks() -> BlockStored:
+    """BlockStored of both of PROMPT's blocks: a depth-2 holder."""
+    return BlockStored(block_hashes=(1000, 1001), token_ids=tuple(PROMPT), block_size=BS)
+
+
+async def reg(
+    index: MemoryIndex, iid: InstanceId, address: str, *, ttl: float = 30.0, inc: str = "x"
+) -> None:
+    await index.register(InstanceSpec(iid, "llama", address, ttl, inc))
+
+
+async def hits(index: MemoryIndex, **kw: bool) -> dict[InstanceId, tuple[str, int, bool]]:
+    return {m.instance: (m.address, m.depth, m.stale) for m in await index.match(NS, KEYS, **kw)}
+
+
+async def test_a_removed_instance_registered_again_is_named_by_its_new_address() -> None:
+    index = MemoryIndex()
+    await reg(index, A, "http://old:1")
+    await reg(index, B, "http://b:1")
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    await index.apply(EventBatch(B, 0, (both_blocks(),)))
+    assert (await hits(index))[A] == ("http://old:1", 1, False)
+    await index.remove_instance(A)
+    await reg(index, A, "http://new:1")
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    assert (await hits(index))[A] == ("http://new:1", 1, False)
+
+
+async def test_a_reaped_instance_registered_again_is_named_by_its_new_address() -> None:
+    clock = FakeClock()
+    index = MemoryIndex(clock=clock)
+    await reg(index, A, "http://old:1", ttl=1.0)
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    assert (await hits(index))[A] == ("http://old:1", 1, False)
+    clock.advance(2.0)
+    assert await index.reap_expired() == [A]
+    await reg(index, A, "http://new:1")
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    assert (await hits(index))[A] == ("http://new:1", 1, False)
+
+
+async def test_a_stale_instance_removed_and_registered_again_is_fresh() -> None:
+    index = MemoryIndex()
+    await reg(index, A, "http://a:1")
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    await index.apply(EventBatch(A, 5, ()))  # a gap: stale
+    assert (await hits(index, include_stale=True))[A] == ("http://a:1", 1, True)
+    await index.remove_instance(A)
+    await reg(index, A, "http://a:1")
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    assert await hits(index) == {A: ("http://a:1", 1, False)}
+
+
+async def test_a_stale_instance_reset_by_a_new_incarnation_is_fresh() -> None:
+    index = MemoryIndex()
+    await reg(index, A, "http://a:1", inc="one")
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    await index.apply(EventBatch(A, 5, ()))
+    assert (await hits(index, include_stale=True))[A] == ("http://a:1", 1, True)
+    _, reset = await index.register(InstanceSpec(A, "llama", "http://a:1", 30.0, "two"))
+    assert reset
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    assert await hits(index) == {A: ("http://a:1", 1, False)}
+
+
+async def test_an_address_change_is_seen_by_the_next_match() -> None:
+    index = MemoryIndex()
+    await reg(index, A, "http://a:1")
+    await index.apply(EventBatch(A, 0, (first_block(),)))
+    assert (await hits(index))[A][0] == "http://a:1"
+    await reg(index, A, "http://a:2")
+    assert (await hits(index))[A][0] == "http://a:2"
+
+
+async def _churn(index: MemoryIndex, start: int, n: int) -> None:
+    for i in range(start, start + n):
+        iid = InstanceId(f"churn-{i:06d}", 0)
+        await reg(index, iid, f"http://churn-{i:06d}.pods.example:8000")
+        await index.apply(EventBatch(iid, 0, (first_block(),)))
+        assert (await hits(index))[iid][1] == 1
+        await index.remove_instance(iid)
+
+
+async def test_churn_leaves_no_cached_answers_behind() -> None:
+    index = MemoryIndex()
+    await reg(index, B, "http://b:1")
+    await index.apply(EventBatch(B, 0, (both_blocks(),)))
+    n = 2000
+    tracemalloc.start()
+    try:
+        await _churn(index, 0, n)  # warms every table up to its steady size
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        await _churn(index, n, n)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # An answer kept per removed instance costs a few hundred bytes (its
+    # address, worker id and the match tuple): n of them would be far above this.
+    assert grown < 40 * n, f"{grown} bytes kept after {n} instances came and went"
+    assert await hits(index) == {B: ("http://b:1", 2, False)}
+
+
+async def test_stored_blocks_add_nothing_for_the_garbage_collector_to_walk() -> None:
+    index = MemoryIndex()
+    await reg(index, A, "http://a:1")
+    await reg(index, B, "http://b:1")
+    n = 20_000
+    tokens = tuple(range(BS * n))
+    gc.collect()
+    before = len(gc.get_objects())
+    for iid in (A, B):
+        ev = BlockStored(block_hashes=tuple(range(1, n + 1)), token_ids=tokens, block_size=BS)
+        await index.apply(EventBatch(iid, 0, (ev,)))
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    assert (await index.stats()).block_instances == 2 * n
+    # A tracked container per block (its holder dict, its engine-hash entry)
+    # would add tens of thousands here.
+    assert added < 100, f"{added} more objects tracked after storing {n} blocks twice"

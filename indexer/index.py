@@ -42,6 +42,9 @@ Match
   those ``d`` blocks have their fastest copy there. Sorted by depth
   descending, then worker id, then dp rank. Unknown namespace: empty.
 
+Across replicas and faults: indexer/CONSISTENCY.md states what a fleet of
+replicas answers, what a replica may lag by, and what must never happen.
+
 Thread-safety: backends are used from one asyncio event loop; all methods are
 coroutines and each is atomic with respect to the others (redis: one script or
 one transaction; memory: no await inside a mutation).

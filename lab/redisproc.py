@@ -498,14 +498,25 @@ def _info_field(host: str, port: int, section: bytes, field: bytes) -> bytes | N
 
 
 class RedisClusterProcess(_Started):
-    """A private Redis Cluster of ``masters`` masters (no replicas) on 127.0.0.1.
+    """A private Redis Cluster of ``masters`` masters, each with ``replicas`` replicas,
+    on 127.0.0.1.
 
     Each node is a :class:`RedisProcess` started with ``cluster-enabled`` on a
     free port whose bus port (port + 10000) is free too; the slots are spread
-    by ``redis-cli --cluster create``. ``cluster-require-full-coverage no``
-    lets the other masters keep serving while one is down. :meth:`kill` and
-    :meth:`restart` act on one master; a restarted master keeps its node id
-    and slots (its ``nodes.conf`` survives) but comes back empty.
+    by ``redis-cli --cluster create --cluster-replicas <replicas>``, which
+    makes the first ``masters`` nodes of :attr:`nodes` the masters and the
+    rest their replicas. ``cluster-require-full-coverage no`` lets the other
+    masters keep serving while one is down. :meth:`kill` and :meth:`restart`
+    act on one node (``nodes[i]``); a restarted node keeps its node id and
+    slots (its ``nodes.conf`` survives) but comes back empty (a replica then
+    resyncs from its master).
+
+    With replicas, :meth:`roles` says which node serves as master now,
+    :meth:`replicas_of` names a master's replicas and :meth:`failover` makes a
+    replica take over its master's slots (``CLUSTER FAILOVER``: the master
+    stops writes until the replica caught up, so nothing acknowledged is
+    lost); :meth:`start` and :meth:`failover` return once every replica's
+    link to its master is up.
 
     ``users``, ``acl_rules`` and ``tls`` secure every node as in
     :class:`RedisProcess`; with ``tls`` the cluster bus and replication use
@@ -516,15 +527,20 @@ class RedisClusterProcess(_Started):
         self,
         masters: int = 3,
         *,
+        replicas: int = 0,
         users: Mapping[str, str] | None = None,
         acl_rules: Mapping[str, str] | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        if replicas < 0:
+            raise ValueError("replicas must be >= 0")
         self.host = HOST
         self.nodes: list[RedisProcess] = []
         self._masters = masters
+        #: Replicas of each master.
+        self.replicas = replicas
         self.users = dict(users or {})
         self.acl_rules = dict(acl_rules or {})
         self.tls = tls
@@ -554,7 +570,7 @@ class RedisClusterProcess(_Started):
         tls_args: tuple[str, ...] = ()
         if self.tls is not None:
             tls_args = ("--tls-cluster", "yes", "--tls-replication", "yes")
-        for _ in range(self._masters):
+        for _ in range(self._masters * (1 + self.replicas)):
             port = free_cluster_port(self.host, taken)
             taken.update((port, port + _BUS_OFFSET))
             node = RedisProcess(
@@ -585,8 +601,8 @@ class RedisClusterProcess(_Started):
             t = self.tls
             security += ["--tls", "--cacert", t.ca, "--cert", t.cert, "--key", t.key]
         subprocess.run(
-            [cli, *security, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-             "--cluster-yes"],
+            [cli, *security, "--cluster", "create", *addrs,
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -595,6 +611,8 @@ class RedisClusterProcess(_Started):
             env=env,
         )  # fmt: skip
         self.wait_ok()
+        if self.replicas:
+            self.wait_synced()
         return self
 
     def wait_ok(self, timeout_s: float = _CLUSTER_OK_TIMEOUT_S) -> None:
@@ -633,14 +651,95 @@ class RedisClusterProcess(_Started):
         return None
 
     def kill(self, i: int) -> None:
-        """SIGKILL master ``i`` (its slots are down until :meth:`restart`)."""
+        """SIGKILL node ``i`` (a master's slots are down until :meth:`restart`)."""
         self.nodes[i].kill()
 
     def restart(self, i: int, *, wait: bool = True) -> None:
-        """Start master ``i`` again on its port (same node id and slots, no data)."""
+        """Start node ``i`` again on its port (same node id and slots, no data)."""
         self.nodes[i].start()
         if wait:
             self.wait_ok()
+
+    def _command(self, i: int, *args: Any) -> Any:
+        """One command on node ``i`` (as :data:`ADMIN_USER` and over TLS when secured)."""
+        r = self.nodes[i].client(socket_timeout=2.0, socket_connect_timeout=2.0)
+        try:
+            return r.execute_command(*args)
+        finally:
+            r.close()
+
+    def roles(self) -> dict[int, int | None]:
+        """Running node index -> index of its master (``None`` for a master), as each
+        node says of itself (the ``myself`` line of its ``CLUSTER NODES``)."""
+        ids: dict[str, int] = {}
+        said: dict[int, tuple[bool, str]] = {}
+        for i, node in enumerate(self.nodes):
+            if not node.running:
+                continue
+            try:
+                text = self._command(i, "CLUSTER", "NODES")
+            except Exception:
+                continue
+            if isinstance(text, bytes):
+                text = text.decode()
+            for line in str(text).splitlines():
+                parts = line.split()
+                if len(parts) >= 4 and "myself" in parts[2].split(","):
+                    ids[parts[0]] = i
+                    said[i] = ("master" in parts[2].split(","), parts[3])
+        if not said:
+            raise RuntimeError("no running cluster node answered CLUSTER NODES")
+        return {i: None if master else ids.get(of) for i, (master, of) in said.items()}
+
+    def masters_now(self) -> list[int]:
+        """Indices of the nodes serving as masters now, in :attr:`nodes` order."""
+        return sorted(i for i, m in self.roles().items() if m is None)
+
+    def replicas_of(self, master: int) -> list[int]:
+        """Indices of the replicas of node ``master`` now."""
+        return sorted(i for i, m in self.roles().items() if m == master)
+
+    def wait_synced(self, timeout_s: float = _CLUSTER_OK_TIMEOUT_S) -> None:
+        """Wait until every running replica reports ``master_link_status:up``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            roles = self.roles()
+            pending = [
+                i
+                for i, m in roles.items()
+                if m is not None and self.nodes[i].running and not self._link_up(i)
+            ]
+            if not pending:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"Redis Cluster replicas not in sync within {timeout_s} s")
+
+    def _link_up(self, i: int) -> bool:
+        try:
+            info = self._command(i, "INFO", "replication")
+        except Exception:
+            return False
+        if isinstance(info, dict):
+            return str(info.get("master_link_status", "")) == "up"
+        return b"master_link_status:up" in bytes(info)
+
+    def failover(self, replica: int, timeout_s: float = _CLUSTER_OK_TIMEOUT_S) -> None:
+        """Make node ``replica`` take over its master's slots (``CLUSTER FAILOVER``).
+
+        Returns once it says it is master and its old master says it is its
+        replica, every node is ``ok`` and every replica is in sync again.
+        """
+        old = self.roles().get(replica)
+        if old is None:
+            raise ValueError(f"node {replica} is not a replica")
+        self._command(replica, "CLUSTER", "FAILOVER")
+        deadline = time.monotonic() + timeout_s
+        while (roles := self.roles()).get(replica) is not None or roles.get(old) != replica:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {replica} did not become master within {timeout_s} s")
+            time.sleep(0.02)
+        self.wait_ok(timeout_s)
+        self.wait_synced(timeout_s)
 
     def close(self) -> None:
         """Stop every node and delete their directories."""

@@ -1,0 +1,283 @@
+"""``kvmesh bench faults``: the fault harness (lab/faults/) for a while, on every backend.
+
+Rounds of seeded operations (``lab/faults/driver.py``) run one after another
+until ``--duration`` seconds have passed: on 3 replicas (``--replicas``) over
+a private ``redis-server``, on 3 replicas over a private 3-master Redis
+Cluster with one replica per master, and on one memory-backend replica,
+rotating over the operation profiles of ``lab/faults/ops.py`` (each isolates
+a family of operations or a fault kind; ``all`` mixes them). Round ``k``
+runs seed ``--seed + k``. A round stops at its first violation of the
+contract (indexer/CONSISTENCY.md); the violation is then shrunk (deleting
+operations while the same invariant still fails, at most ``--shrink-budget``
+seconds) and printed with the command that replays it.
+
+Printed: one row per (target, profile) with rounds, operations, faults and
+violations, then every violation with its minimal sequence. ``--json FILE``
+writes ``{"figures": {"operations", "faults_injected", "fault_kinds",
+"replicas", "violations", ...}, "params": {...}, "violations": [...]}``.
+
+``--keep I,J,...`` (with ``--target``, ``--profile``, ``--seed``,
+``--replicas``) replays exactly the operations of that round with those
+indices, as a shrunk violation prints them. The exit code is 1 when a
+violation was found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvmesh.runtime import new_event_loop
+from lab.bench.report import table, write_report
+from lab.faults.driver import (
+    CALL_TIMEOUT_S,
+    LAG_MARGIN_S,
+    RECOVERY_S,
+    RoundResult,
+    RunParams,
+    format_round,
+    replay_line,
+    run_round,
+    shrink,
+)
+from lab.faults.faults import ClusterTarget, StandaloneTarget, Target
+from lab.faults.fleet import CACHE_TTL_S, SOCKET_TIMEOUT_S
+from lab.faults.ops import describe, profile_ops
+from lab.redisproc import RedisClusterProcess, RedisProcess
+
+#: Profiles each target rotates over (``all`` first: it mixes every family).
+#: ``starve`` only on the memory backend, where a backlog is ingested without
+#: a network wait; on Redis its bursts take seconds and prove little more.
+ROTATION: dict[str, tuple[str, ...]] = {
+    "standalone": (
+        "all", "core", "leases", "bigseq", "pause", "restart", "deadline", "replica",
+        "sglang", "zmq", "zmq_stale", "names",
+    ),
+    "cluster": (
+        "all", "core", "leases", "bigseq", "pause", "deadline", "replica", "migrate",
+        "failover", "sglang",
+    ),
+    "memory": ("all", "core", "leases", "replica", "sglang", "zmq", "zmq_stale", "starve", "names"),
+}  # fmt: skip
+
+#: Operations per round: long enough for faults to meet state worth losing,
+#: short enough that a violation's round shrinks within its budget.
+ROUND_OPS = 400
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``kvmesh bench faults``."""
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench faults",
+        description="Seeded, model-checked fault injection on indexer replicas "
+        "(Redis, Redis Cluster with replicas, memory).",
+    )
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of rounds (120)")
+    ap.add_argument("--json", dest="json_path", help="also write figures and params here")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the first round (1)")
+    ap.add_argument("--replicas", type=int, default=3, help="indexer replicas per Redis (3)")
+    ap.add_argument(
+        "--targets", default="standalone,cluster,memory",
+        help="comma-separated: standalone, cluster, memory",
+    )  # fmt: skip
+    ap.add_argument("--profiles", default="", help="comma-separated profiles (default: rotation)")
+    ap.add_argument("--ops", type=int, default=ROUND_OPS, help="operations per round")
+    ap.add_argument(
+        "--shrink-budget", type=float, default=60.0, help="seconds to shrink each violation"
+    )
+    ap.add_argument("--target", default="", help="replay: the round's target")
+    ap.add_argument("--profile", default="all", help="replay: the round's profile")
+    ap.add_argument("--keep", default="", help="replay: indices of the operations to run")
+    return ap
+
+
+@contextlib.contextmanager
+def _targets(kinds: Sequence[str]) -> Iterator[dict[str, Target]]:
+    procs: list[Any] = []
+    out: dict[str, Target] = {}
+    try:
+        for k in kinds:
+            if k == "standalone":
+                p = RedisProcess().start()
+                procs.append(p)
+                out[k] = StandaloneTarget(p)
+            elif k == "cluster":
+                c = RedisClusterProcess(replicas=1).start()
+                procs.append(c)
+                out[k] = ClusterTarget(c)
+            elif k == "memory":
+                out[k] = Target()
+            else:
+                raise SystemExit(f"kvmesh bench faults: unknown target {k!r}")
+        yield out
+    finally:
+        for p in procs:
+            p.close()
+
+
+def _quiet() -> None:
+    # Gaps, lost batches and retries are what the harness causes on purpose.
+    logging.basicConfig(level=logging.ERROR)
+    for name in ("indexer", "kvmesh", "lab", "grpc"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
+async def _run(
+    args: argparse.Namespace, targets: dict[str, Target]
+) -> tuple[list[RoundResult], dict[int, RoundResult]]:
+    """Rounds until the duration is spent; and, by round index, each violation shrunk."""
+    kinds = list(targets)
+    chosen = [p for p in args.profiles.split(",") if p]
+    turn: Counter[str] = Counter()
+    rounds: list[RoundResult] = []
+    shrunk: dict[int, RoundResult] = {}
+    start = time.monotonic()
+    k = 0
+    while time.monotonic() - start < args.duration:
+        kind = kinds[k % len(kinds)]
+        rotation = [p for p in (chosen or ROTATION[kind]) if profile_ops(p, kind)]
+        profile = rotation[turn[kind] % len(rotation)]
+        turn[kind] += 1
+        left = args.duration - (time.monotonic() - start)
+        p = RunParams(
+            seed=args.seed + k,
+            profile=profile,
+            replicas=args.replicas,
+            ops=args.ops,
+            duration_s=max(left, 1.0),
+        )
+        res = await run_round(targets[kind], p)
+        status = str(res.violations[0]) if res.violations else "ok"
+        print(
+            f"round {k}: {kind}/{profile} seed {p.seed}: {res.operations} ops, "
+            f"{sum(res.faults.values())} faults, {res.elapsed_s:.1f}s: {status[:160]}",
+            flush=True,
+        )
+        if res.violations:
+            small = await shrink(targets[kind], res, args.shrink_budget)
+            shrunk[k] = small if small.violations else res
+            print(format_round(shrunk[k]), flush=True)
+        rounds.append(res)
+        k += 1
+    return rounds, shrunk
+
+
+def _figures(rounds: Sequence[RoundResult], replicas: int) -> dict[str, Any]:
+    kinds: Counter[str] = Counter()
+    by_inv: Counter[str] = Counter()
+    by_target: Counter[str] = Counter()
+    for r in rounds:
+        kinds.update(r.faults)
+        by_target[r.target] += r.operations
+        if r.violations:
+            by_inv[r.violations[0].invariant] += 1
+    return {
+        "operations": sum(r.operations for r in rounds),
+        "faults_injected": sum(kinds.values()),
+        "fault_kinds": dict(sorted(kinds.items())),
+        "replicas": replicas,
+        "violations": sum(1 for r in rounds if r.violations),
+        "violations_by_invariant": dict(sorted(by_inv.items())),
+        "rounds": len(rounds),
+        "operations_by_target": dict(sorted(by_target.items())),
+    }
+
+
+def _table(rounds: Sequence[RoundResult]) -> str:
+    rows: dict[tuple[str, str], list[int]] = {}
+    for r in rounds:
+        row = rows.setdefault((r.target, r.params.profile), [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += r.operations
+        row[2] += sum(r.faults.values())
+        row[3] += bool(r.violations)
+    head = (
+        f"{'target':<11} {'profile':<10} {'rounds':>6} {'ops':>8} {'faults':>7} {'violations':>10}"
+    )
+    lines = [
+        f"{t:<11} {p:<10} {v[0]:>6} {v[1]:>8,} {v[2]:>7,} {v[3]:>10}"
+        for (t, p), v in sorted(rows.items())
+    ]
+    return table(head, lines)
+
+
+def _violation_doc(r: RoundResult) -> dict[str, Any]:
+    """A (shrunk) violating round as the report lists it."""
+    v = r.violations[0]
+    return {
+        "target": r.target,
+        "profile": r.params.profile,
+        "seed": r.params.seed,
+        "invariant": v.invariant,
+        "step": v.step,
+        "detail": v.detail,
+        "replay": replay_line(r),
+        "operations": [f"[{i}] {describe(op)}" for i, op in r.ran],
+    }
+
+
+def _replay(args: argparse.Namespace) -> int:
+    keep = tuple(int(x) for x in args.keep.split(",") if x)
+    with _targets([args.target]) as targets:
+        p = RunParams(
+            seed=args.seed, profile=args.profile, replicas=args.replicas, ops=max(keep) + 1,
+            keep=keep,
+        )  # fmt: skip
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            res = runner.run(run_round(targets[args.target], p))
+    if res.violations:
+        print(format_round(res))
+        return 1
+    print(f"{res.operations} operations, no violation")
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``kvmesh bench faults``; exit code 1 when a violation was found."""
+    args = build_parser().parse_args(list(argv))
+    _quiet()
+    if args.keep:
+        if not args.target:
+            raise SystemExit("kvmesh bench faults: --keep needs --target (and --profile, --seed)")
+        return _replay(args)
+    kinds = [k for k in args.targets.split(",") if k]
+    with _targets(kinds) as targets, asyncio.Runner(loop_factory=new_event_loop) as runner:
+        rounds, shrunk = runner.run(_run(args, targets))
+    print()
+    print(_table(rounds))
+    figures = _figures(rounds, args.replicas)
+    print("figures:", json.dumps(figures))
+    if args.json_path:
+        params = {
+            "duration_s": args.duration,
+            "seed": args.seed,
+            "targets": kinds,
+            "profiles": args.profiles.split(",") if args.profiles else ROTATION,
+            "round_ops": args.ops,
+            "instance_cache_ttl_s": CACHE_TTL_S,
+            "socket_timeout_s": SOCKET_TIMEOUT_S,
+            "lag_margin_s": LAG_MARGIN_S,
+            "recovery_s": RECOVERY_S,
+            "call_timeout_s": CALL_TIMEOUT_S,
+            "cluster": "3 masters, 1 replica each",
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        }
+        write_report(
+            args.json_path,
+            figures,
+            params,
+            violations=[_violation_doc(shrunk[k]) for k in sorted(shrunk)],
+        )
+    return 1 if figures["violations"] else 0

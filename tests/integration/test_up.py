@@ -221,7 +221,7 @@ def test_kill_9_of_up_leaves_no_orphans(tmp_path: Path) -> None:
 
 def _free_base(n: int) -> int:
     """A base port with ``n`` free consecutive ports after it (none of them 6379)."""
-    for _ in range(50):
+    for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import secrets
 import shutil
@@ -439,6 +440,11 @@ _BUS_OFFSET = 10000
 #: a second rather than the 15 s default; local nodes never see real latency.
 _CLUSTER_NODE_TIMEOUT_MS = 1000
 
+#: Seconds before a manual failover that has not happened is asked for again.
+#: Redis gives one up after 5 s (``CLUSTER_MF_TIMEOUT``), e.g. when it was asked
+#: of a master promoted a few ms before, which does not answer it yet.
+_MANUAL_FAILOVER_RETRY_S = 6.0
+
 #: Seconds to wait for ``cluster_state:ok`` after creating or restarting nodes.
 _CLUSTER_OK_TIMEOUT_S = 30.0
 
@@ -732,11 +738,15 @@ class RedisClusterProcess(_Started):
         old = self.roles().get(replica)
         if old is None:
             raise ValueError(f"node {replica} is not a replica")
-        self._command(replica, "CLUSTER", "FAILOVER")
         deadline = time.monotonic() + timeout_s
+        asked = -math.inf
         while (roles := self.roles()).get(replica) is not None or roles.get(old) != replica:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise RuntimeError(f"node {replica} did not become master within {timeout_s} s")
+            if now - asked > _MANUAL_FAILOVER_RETRY_S:
+                self._command(replica, "CLUSTER", "FAILOVER")
+                asked = now
             time.sleep(0.02)
         self.wait_ok(timeout_s)
         self.wait_synced(timeout_s)

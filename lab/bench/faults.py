@@ -51,7 +51,7 @@ from lab.faults.driver import (
 )
 from lab.faults.faults import ClusterTarget, StandaloneTarget, Target
 from lab.faults.fleet import CACHE_TTL_S, SOCKET_TIMEOUT_S
-from lab.faults.ops import describe, profile_ops
+from lab.faults.ops import PROFILES, describe, profile_ops
 from lab.redisproc import RedisClusterProcess, RedisProcess
 
 #: Profiles each target rotates over (``all`` first: it mixes every family).
@@ -132,6 +132,13 @@ def _quiet() -> None:
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 
+def _runs_on(profile: str, kind: str) -> bool:
+    """Whether ``profile`` means something on target ``kind`` (not only the core mix)."""
+    ops = profile_ops(profile, kind)
+    dropped = set(PROFILES[profile].weights) - set(ops)
+    return not (dropped and ops == profile_ops("core", kind))
+
+
 async def _run(
     args: argparse.Namespace, targets: dict[str, Target]
 ) -> tuple[list[RoundResult], dict[int, RoundResult]]:
@@ -145,7 +152,13 @@ async def _run(
     k = 0
     while time.monotonic() - start < args.duration:
         kind = kinds[k % len(kinds)]
-        rotation = [p for p in (chosen or ROTATION[kind]) if profile_ops(p, kind)]
+        # A profile whose fault the target cannot take would only rerun the core mix.
+        rotation = [p for p in (chosen or ROTATION[kind]) if _runs_on(p, kind)]
+        if not rotation:
+            kinds.remove(kind)
+            if not kinds:
+                break
+            continue
         profile = rotation[turn[kind] % len(rotation)]
         turn[kind] += 1
         left = args.duration - (time.monotonic() - start)

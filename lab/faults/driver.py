@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import math
 import random
 import time
@@ -134,6 +135,8 @@ from lab.faults.ops import (
     profile_ops,
 )
 
+log = logging.getLogger(__name__)
+
 # -- tuning ----------------------------------------------------------------------------
 
 #: Per-call deadline when an operation names none: far above any healthy call
@@ -170,6 +173,15 @@ STARVE_MIN_S = 0.05
 #: Bytes a replica may keep per name a client invented (a few pointers of
 #: slack; a cache entry for a name costs 100-400 bytes).
 NAME_BYTES_BOUND = 64
+
+#: Longest a step (an operation, its probe, a full check) may take before it
+#: counts as hung: every call has a deadline of its own (CALL_TIMEOUT_S) and
+#: retries stop after RECOVERY_S, a ZMQ burst may take a minute to ingest, so
+#: only a hang comes near it.
+STEP_TIMEOUT_S = 120.0
+
+#: Longest the fleet of a round may take to stop.
+CLOSE_TIMEOUT_S = 30.0
 
 #: Operations between two full checks (ListInstances, DumpIndex, GetStats, ZMQ).
 FULL_CHECK_EVERY = 25
@@ -276,6 +288,9 @@ class RunParams:
     #: Indices of the generated sequence to keep (None: all of the first ``ops``).
     keep: tuple[int, ...] | None = None
     wrap: IndexWrapper | None = None
+    #: An explicit operation sequence instead of the generated one (regression
+    #: tests of a known sequence); ``keep`` then indexes it.
+    script: tuple[Op, ...] | None = None
     #: How long a ZMQ subscriber may take to catch up (``zmq_stuck`` beyond).
     zmq_catch_up_s: float = ZMQ_CATCH_UP_S
 
@@ -579,6 +594,34 @@ class Driver:
             await self.inject(op)
             self.fault_end = time.monotonic()
 
+    async def step_with_watchdog(self, op: Op, full: bool) -> None:
+        """One operation, its probe and (``full``) a full check, within :data:`STEP_TIMEOUT_S`.
+
+        Every call has its own deadline, so only a hang reaches this one: it is
+        reported (``not_recovered``) with where each task of the loop waits.
+        """
+
+        async def step() -> None:
+            await self.execute(op)
+            await self.probe(op)
+            if full:
+                await self.full_check()
+
+        task = asyncio.create_task(step())
+        done, _ = await asyncio.wait({task}, timeout=STEP_TIMEOUT_S)
+        if task in done:
+            task.result()  # re-raises _Stop
+            return
+        stacks = [f"{t.get_name()}: {_awaiting(t)}" for t in asyncio.all_tasks()]
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({task}, timeout=5.0)
+        self.violate(
+            "not_recovered",
+            f"the operation did not finish within {STEP_TIMEOUT_S:g} s; waiting: "
+            + "; ".join(x for x in sorted(stacks) if "server.pyx" not in x)[:2000],
+        )
+
     async def inject(self, f: FaultOp) -> None:
         """Inject one fault (and book what it loses in the model)."""
         if isinstance(f, Pause):
@@ -840,9 +883,15 @@ class Driver:
             if not op.stream:
                 return (await stub.PublishEvents(pb.PublishEventsRequest(batch=msg), timeout=t)).ack
             call = stub.PublishEventsStream(timeout=t)
-            await call.write(pb.PublishEventsStreamRequest(batch=msg))
-            resp = await call.read()
-            await call.done_writing()
+            try:
+                # The call's own deadline does not wake a write still waiting for the
+                # stream to open (a server stopping meanwhile): bound it here too.
+                async with asyncio.timeout(t):
+                    await call.write(pb.PublishEventsStreamRequest(batch=msg))
+                    resp = await call.read()
+                    await call.done_writing()
+            finally:
+                call.cancel()
             ack = resp.ack
             if ack.outcome == pb.BATCH_OUTCOME_REJECTED:
                 raise _code_error(_CODE_NAMES.get(ack.error.code, "INTERNAL"), ack.error.message)
@@ -1674,6 +1723,20 @@ class Driver:
             )
 
 
+def _awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a task waits: its coroutine chain, innermost last three frames first."""
+    frames: list[str] = []
+    aw: Any = task.get_coro()
+    while aw is not None:
+        frame = getattr(aw, "cr_frame", None) or getattr(aw, "ag_frame", None)
+        if frame is None:
+            frames.append(type(aw).__name__)
+            break
+        frames.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}")
+        aw = getattr(aw, "cr_await", None) or getattr(aw, "ag_await", None)
+    return " < ".join(reversed(frames[-4:]))
+
+
 def _code_error(code: str, message: str) -> KvmeshError:
     e = KvmeshError(message)
     e.code = code
@@ -1689,7 +1752,9 @@ def uses_zmq(profile: str, target: str) -> bool:
 
 
 def _ops_of(p: RunParams, target: str) -> Iterable[tuple[int, Op]]:
-    gen = generate(p.seed, p.profile, target, p.replicas)
+    gen: Iterable[Op] = (
+        p.script if p.script is not None else generate(p.seed, p.profile, target, p.replicas)
+    )
     keep = set(p.keep) if p.keep is not None else None
     last = max(keep) if keep else p.ops - 1
     for i, op in enumerate(gen):
@@ -1729,12 +1794,8 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
             driver.step, driver.op = i, op
             res.ran.append((i, op))
             try:
-                await driver.execute(op)
-                await driver.probe(op)
-                since_full += 1
-                if since_full >= FULL_CHECK_EVERY:
-                    since_full = 0
-                    await driver.full_check()
+                await driver.step_with_watchdog(op, since_full + 1 >= FULL_CHECK_EVERY)
+                since_full = (since_full + 1) % FULL_CHECK_EVERY
             except _Stop:
                 break
             res.operations += 1
@@ -1748,7 +1809,10 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
             except _Stop:
                 pass
     finally:
-        await fleet.close()
+        try:
+            await asyncio.wait_for(fleet.close(), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.error("the fleet of round %d did not stop within %g s", p.seed, CLOSE_TIMEOUT_S)
         for e in engines:
             await e.close()
         ctx.destroy(linger=0)
@@ -1789,6 +1853,7 @@ async def shrink(target: Target, failed: RoundResult, budget_s: float = 60.0) ->
                 ops=failed.params.ops,
                 keep=tuple(cand),
                 wrap=failed.params.wrap,
+                script=failed.params.script,
                 zmq_catch_up_s=failed.params.zmq_catch_up_s,
             )
             got = await run_round(target, p)

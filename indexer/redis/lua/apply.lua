@@ -34,22 +34,11 @@ end
 local gap = last ~= nil and last ~= seq_dec(seq)
 local id = h[1]
 local ek = B .. 'e:' .. id
--- Parents the caller resolved before the batch: all must be exact, checked before
--- any write, so that the caller's key chain and orphan prediction hold.
-local p = 6
-local nb = tonumber(ARGV[p])
-for j = 1, nb do
-  local v = redis.call('HGET', ek, ARGV[p + 2 * j - 1])
-  if (v or '') ~= ARGV[p + 2 * j] then
-    return {'retry'}
-  end
+local p = parents_hold(ek, 6)
+if not p then
+  return {'retry'}
 end
-p = p + 2 * nb + 1
-local nn = tonumber(ARGV[p])
-for j = 1, nn do
-  redis.call('HSETNX', B .. 'ns', ARGV[p + 2 * j - 1], ARGV[p + 2 * j])
-end
-p = p + 2 * nn + 1
+p = register_namespaces(p)
 local n = tonumber(h[7])
 local stored, removed, orphaned = 0, 0, 0
 local cleared = false

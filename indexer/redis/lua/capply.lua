@@ -205,20 +205,11 @@ local gap = last ~= nil and last ~= seq_dec(seq)
 local na = tonumber(ARGV[6])
 local ek = B .. 'e:' .. id
 local kk = B .. 'k:' .. id
-local p = 7
-local nb = tonumber(ARGV[p])
-for j = 1, nb do
-  local v = redis.call('HGET', ek, ARGV[p + 2 * j - 1])
-  if (v or '') ~= ARGV[p + 2 * j] then
-    return {'retry'}
-  end
+local p = parents_hold(ek, 7)
+if not p then
+  return {'retry'}
 end
-p = p + 2 * nb + 1
-local nn = tonumber(ARGV[p])
-for j = 1, nn do
-  redis.call('HSETNX', B .. 'ns', ARGV[p + 2 * j - 1], ARGV[p + 2 * j])
-end
-p = p + 2 * nn + 1
+p = register_namespaces(p)
 local n = tonumber(h[7])
 local stored, removed, orphaned = 0, 0, 0
 local cleared = false

@@ -114,3 +114,28 @@ local function seq_dec(s)
   end
   return head .. string.rep('9', #s - i)
 end
+
+-- The parents a caller resolved before a batch: nb, then nb pairs (engine hash,
+-- value it assumed in map `ek`; '' = absent) from ARGV[p]. All must still hold,
+-- checked before any write, so that the caller's key chain and orphan
+-- prediction hold. Returns the index after them, or nil when one changed.
+local function parents_hold(ek, p)
+  local nb = tonumber(ARGV[p])
+  for j = 1, nb do
+    local v = redis.call('HGET', ek, ARGV[p + 2 * j - 1])
+    if (v or '') ~= ARGV[p + 2 * j] then
+      return nil
+    end
+  end
+  return p + 2 * nb + 1
+end
+
+-- Namespaces a batch names: nn, then nn pairs (ns id, model \0 lora) from
+-- ARGV[p], registered if new. Returns the index after them.
+local function register_namespaces(p)
+  local nn = tonumber(ARGV[p])
+  for j = 1, nn do
+    redis.call('HSETNX', B .. 'ns', ARGV[p + 2 * j - 1], ARGV[p + 2 * j])
+  end
+  return p + 2 * nn + 1
+end

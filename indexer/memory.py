@@ -45,6 +45,7 @@ from indexer.model import (
     InstanceState,
     Namespace,
     NamespaceStats,
+    fenced_out,
 )
 from kvmesh.blockkeys import chain_keys, namespace_seed
 from kvmesh.errors import FailedPrecondition, NotFound
@@ -214,6 +215,8 @@ class MemoryIndex(Index):
     async def apply(self, batch: EventBatch) -> ApplyResult:
         """Apply one batch (see :mod:`indexer.index`)."""
         inst = self._get(batch.instance, FailedPrecondition)
+        if batch.incarnation and batch.incarnation != inst.spec.incarnation:
+            raise fenced_out(batch)
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)

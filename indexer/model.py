@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvmesh.errors import FailedPrecondition
+
 
 class Tier(enum.IntEnum):
     """Storage tier of a cached block; a lower value is a faster tier."""
@@ -134,6 +136,20 @@ class EventBatch:
     sequence: int
     events: tuple[Event, ...]
     timestamp: float = 0.0
+    #: A fence: when set, the batch applies only while the instance is
+    #: registered with this incarnation, checked in the same step as the
+    #: apply (else :func:`fenced_out`, nothing applied, the lease not renewed).
+    #: A writer that another may have superseded (re-registered the instance)
+    #: sets it; '' applies to whatever incarnation is registered.
+    incarnation: str = ""
+
+
+def fenced_out(batch: EventBatch) -> FailedPrecondition:
+    """The error for a batch whose fence (``batch.incarnation``) the instance no longer has."""
+    return FailedPrecondition(
+        f"instance {batch.instance} is no longer registered with incarnation {batch.incarnation!r}",
+        field="incarnation",
+    )
 
 
 class BatchOutcome(enum.Enum):

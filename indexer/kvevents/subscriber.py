@@ -23,8 +23,10 @@ Per endpoint, the subscriber keeps ``next_seq``, the sequence it expects next
   an instance from the engine's replay buffer. A replay that starts after
   the sequence asked for (the engine's buffer was trimmed) leaves the
   batches before its first one lost: an unrecoverable gap like any other.
-- ``seq < next_seq``: a batch already applied through replay is skipped;
-  otherwise the publisher **restarted** (its counter starts at 0 again). A
+- ``seq < next_seq``: a batch already applied through replay is skipped
+  (it follows the live batch before it and has the bytes the replay returned
+  for its sequence); otherwise the publisher **restarted** (its counter starts
+  at 0 again), even right after a replay that covered the old stream. A
   restarted engine has an empty cache, so the instance is re-registered with
   a new incarnation, which resets it in the index (blocks, engine-hash map,
   sequence), and the new stream is applied from its start. The wire carries
@@ -73,6 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -169,6 +172,10 @@ class SubscriberCounters:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
 def _new_incarnation() -> str:
     return f"zmq-{uuid.uuid4().hex[:12]}"
 
@@ -236,9 +243,12 @@ class EndpointSubscriber:
         self.connected_peers = 0
         self._ctx = context
         self._lock = asyncio.Lock()  # one state change at a time (live, heartbeat, connect)
-        # Lowest sequence covered by the last replay: live batches at or above it
-        # and below next_seq were applied through replay, they are not a restart.
-        self._replayed_from: int | None = None
+        # Digests of the batches the last replay applied, by sequence: a live batch
+        # below next_seq with the same bytes was applied through replay; one with
+        # other bytes, or one that does not follow the live batch before it, is
+        # a restarted publisher's new stream.
+        self._replayed: dict[int, bytes] = {}
+        self._last_live: int | None = None
         self._engine_hash_keys = endpoint.keys == "engine_hashes"
         self._warned_rank = False
         self._stopping = False
@@ -392,7 +402,7 @@ class EndpointSubscriber:
         self.registered = True
         self.counters.registrations += 1
         if new:
-            self._replayed_from = None
+            self._replayed = {}
         return reset
 
     async def _ensure_registered(self) -> None:
@@ -421,7 +431,7 @@ class EndpointSubscriber:
                 self.instance,
             )
             self.next_seq = None
-            self._replayed_from = None
+            self._replayed = {}
             await self._catch_up(0)
 
     async def _retrying(self, call: Callable[[], Awaitable[_T]]) -> _T:
@@ -453,13 +463,14 @@ class EndpointSubscriber:
             return
         await self._ensure_registered()
         await self._rebuild()
+        last_live, self._last_live = self._last_live, seq
         if self.next_seq is not None and seq < self.next_seq:
-            if self._replayed_from is not None and seq >= self._replayed_from:
+            if self._applied_through_replay(seq, frames[2], last_live):
                 if seq == self.next_seq - 1:
                     # The live stream reached the end of the replay: from here on
                     # a lower sequence can only mean a restart.
-                    self._replayed_from = None
-                return  # already applied through replay
+                    self._replayed = {}
+                return
             self.counters.publisher_restarts += 1
             log.warning(
                 "%s: sequence went back from %d to %d: the publisher restarted; "
@@ -482,9 +493,20 @@ class EndpointSubscriber:
         expected = 0 if self.next_seq is None else self.next_seq
         if seq > expected:
             await self._lost(expected, seq)
-        self._replayed_from = None  # the live stream has caught up with the replay
+        self._replayed = {}  # the live stream has caught up with the replay
         await self._apply(seq, frames[2])
         await self._rebuild()  # the index lost the instance: the replay brings this batch too
+
+    def _applied_through_replay(self, seq: int, payload: bytes, last_live: int | None) -> bool:
+        """Whether live batch ``seq`` (below next_seq) is one the last replay applied.
+
+        The queued live batches a replay covered arrive after it in order and
+        with the bytes the replay returned; a restarted publisher's new stream
+        starts over (at or below the live batch before it) with other batches.
+        """
+        if last_live is not None and seq <= last_live:
+            return False
+        return self._replayed.get(seq) == _digest(payload)
 
     async def _catch_up(self, start: int) -> None:
         """Replay from ``start`` and apply what comes back, in order.
@@ -498,7 +520,7 @@ class EndpointSubscriber:
         if got is None:
             self.counters.replay_failures += 1
             return
-        self._replayed_from = start
+        self._replayed = {seq: _digest(payload) for seq, payload in got}
         for seq, payload in got:
             if self.next_seq is not None and seq < self.next_seq:
                 continue

@@ -86,6 +86,7 @@ from indexer.model import (
     InstanceState,
     Namespace,
     NamespaceStats,
+    fenced_out,
 )
 from indexer.redis import keys as K
 from indexer.redis.connection import (
@@ -409,6 +410,7 @@ class RedisIndex(Index):
         self._by_name: dict[InstanceId, _Inst] = {}
         self._by_id: dict[bytes, _Inst] = {}
         self._dead: set[bytes] = set()
+        self._schema_ok = False
         self._gen: bytes | None = None
         self._refreshed_at = float("-inf")  # time.monotonic() of the last snapshot
         self._snap_clock = float("-inf")  # clock() just before the last snapshot
@@ -960,8 +962,24 @@ class RedisIndex(Index):
             self._dead.add(old.int_id)
         self._excl_dirty = True
 
+    async def _check_schema(self) -> None:
+        """Claim the key schema for this version, or refuse an index written by another."""
+        key = K.schema_key(self._ctl_prefix)
+        mine = str(K.SCHEMA_VERSION).encode()
+        _, got = await self._pipe([("SET", key, mine, "NX"), ("GET", key)])
+        if got != mine:
+            raise FailedPrecondition(
+                f"the index at this key prefix has key schema {got.decode(errors='replace')}, "
+                f"this indexer uses {K.SCHEMA_VERSION} (indexer/redis/KEYS.md): run one version "
+                "on one index, or give this one its own prefix",
+                field="redis.prefix",
+            )
+        self._schema_ok = True
+
     async def _refresh(self) -> None:
         """Read the whole instance table (``snapshot.lua``) into the cache."""
+        if not self._schema_ok:
+            await self._check_schema()
         snap_clock = self._clock()
         res = await self._eval(
             self._scripts["snapshot"], len(self._ctl_keys), *self._ctl_keys, self._base
@@ -1296,6 +1314,7 @@ class RedisIndex(Index):
                 str(batch.sequence),
                 inst.spec.model.encode(),
                 inst.name,
+                batch.incarnation.encode(),
                 *((self._anchor,) if self.cluster else ()),
                 *args,
             )
@@ -1337,6 +1356,8 @@ class RedisIndex(Index):
                     blocks_orphaned=int(orphaned),
                     stale=bool(stale),
                 )
+            if status == b"inc":
+                raise fenced_out(batch)
             if status == b"dup":
                 _, seq, stale, exp, bits, *pending = res
                 if inst.exp <= now:
@@ -1533,8 +1554,6 @@ class RedisIndex(Index):
                 ("HGETALL", K.key(self._ctl_prefix, K.NS_PAIRS)),
             ]
         )
-        if self.cluster:
-            blocks = await self._cluster_block_counts()
         st = IndexStats(backend=self.name, instances=len(self._by_name))
         for inst in self._by_name.values():
             st.instances_live += inst.exp > now
@@ -1550,29 +1569,6 @@ class RedisIndex(Index):
         st.blocks = sum(s.blocks for s in per_ns)
         st.block_instances = sum(s.block_instances for s in per_ns)
         return st
-
-    async def _cluster_block_counts(self) -> dict[bytes, int]:
-        """Cluster: block keys per namespace, from the per-node counters: every
-        node's deep blocks, plus one copy tag's shallow and unplaced copies (a
-        key held placed by one instance and unplaced by another counts twice)."""
-        if not self._tags:
-            await self._topology()
-        tags = self._tags
-        got = await asyncio.gather(
-            *(self._cmd("HGETALL", K.node_key(self._prefix, K.NODE_COUNTS, t)) for t in tags)
-        )
-        out: dict[bytes, int] = {}
-        copies: dict[bytes, int] = {}
-        for counts in got:
-            for field, v in counts.items():
-                kind, nid = field[:1], field[1:]
-                if kind == b"d":
-                    out[nid] = out.get(nid, 0) + int(v)
-                elif kind in (b"s", b"u"):
-                    copies[field] = max(copies.get(field, 0), int(v))
-        for field, v in copies.items():
-            out[field[1:]] = out.get(field[1:], 0) + v
-        return out
 
     def _namespace(self, nid: bytes, nsmap: dict[bytes, bytes]) -> Namespace:
         ns = self._ns_names.get(nid)

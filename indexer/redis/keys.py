@@ -12,7 +12,7 @@ control tag, ``{<prefix>}:`` (:func:`cluster_base`), except block keys, which
 are ``<prefix>:b:{<tag>}`` + 16 bytes: ``<tag>`` is the anchor's 4 hex digits
 (:func:`anchor_tag`) for a deep block, a node tag (:func:`node_tag`) for the
 copy of a shallow block on that node. Per node, ``<prefix>:g:{<node tag>}``
-copies the generation and ``<prefix>:c:{<node tag>}`` counts block hashes.
+copies the generation and ``<prefix>:c:{<node tag>}`` marks unplaced copies.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from kvmesh.blockkeys import namespace_seed
 #: Version of the layout below; stored at :func:`schema_key`, bumped on change.
 #: 2: Cluster copy tags, pending records and write epochs (KEYS.md, "Redis
 #: Cluster"); every replica of one Cluster index must run the same version.
-SCHEMA_VERSION = 2
+#: 3: the writes carry an incarnation fence; Cluster counts block keys in the
+#: control slot (KHOLDERS) instead of per data node.
+SCHEMA_VERSION = 3
 
 # Suffixes after "<prefix>:". One or two letters keep key names short: the
 # per-block names are the bulk of the keyspace.
@@ -40,7 +42,8 @@ INSTANCE = b"i:"  # + instance name -> hash of instance metadata
 EMAP = b"e:"  # + decimal int id -> hash engine hash (8 bytes) -> ns id + block key
 KMAP = b"k:"  # cluster: + decimal int id -> hash ns id + block key -> mask digit + location
 NODE_GEN = b"g:"  # cluster: + {node tag} -> copy of GEN on that node
-NODE_COUNTS = b"c:"  # cluster: + {node tag} -> hash 'd'/'s' + ns id -> block hashes on the node
+NODE_COUNTS = b"c:"  # cluster: + {node tag} -> hash 'U' + ns id -> 1 when unplaced copies exist
+KHOLDERS = b"kh"  # cluster: hash ns id + block key -> number of ids holding it (for NS_BLOCKS)
 BLOCK = b"b:"  # + ns id + block key -> hash int id -> tier mask
 # Cluster control keys of the two-phase apply and the copy-tag registry. The
 # scripts also build, from the same base: 'p:<id>' (hash: the id's pending

@@ -41,7 +41,12 @@ feeds (epoch, address) and reads them again from the index whenever a request
 disagrees with the cache (another epoch or address: another replica may have
 installed a snapshot or moved the worker meanwhile), after a batch finds the
 worker gone, and at least every :data:`SPEC_CACHE_TTL_S`. A worker is reset
-only when the index, not the cache, says its epoch differs.
+only when the index, not the cache, says its epoch differs. A batch that names
+an epoch or enforces its sequence is fenced with the incarnation the replica
+believes (``EventBatch.incarnation``, checked in the apply's own step): when
+another replica re-registered the worker meanwhile (a snapshot, a removal by
+ConfigureExpectedWorkers and a registration without epoch) the index refuses
+it, and the request is judged again on the registration read anew.
 
 Hit counters (GetExternalKvHitCounts) count, per hash, the prefix matches
 that found it (every hash of ``hashes[0..best_prefix_blocks)``) and the
@@ -57,7 +62,7 @@ import enum
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from indexer.config import SglangApiSettings
 from indexer.logic import MAX_ADDRESS_BYTES, IndexerLogic, check_instance
@@ -263,9 +268,32 @@ class SglangCompat:
         return tuple(out)
 
     async def apply(self, req: ApplyRequest) -> tuple[int, bool]:
-        """ApplyExternalKvBatch: ``(applied_seq, duplicate)``."""
+        """ApplyExternalKvBatch: ``(applied_seq, duplicate)``.
+
+        A batch that names an epoch (or enforces its sequence) is fenced with
+        the incarnation this replica believes the worker has: when another
+        replica re-registered the worker meanwhile the index refuses it, and
+        the request is judged again on the worker's registration read anew.
+        """
         if not req.worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
+        try:
+            return await self._apply(req)
+        except FailedPrecondition as e:
+            if e.field != "incarnation":
+                raise
+            self._specs.pop(req.worker_id, None)  # the next _spec reads the index
+        try:
+            return await self._apply(req)
+        except FailedPrecondition as e:
+            if e.field != "incarnation":
+                raise
+            raise FailedPrecondition(
+                f"worker {req.worker_id!r} is being re-registered concurrently; retry",
+                field="worker_epoch",
+            ) from None
+
+    async def _apply(self, req: ApplyRequest) -> tuple[int, bool]:
         spec = await self._spec(req.worker_id)
         if spec is not None and _disagrees(spec, req):
             # Another replica may have installed a snapshot or moved the worker.
@@ -295,10 +323,19 @@ class SglangCompat:
                 f"limits.max_events_per_batch ({cap}); split the batch",
                 field="actions",
             )
-        batch = EventBatch(InstanceId(req.worker_id, 0), req.seq, events)
+        fenced = req.enforce_sequence or bool(req.worker_epoch)
+        known = self._specs.get(req.worker_id)
+        batch = EventBatch(
+            InstanceId(req.worker_id, 0),
+            req.seq,
+            events,
+            incarnation=known[0].incarnation if fenced and known else "",
+        )
         try:
             result = await self.logic.publish(batch)
-        except FailedPrecondition:
+        except FailedPrecondition as e:
+            if e.field == "incarnation":
+                raise
             # Not registered any more (its lease ran out and it was reaped).
             self._specs.pop(req.worker_id, None)
             if req.enforce_sequence:
@@ -306,16 +343,18 @@ class SglangCompat:
                     f"worker {req.worker_id!r} expired; install a new snapshot",
                     field="worker_id",
                 ) from None
-            await self._register(
+            st, _ = await self._register(
                 req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
             )
+            batch = replace(batch, incarnation=st.spec.incarnation if fenced else "")
             result = await self.logic.publish(batch)
         if result.outcome is BatchOutcome.DUPLICATE:
             if req.seq == 0 and result.applied_sequence > 0 and not req.enforce_sequence:
                 # Publishers count from 0: a new stream, so a restarted worker.
-                await self._register(
+                st, _ = await self._register(
                     req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
                 )
+                batch = replace(batch, incarnation=st.spec.incarnation if fenced else "")
                 result = await self.logic.publish(batch)
                 return result.applied_sequence, False
             # A duplicate carries no news, but an idle worker's repeated

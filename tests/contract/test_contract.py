@@ -195,6 +195,25 @@ async def test_new_incarnation_resets_same_incarnation_renews(index: Any) -> Non
     assert r.outcome is BatchOutcome.APPLIED
 
 
+async def test_a_fenced_batch_applies_only_to_its_incarnation(index: Any, clock: FakeClock) -> None:
+    await reg(index, A, ttl=10.0, inc="one")
+    r = await index.apply(EventBatch(A, 0, (stored(0, 2),), incarnation="one"))
+    assert r.outcome is BatchOutcome.APPLIED
+    await reg(index, A, ttl=10.0, inc="two")  # another writer re-registered it
+    clock.advance(8.0)
+    with pytest.raises(FailedPrecondition) as e:
+        await index.apply(EventBatch(A, 0, (stored(0, 4),), incarnation="one"))
+    assert e.value.field == "incarnation"
+    assert await depths(index) == {}  # nothing applied
+    st = (await index.list_instances())[0]
+    assert st.applied_sequence is None
+    clock.advance(3.0)  # the refused batch did not renew the lease
+    assert not (await index.list_instances())[0].live
+    await reg(index, A, ttl=10.0, inc="two")
+    r = await index.apply(EventBatch(A, 0, (stored(0, 3),), incarnation="two"))
+    assert r.outcome is BatchOutcome.APPLIED and await depths(index) == {A: 3}
+
+
 async def test_remove_instance_and_stats(index: Any) -> None:
     await reg(index, A)
     await reg(index, B)

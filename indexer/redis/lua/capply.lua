@@ -7,13 +7,13 @@
 -- confirms its writes (KEYS.md, "Apply: two phases").
 --
 -- Apply. KEYS: instance hash. ARGV: base, now, seq (decimal, any uint64),
---   model, name, A (shallow levels), nb, then nb pairs (parent engine hash,
+--   model, name, incarnation fence ('' = none), A (shallow levels), nb, then nb pairs (parent engine hash,
 --   value the caller assumed; '' = absent), nn, then nn pairs (ns id, model \0
 --   lora) to register, then ops: 'S' ns tierbit check hashes keys parent |
 --   'R' mask hashes | 'C' (check: parent engine hash for the orphan test, '' =
 --   none; parent: the engine hash whose location the chain continues, '' = the
 --   chain starts a prompt, '?' = its position is unknown).
---   Returns {'noreg'} | {'model'} | {'retry'} | {'dup', seq, stale, exp, n, W} |
+--   Returns {'noreg'} | {'model'} | {'inc'} | {'retry'} | {'dup', seq, stale, exp, n, W} |
 --   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, {retired ids}, W}.
 -- Pending records. KEYS: any control key. ARGV: base, '', '', then
 --   'c' epoch id...: confirm: drop each record still stamped with epoch;
@@ -179,12 +179,15 @@ end
 
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
-local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n')
+local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc')
 if not h[1] then
   return {'noreg'}
 end
 if h[2] ~= ARGV[4] then
   return {'model'}
+end
+if ARGV[6] ~= '' and h[8] ~= ARGV[6] then
+  return {'inc'}
 end
 local exp = string.format('%.17g', now + tonumber(h[3]))
 redis.call('HSET', meta, 'exp', exp)
@@ -202,10 +205,10 @@ if last and seq_le(seq, last) then
   return {'dup', h[4], stale and 1 or 0, exp, h[7], redrive({id})}
 end
 local gap = last ~= nil and last ~= seq_dec(seq)
-local na = tonumber(ARGV[6])
+local na = tonumber(ARGV[7])
 local ek = B .. 'e:' .. id
 local kk = B .. 'k:' .. id
-local p = parents_hold(ek, 7)
+local p = parents_hold(ek, 8)
 if not p then
   return {'retry'}
 end
@@ -262,7 +265,7 @@ local function kdrop(suf)
     return 0
   end
   redis.call('HDEL', kk, suf)
-  ns_add(sub(suf, 1, 8), 0, -1)
+  pair_drop(suf)
   touch(suf, sub(v, 2))
   return POP[tonumber(sub(v, 1, 1))]
 end
@@ -311,7 +314,7 @@ while p <= #ARGV do
           redis.call('HSET', kk, suf, tb .. loc)
           stored = stored + 1
           n = n + 1
-          ns_add(ns, 0, 1)
+          pair_add(suf)
           touch(suf, loc)
         else
           local m = tonumber(sub(v, 1, 1))
@@ -356,7 +359,7 @@ while p <= #ARGV do
         else
           if old ~= 0 then
             redis.call('HDEL', kk, suf)
-            ns_add(sub(suf, 1, 8), 0, -1)
+            pair_drop(suf)
             touch(suf, sub(v, 2))
           end
           redis.call('HDEL', ek, eh)

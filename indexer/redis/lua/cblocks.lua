@@ -9,12 +9,10 @@
 -- holds per id the highest epoch written here. Writes of an id under an older
 -- epoch are dropped: they belong to a batch whose pending writes a newer call
 -- has already re-driven (a write that arrived late, after its caller gave up).
--- Counters, for stats: 'c:{home}' field 'd' .. ns id counts the deep block
--- hashes of this node (may go below 0 there when a block was counted under
--- another home: stats sum them all); 'c:{tag}' fields 's' / 'u' .. ns id count
--- the shallow / unplaced copies under that tag, 'U' .. ns id marks that
--- unplaced copies exist (match.lua reads it), and 'x:{tag}' lists the copies
--- (field: the name after the tag), which is how a new copy tag is seeded.
+-- Per copy tag: 'c:{tag}' field 'U' .. ns id marks that unplaced copies exist
+-- (match.lua reads it), and 'x:{tag}' lists the copies (field: the name after
+-- the tag), which is how a new copy tag is seeded. Block counts for stats are
+-- the control slot's (P:nsb, from the holders count 'kh' that capply.lua keeps).
 -- Returns the ids whose writes were dropped.
 local pb = string.sub(B, 2, -3) .. ':' -- block and node keys use the plain prefix
 local epoch = ARGV[2]
@@ -27,16 +25,10 @@ for i = 4, 3 + nt do
   end
 end
 local vk = home and (pb .. 'v:{' .. home .. '}')
-local hc = home and (pb .. 'c:{' .. home .. '}')
 local merge = epoch == 'm'
 local versioned = vk and epoch ~= '' and not merge
 local byte, sub, match = string.byte, string.sub, string.match
 local ok, dropped = {}, {}
-local function count(ck, cf, d)
-  if ck and redis.call('HINCRBY', ck, cf, d) == 0 then
-    redis.call('HDEL', ck, cf)
-  end
-end
 for i = 4 + nt, #ARGV, 4 do
   local bk, id, m, cf = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   if bk == '' then
@@ -58,7 +50,7 @@ for i = 4 + nt, #ARGV, 4 do
     end
     if ok[id] ~= false then
       local kind = byte(cf, 1) -- 100 'd', 115 's', 117 'u'
-      local ck, xk, entry = hc, nil, nil
+      local ck, xk, entry = nil, nil, nil
       if kind ~= 100 then
         local tag, rest = match(bk, '{([^}]*)}(.*)$')
         ck = pb .. 'c:{' .. tag .. '}'
@@ -66,11 +58,8 @@ for i = 4 + nt, #ARGV, 4 do
         entry = rest
       end
       if m == '0' then
-        if redis.call('HDEL', bk, id) == 1 and redis.call('EXISTS', bk) == 0 then
-          count(ck, cf, -1)
-          if xk then
-            redis.call('HDEL', xk, entry)
-          end
+        if redis.call('HDEL', bk, id) == 1 and xk and redis.call('EXISTS', bk) == 0 then
+          redis.call('HDEL', xk, entry)
         end
       else
         local new
@@ -80,11 +69,8 @@ for i = 4 + nt, #ARGV, 4 do
           new = redis.call('HSET', bk, id, m)
         end
         if new == 1 then
-          if redis.call('HLEN', bk) == 1 then
-            count(ck, cf, 1)
-            if xk then
-              redis.call('HSET', xk, entry, 1)
-            end
+          if xk and redis.call('HLEN', bk) == 1 then
+            redis.call('HSET', xk, entry, 1)
           end
           if kind == 117 then
             redis.call('HSET', ck, 'U' .. sub(cf, 2), 1)

@@ -16,7 +16,7 @@ local kk, pk = B .. 'k:' .. id, B .. 'p:' .. id
 if ARGV[4] == 'k' then
   for i = 5, #ARGV do
     if redis.call('HDEL', kk, ARGV[i]) == 1 then
-      ns_add(string.sub(ARGV[i], 1, 8), 0, -1)
+      pair_drop(ARGV[i])
     end
   end
   ns_flush()

@@ -60,6 +60,21 @@ local function ns_flush()
   end
 end
 
+-- Cluster: a (block key, id) pair added to or dropped from 'k:<id>'. 'kh'
+-- (field ns id .. key) counts each key's holders in the control slot, so that
+-- P:nsb counts a key once however its holders' entries are placed.
+local function pair_add(suf)
+  local first = redis.call('HINCRBY', B .. 'kh', suf, 1) == 1
+  ns_add(string.sub(suf, 1, 8), first and 1 or 0, 1)
+end
+local function pair_drop(suf)
+  local left = redis.call('HINCRBY', B .. 'kh', suf, -1)
+  if left <= 0 then
+    redis.call('HDEL', B .. 'kh', suf)
+  end
+  ns_add(string.sub(suf, 1, 8), left <= 0 and -1 or 0, -1)
+end
+
 -- Drop the entry of int id `id` on block `suf` (ns id .. key); return bits dropped.
 local function drop_entry(suf, id)
   local bk = B .. 'b:' .. suf

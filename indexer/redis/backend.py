@@ -517,6 +517,8 @@ class RedisIndex(Index):
         return None
 
     async def _eval(self, script: Script, numkeys: int, *args: Any) -> Any:
+        if not self._schema_ok:
+            await self._check_schema()  # before this process's first script
         self.round_trips += 1
         try:
             try:
@@ -978,8 +980,6 @@ class RedisIndex(Index):
 
     async def _refresh(self) -> None:
         """Read the whole instance table (``snapshot.lua``) into the cache."""
-        if not self._schema_ok:
-            await self._check_schema()
         snap_clock = self._clock()
         res = await self._eval(
             self._scripts["snapshot"], len(self._ctl_keys), *self._ctl_keys, self._base

@@ -28,6 +28,7 @@ from indexer.model import (
 from indexer.redis import keys as K
 from indexer.redis.backend import RedisIndex
 from kvmesh.blockkeys import block_keys
+from kvmesh.errors import FailedPrecondition
 from lab.redisproc import RedisProcess
 from tests.conftest import FakeClock
 
@@ -289,3 +290,27 @@ async def test_entries_of_an_id_no_table_holds_cost_one_reread(
     for _ in range(5):
         assert [m.instance for m in await a.match(NS, KEYS)] == [x]
     assert a.round_trips - trips == 2 + 5
+
+
+async def test_a_replica_of_another_key_schema_is_refused_and_changes_nothing(
+    rproc: RedisProcess, clock: FakeClock, prefix: str
+) -> None:
+    """Two versions writing one index would corrupt it: the second is refused, naming why."""
+    spec = InstanceSpec(InstanceId("w", 0), MODEL, "http://w", 30.0, "x")
+    a = RedisIndex(rproc.url, prefix=prefix, clock=clock)
+    try:
+        await a.register(spec)
+        raw = redis.Redis.from_url(rproc.url)
+        key = K.schema_key(prefix)
+        assert raw.get(key) == str(K.SCHEMA_VERSION).encode()  # claimed by the first writer
+        raw.set(key, b"1")  # as an index written by an older version
+        b = RedisIndex(rproc.url, prefix=prefix, clock=clock)
+        try:
+            with pytest.raises(FailedPrecondition) as e:
+                await b.register(InstanceSpec(InstanceId("v", 0), MODEL, "http://v", 30.0, "x"))
+            assert e.value.field == "redis.prefix" and "schema 1" in e.value.message
+        finally:
+            await b.close()
+        assert [s.spec.instance for s in await a.list_instances()] == [spec.instance]
+    finally:
+        await a.close()

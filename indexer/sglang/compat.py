@@ -181,7 +181,9 @@ class SglangCompat:
         # The reread of the namespace in flight, shared by concurrent callers.
         self._reload: asyncio.Task[None] | None = None
         # worker id -> monotonic time of its last reread for a disagreement.
-        self._disputed: dict[str, float] = {}
+        # worker id -> (monotonic time, epoch, address) of its last reread for a
+        # request that disagreed with the cache.
+        self._disputed: dict[str, tuple[float, str, str]] = {}
 
     # -- workers -------------------------------------------------------------
 
@@ -199,20 +201,25 @@ class SglangCompat:
             if at > started:
                 specs[wid] = (spec, at)
         self._specs = specs
-        self._disputed = {w: t for w, t in self._disputed.items() if w in specs}
+        self._disputed = {w: d for w, d in self._disputed.items() if w in specs}
 
-    async def _spec(self, worker_id: str, *, reread: bool = False) -> InstanceSpec | None:
+    async def _spec(
+        self, worker_id: str, *, reread: bool = False, about: tuple[str, str] = ("", "")
+    ) -> InstanceSpec | None:
         """The worker's registration: cached when younger than the TTL, else read.
 
-        ``reread``: the caller saw the cache disagree, read the index now.
+        ``reread``: the caller's request (``about``: its epoch and address)
+        disagrees with the cache: read the index now, unless the index was
+        read for this same disagreement within the TTL and nothing was
+        registered here since (then the request is what disagrees).
         """
         entry = self._specs.get(worker_id)
         if reread and entry is not None:
             now = time.monotonic()
             last = self._disputed.get(worker_id)
-            if last is not None and now - last < SPEC_CACHE_TTL_S:
+            if last is not None and now - last[0] < SPEC_CACHE_TTL_S and last[1:] == about:
                 return entry[0]  # the index was just asked: the request is what disagrees
-            self._disputed[worker_id] = now
+            self._disputed[worker_id] = (now, *about)
         if reread:
             await self._read_workers()
         elif entry is None or time.monotonic() - entry[1] >= SPEC_CACHE_TTL_S:
@@ -243,6 +250,8 @@ class SglangCompat:
             # Name the field the way this API does (register's paths are kvmesh's).
             raise InvalidArgument(e.message, field=_field_name(e.field)) from None
         self._specs[worker_id] = (result[0].spec, time.monotonic())
+        # What the index was asked for a disagreement is superseded by this.
+        self._disputed.pop(worker_id, None)
         return result
 
     def _events(self, actions: Sequence[Action]) -> tuple[Event, ...]:
@@ -297,7 +306,9 @@ class SglangCompat:
         spec = await self._spec(req.worker_id)
         if spec is not None and _disagrees(spec, req):
             # Another replica may have installed a snapshot or moved the worker.
-            spec = await self._spec(req.worker_id, reread=True)
+            spec = await self._spec(
+                req.worker_id, reread=True, about=(req.worker_epoch, req.worker_address)
+            )
         epoch = None if spec is None else epoch_of(spec.incarnation)
         if req.enforce_sequence:
             if spec is None or not req.worker_epoch or epoch != req.worker_epoch:

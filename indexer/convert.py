@@ -13,6 +13,7 @@ from indexer.model import (
     AllBlocksCleared,
     ApplyResult,
     BatchOutcome,
+    BlockExtras,
     BlockRemoved,
     BlockStored,
     Event,
@@ -122,16 +123,37 @@ def event_from_pb(ev: pb.Event, path: str) -> Event:
             lora_name=s.lora_name,
             tier=tier,
             block_keys=tuple(s.block_keys) if s.block_keys else None,
+            extras=_extras_from_pb(s, f"{path}.stored"),
+            group=s.group_idx,
+            group_kind=s.group_kind,
+            sliding_window=s.sliding_window,
         )
     if kind == "removed":
         r = ev.removed
         return BlockRemoved(
             block_hashes=tuple(r.block_hashes),
             tier=tier_from_pb(r.tier, f"{path}.removed.tier", unspecified=None),
+            group=r.group_idx,
         )
     if kind == "cleared":
         return AllBlocksCleared()
     raise InvalidArgument("event has no kind (stored, removed or cleared)", field=path)
+
+
+def _extras_from_pb(s: pb.BlockStored, path: str) -> tuple[BlockExtras | None, ...] | None:
+    if not s.extra_keys:
+        return None
+    if len(s.extra_keys) != len(s.block_hashes):
+        raise InvalidArgument(
+            f"{len(s.extra_keys)} entries for {len(s.block_hashes)} block hashes; need one "
+            "per hash (or none)",
+            field=f"{path}.extra_keys",
+        )
+    out: list[BlockExtras | None] = []
+    for e in s.extra_keys:
+        media = tuple((m.identifier, m.offset) for m in e.media)
+        out.append(BlockExtras(e.cache_salt, media) if e.cache_salt or media else None)
+    return tuple(out) if any(x is not None for x in out) else None
 
 
 def batch_from_pb(batch: pb.EventBatch) -> EventBatch:
@@ -141,6 +163,8 @@ def batch_from_pb(batch: pb.EventBatch) -> EventBatch:
         sequence=batch.sequence,
         events=tuple(event_from_pb(ev, f"events[{i}]") for i, ev in enumerate(batch.events)),
         timestamp=batch.timestamp,
+        incarnation=batch.incarnation,
+        counts_copies=batch.counts_copies,
     )
 
 
@@ -155,6 +179,7 @@ def ack_to_pb(batch: pb.EventBatch, result: ApplyResult) -> pb.BatchAck:
         blocks_removed=result.blocks_removed,
         blocks_orphaned=result.blocks_orphaned,
         stale=result.stale,
+        blocks_skipped=result.blocks_skipped,
     )
 
 
@@ -181,6 +206,8 @@ def match_query_from_pb(req: pb.MatchRequest) -> MatchQuery:
         max_blocks=req.max_blocks,
         include_stale=req.include_stale,
         max_instances=req.max_instances,
+        cache_salt=req.cache_salt,
+        media=tuple((m.identifier, m.offset, m.length) for m in req.media),
     )
 
 

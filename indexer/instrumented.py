@@ -110,17 +110,29 @@ class Metrics:
         # Span export counters (process-wide): a down collector shows here.
         _tracing.register_metrics(r)
 
-    def watch_counters(self, read: Callable[[], dict[str, int]]) -> None:
-        """Export each ``name -> value`` of ``read()`` as ``kvmesh_indexer_<name>_total``."""
+    def watch_counters(self, read: Callable[[], Mapping[str, int | dict[str, int]]]) -> None:
+        """Export each ``name -> value`` of ``read()`` as ``kvmesh_indexer_<name>_total``
+        (a dict value: one series per reason)."""
         self.registry.register(_CallbackCounters(read))
 
 
 class _CallbackCounters(Collector):
-    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, read: Callable[[], Mapping[str, int | dict[str, int]]]) -> None:
         self._read = read
 
     def collect(self) -> Iterable[CounterMetricFamily]:
         for name, value in self._read().items():
+            if isinstance(value, dict):
+                # A counter by reason: kvmesh_indexer_<name>_total{reason=...}.
+                fam = CounterMetricFamily(
+                    f"kvmesh_indexer_{name}",
+                    f"Replica counter {name}, by reason.",
+                    labels=["reason"],
+                )
+                for reason, n in sorted(value.items()):
+                    fam.add_metric([reason], n)
+                yield fam
+                continue
             yield CounterMetricFamily(
                 f"kvmesh_indexer_{name}", f"Replica counter {name}.", value=value
             )

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from indexer.config import IndexerConfig
+from indexer.groups import FULL_KINDS, Filtered, GroupTracker
 from indexer.index import Index
 from indexer.model import (
     AllBlocksCleared,
@@ -30,6 +31,7 @@ from indexer.model import (
     Event,
     EventBatch,
     InstanceId,
+    InstanceMatch,
     InstanceSpec,
     InstanceState,
     MatchQuery,
@@ -74,6 +76,18 @@ MODEL_CACHE_SIZE = 65_536
 #: instance: a caller that keeps sending what the backend's answer refuses
 #: (a wrong block size, an instance it does not own) costs one a second.
 MODEL_CACHE_TTL_S = 1.0
+#: Why blocks of an event were left out of the index (the label of
+#: ``kvmesh_indexer_events_skipped_total``), and what it means.
+SKIP_REASONS: dict[str, str] = {
+    "block_size": "the event's block_size is not the one this indexer keys the model with "
+    "(block_size / model_block_sizes): a partial-block entry or a misconfigured block size",
+    "lookahead": "the engine hashed tokens past each block (lookahead hashing): the key "
+    "cannot be derived from the block's tokens",
+    "group_kind": "a KV-cache group of a kind whose hit rule the indexer does not know",
+    "group_unplaced": "a non-full-attention group's blocks whose full-attention parent "
+    "this replica has not seen (after a restart): their group presence is unknown",
+    "invalid": "an event the engine sent that does not validate (named in the log)",
+}
 
 
 def check_token_ids(token_ids: Sequence[int], field_name: str) -> None:
@@ -86,6 +100,29 @@ def check_token_ids(token_ids: Sequence[int], field_name: str) -> None:
     for i, t in enumerate(token_ids):
         if not isinstance(t, int) or t < 0 or t >= TOKEN_ID_LIMIT:
             raise InvalidArgument(f"must be in [0, 2^32), got {t}", field=f"{field_name}[{i}]")
+
+
+#: Largest block size an event may declare (engines use 1 to a few thousand tokens).
+MAX_BLOCK_SIZE = 1 << 16
+#: Multimodal items a Match may name.
+MAX_MEDIA_ITEMS = 1024
+
+
+def _check_media(media: Sequence[tuple[str, int, int]], n_tokens: int) -> None:
+    """Raise InvalidArgument naming ``media[i]`` for an item that cannot be in the prompt."""
+    if len(media) > MAX_MEDIA_ITEMS:
+        raise InvalidArgument(f"{len(media)} items, more than {MAX_MEDIA_ITEMS}", field="media")
+    for i, (ident, offset, length) in enumerate(media):
+        if not ident or len(ident.encode("utf-8")) > MAX_NAME_BYTES:
+            raise InvalidArgument(
+                f"must be 1..{MAX_NAME_BYTES} bytes", field=f"media[{i}].identifier"
+            )
+        if offset < 0 or length < 1 or offset + length > n_tokens:
+            raise InvalidArgument(
+                f"placeholder tokens [{offset}, {offset + length}) are not inside the "
+                f"{n_tokens}-token prompt",
+                field=f"media[{i}].offset",
+            )
 
 
 def _check_name(value: str, field_name: str, *, required: bool = True) -> None:
@@ -151,6 +188,12 @@ class IndexerLogic:
         self._reload: asyncio.Task[list[InstanceState]] | None = None
         # instance -> monotonic time of its last reread for a disagreement.
         self._disputed: dict[InstanceId, float] = {}
+        #: KV-cache groups of the instances this replica ingests (indexer/groups.py).
+        self.groups = GroupTracker()
+        # instance -> last sequence whose events the group tracker counted.
+        self._counted: dict[InstanceId, int] = {}
+        # (instance, reason) pairs already logged as skipped: warn once each.
+        self._warned_skips: set[tuple[InstanceId, str]] = set()
 
     # -- background tasks ----------------------------------------------------
 
@@ -258,6 +301,8 @@ class IndexerLogic:
             self._note_error(e)
             raise
         self._remember(spec.instance, state.spec.model)
+        if reset:
+            self._forget_groups(spec.instance)
         return state, reset
 
     async def _check_capacity(self, spec: InstanceSpec) -> None:
@@ -359,6 +404,23 @@ class IndexerLogic:
     def _forget(self, instance: InstanceId) -> None:
         self._models.pop(instance, None)
         self._disputed.pop(instance, None)
+        self._forget_groups(instance)
+
+    def _uncount(self, instance: InstanceId, filtered: Filtered, last: int | None) -> None:
+        """Undo what the group tracker counted for a batch the index did not apply.
+
+        A call that failed ambiguously (its reply lost) may have applied it:
+        its retry then finds a duplicate, which drops the counts.
+        """
+        self.groups.rollback(filtered)
+        if last is None:
+            self._counted.pop(instance, None)
+        else:
+            self._counted[instance] = last
+
+    def _forget_groups(self, instance: InstanceId) -> None:
+        self.groups.forget(instance)
+        self._counted.pop(instance, None)
 
     async def _reread_all(self) -> None:
         """Reread every instance's model; concurrent callers share one reread."""
@@ -399,24 +461,42 @@ class IndexerLogic:
 
     # -- events --------------------------------------------------------------
 
-    async def publish(self, batch: EventBatch) -> ApplyResult:
+    async def publish(self, batch: EventBatch, *, skip_invalid: bool = False) -> ApplyResult:
         """Validate and apply one batch; counts it as applied, duplicate or rejected.
+
+        Events the index cannot use (another block size, lookahead hashes, a
+        group kind without a known hit rule) are left out and counted by
+        reason (:data:`SKIP_REASONS`), never a reason to refuse the batch.
+        ``skip_invalid`` (an engine's event stream, where refusing the batch
+        would lose the instance's sequence): an event that does not validate
+        is left out too, instead of refusing the batch.
 
         Raises a :class:`KvmeshError` for a rejected batch (nothing applied).
         """
+        counted: Filtered | None = None
+        skipped = 0
+        last_counted = self._counted.get(batch.instance)
         try:
             check_instance(batch.instance)
             await self._check_owner(batch.instance)
-            batch = await self._validate_batch(batch)
+            batch, skipped = await self._validate_batch(batch, skip_invalid)
+            batch, counted = await self._filter_groups(batch)
             result = await self.index.apply(batch)
         except KvmeshError as e:
             self.counters.batches_rejected += 1
             self._note_error(e)
             if isinstance(e, FailedPrecondition) and e.field == "instance":
                 self._forget(batch.instance)  # not registered (any more)
+            elif counted:
+                self._uncount(batch.instance, counted, last_counted)  # not applied (or not known)
             raise
         if result.outcome is BatchOutcome.DUPLICATE:
             self.counters.batches_duplicate += 1
+            if counted:
+                # The tracker counted a batch the index had applied before
+                # (this replica took the instance over): its counts are not
+                # to be trusted; without them removals pass (under-report).
+                self._forget_groups(batch.instance)
         else:
             self.counters.batches_applied += 1
             if result.outcome is BatchOutcome.APPLIED_AFTER_GAP:
@@ -426,9 +506,83 @@ class IndexerLogic:
                     batch.instance,
                     batch.sequence,
                 )
-        return result
+            if result.blocks_orphaned:
+                self._orphaned(batch.instance, result.blocks_orphaned)
+        return replace(result, blocks_skipped=skipped) if skipped else result
 
-    async def _validate_batch(self, batch: EventBatch) -> EventBatch:
+    def _orphaned(self, instance: InstanceId, blocks: int) -> None:
+        self.counters.blocks_orphaned += blocks
+        if (instance, "orphaned") not in self._warned_skips:
+            if len(self._warned_skips) < MODEL_CACHE_SIZE:
+                self._warned_skips.add((instance, "orphaned"))
+            log.warning(
+                "%s: %d stored block(s) name a parent the instance does not hold and cannot be "
+                "keyed (events lost before them, or a stream that started mid-chain); counted in "
+                "kvmesh_indexer_blocks_orphaned_total, warned once per instance",
+                instance,
+                blocks,
+            )
+
+    async def _filter_groups(self, batch: EventBatch) -> tuple[EventBatch, Filtered | None]:
+        """The batch as the index applies it (indexer/groups.py), and what counting it did
+        (None: nothing counted).
+
+        A batch at or below the last one counted here is a duplicate: it
+        passes as it is (the index drops it) and counts nothing.
+        """
+        iid = batch.instance
+        last = self._counted.get(iid)
+        if last is not None and batch.sequence <= last:
+            return batch, None
+        if not self.groups.hybrid(iid) and all(
+            not isinstance(ev, BlockStored) or ev.group_kind in FULL_KINDS for ev in batch.events
+        ):
+            return batch, None  # one group: nothing to filter
+        model = ""
+        if self.groups.hybrid(iid) or any(
+            isinstance(ev, BlockStored) and ev.group_kind not in FULL_KINDS for ev in batch.events
+        ):
+            model, _ = await self._model_of(iid)
+        f = self.groups.filter(
+            iid,
+            model,
+            batch.events,
+            self.config.block_size_for(model),
+        )
+        for reason, n in f.skipped.items():
+            self._skipped(iid, reason, n)
+        self._counted[iid] = batch.sequence
+        if len(f.events) == len(batch.events) and all(
+            a is b for a, b in zip(f.events, batch.events, strict=True)
+        ):
+            return batch, f
+        return replace(batch, events=f.events), f
+
+    def _skipped(self, instance: InstanceId, reason: str, blocks: int, detail: str = "") -> None:
+        """Count blocks of events left out for ``reason``; warn once per instance and reason."""
+        if blocks <= 0:
+            return
+        skipped = self.counters.events_skipped
+        skipped[reason] = skipped.get(reason, 0) + blocks
+        if (instance, reason) not in self._warned_skips:
+            if len(self._warned_skips) < MODEL_CACHE_SIZE:
+                self._warned_skips.add((instance, reason))
+            # Once per instance and reason, at WARNING: what a client sends
+            # never makes the server log errors (a client could flood them).
+            log.warning(
+                "%s: %d block(s) of its events skipped (%s)%s; the index does not hold them, "
+                "so Match under-reports this instance (counted in "
+                "kvmesh_indexer_events_skipped_total)",
+                instance,
+                blocks,
+                SKIP_REASONS.get(reason, reason),
+                f": {detail}" if detail else "",
+            )
+
+    async def _validate_batch(
+        self, batch: EventBatch, skip_invalid: bool = False
+    ) -> tuple[EventBatch, int]:
+        """The batch with the events the index cannot use left out, and their blocks."""
         # batch.instance was checked by publish(), before the ownership check.
         lim = self.config.limits
         if len(batch.events) > lim.max_events_per_batch:
@@ -439,28 +593,43 @@ class IndexerLogic:
             )
         if batch.sequence < 0 or batch.sequence >= 1 << 64:
             raise InvalidArgument("must be in [0, 2^64)", field="sequence")
-        events: list[Event] | None = None
+        events: list[Event | None] | None = None
+        skipped = 0
         for i, ev in enumerate(batch.events):
-            if isinstance(ev, BlockStored):
-                fixed = await self._validate_stored(batch.instance, ev, f"events[{i}].stored")
-                if fixed is not ev:
-                    if events is None:
-                        events = list(batch.events)
-                    events[i] = fixed
-            elif isinstance(ev, BlockRemoved):
-                if len(ev.block_hashes) > lim.max_blocks_per_event:
-                    raise InvalidArgument(
-                        f"{len(ev.block_hashes)} blocks, more than the cap of "
-                        f"{lim.max_blocks_per_event} (limits.max_blocks_per_event)",
-                        field=f"events[{i}].removed.block_hashes",
-                    )
-            elif not isinstance(ev, AllBlocksCleared):  # pragma: no cover - convert guards
-                raise InvalidArgument("unknown event kind", field=f"events[{i}]")
-        return batch if events is None else replace(batch, events=tuple(events))
+            fixed: Event | None = ev
+            try:
+                if isinstance(ev, BlockStored):
+                    fixed = await self._validate_stored(batch.instance, ev, f"events[{i}].stored")
+                    if fixed is None:
+                        skipped += len(ev.block_hashes)
+                elif isinstance(ev, BlockRemoved):
+                    if len(ev.block_hashes) > lim.max_blocks_per_event:
+                        raise InvalidArgument(
+                            f"{len(ev.block_hashes)} blocks, more than the cap of "
+                            f"{lim.max_blocks_per_event} (limits.max_blocks_per_event)",
+                            field=f"events[{i}].removed.block_hashes",
+                        )
+                elif not isinstance(ev, AllBlocksCleared):  # pragma: no cover - convert guards
+                    raise InvalidArgument("unknown event kind", field=f"events[{i}]")
+            except InvalidArgument as e:
+                if not skip_invalid:
+                    raise
+                n = len(ev.block_hashes) if isinstance(ev, BlockStored | BlockRemoved) else 0
+                self._skipped(batch.instance, "invalid", n, f"{e.field}: {e.message}")
+                skipped += n
+                fixed = None
+            if fixed is not ev:
+                if events is None:
+                    events = list(batch.events)
+                events[i] = fixed
+        if events is None:
+            return batch, skipped
+        return replace(batch, events=tuple(e for e in events if e is not None)), skipped
 
     async def _validate_stored(
         self, instance: InstanceId, ev: BlockStored, path: str
-    ) -> BlockStored:
+    ) -> BlockStored | None:
+        """The event as the index applies it; None (counted) when it is left out."""
         n = len(ev.block_hashes)
         cap = self.config.limits.max_blocks_per_event
         if n > cap:
@@ -469,6 +638,9 @@ class IndexerLogic:
                 field=f"{path}.block_hashes",
             )
         _check_name(ev.lora_name, f"{path}.lora_name", required=False)
+        _check_name(ev.group_kind, f"{path}.group_kind", required=False)
+        if ev.block_size < 0 or ev.block_size > MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"must be in [0, {MAX_BLOCK_SIZE}]", field=f"{path}.block_size")
         if ev.block_keys is not None:
             if len(ev.block_keys) != n:
                 raise InvalidArgument(
@@ -486,6 +658,19 @@ class IndexerLogic:
                 expected = self.config.block_size_for(model)
         else:
             expected = self.config.block_size
+        if ev.block_size and ev.block_size != expected:
+            # Another granularity than the index keys: a partial-block entry
+            # (a hash unit below the block), or a misconfigured block size.
+            self._skipped(
+                instance,
+                "block_size",
+                n,
+                f"block_size {ev.block_size}, the indexer keys this model with {expected}",
+            )
+            return None
+        if ev.lookahead:
+            self._skipped(instance, "lookahead", n)
+            return None
         err = _size_error(ev, expected, path)
         if err is not None:
             raise err
@@ -500,6 +685,11 @@ class IndexerLogic:
         cap = self.config.limits.max_match_blocks
         if query.token_ids and query.block_keys:
             raise InvalidArgument("give token_ids or block_keys, not both", field="block_keys")
+        if query.block_keys and (query.cache_salt or query.media):
+            raise InvalidArgument(
+                "cache_salt and media key token_ids; precomputed block_keys already include them",
+                field="cache_salt" if query.cache_salt else "media",
+            )
         if query.max_blocks < 0 or query.max_blocks > cap:
             raise InvalidArgument(
                 f"must be in [0, {cap}] (limits.max_match_blocks), got {query.max_blocks}",
@@ -520,6 +710,10 @@ class IndexerLogic:
             return list(keys[:limit]), 0
         bs = self.config.block_size_for(ns.model)
         tokens = query.token_ids
+        # Full blocks only. An engine computes at least the prompt's last token
+        # (vLLM caps a hit at num_tokens - 1 tokens), so a prompt of exactly k
+        # blocks reuses at most k - 1 of them: the router caps the depth, the
+        # index answers what the instance holds.
         n_blocks = len(tokens) // bs
         if not query.max_blocks and n_blocks > cap:
             raise InvalidArgument(
@@ -528,8 +722,16 @@ class IndexerLogic:
                 field="token_ids",
             )
         check_token_ids(tokens, "token_ids")
+        _check_media(query.media, len(tokens))
+        if len(query.cache_salt.encode("utf-8")) > MAX_NAME_BYTES:
+            raise InvalidArgument(f"longer than {MAX_NAME_BYTES} bytes", field="cache_salt")
         used = tokens[: min(n_blocks, limit) * bs]
-        return block_keys(used, bs, ns.model, ns.lora_name), bs
+        return (
+            block_keys(
+                used, bs, ns.model, ns.lora_name, cache_salt=query.cache_salt, media=query.media
+            ),
+            bs,
+        )
 
     async def match(self, query: MatchQuery) -> MatchResult:
         """Validate, key and truncate the prompt, then ask the index."""
@@ -542,6 +744,8 @@ class IndexerLogic:
             except Unavailable as e:
                 self._note_error(e)
                 raise
+            if self.groups.hybrid_any():
+                hits = await self._cut_hybrid(query, keys, bs, hits)
         else:
             hits = []
         self.counters.matches += 1
@@ -550,6 +754,32 @@ class IndexerLogic:
         if query.max_instances and len(hits) > query.max_instances:
             hits = hits[: query.max_instances]
         return MatchResult(hits, len(keys), bs)
+
+    async def _cut_hybrid(
+        self, query: MatchQuery, keys: list[int], bs: int, hits: list[InstanceMatch]
+    ) -> list[InstanceMatch]:
+        """Hits of hybrid instances cut back by their other groups (indexer/groups.py).
+
+        A cut hit is asked of the index again for its shorter prefix, so that
+        its per-tier counts are those of the blocks reused.
+        """
+        out: list[InstanceMatch] = []
+        cut: dict[int, list[InstanceMatch]] = {}
+        for h in hits:
+            if not self.groups.hybrid(h.instance):
+                out.append(h)
+                continue
+            d = self.groups.cut(h.instance, keys, h.depth, bs or self.config.block_size)
+            if d == h.depth:
+                out.append(h)
+            elif d > 0:
+                cut.setdefault(d, []).append(h)
+        for d, group in cut.items():
+            wanted = {h.instance for h in group}
+            again = await self.index.match(query.namespace, keys[:d], include_stale=True)
+            out += [m for m in again if m.instance in wanted and m.depth == d]
+        out.sort(key=lambda m: -m.depth)
+        return out
 
     # -- admin ---------------------------------------------------------------
 

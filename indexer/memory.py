@@ -45,10 +45,29 @@ from indexer.model import (
     InstanceState,
     Namespace,
     NamespaceStats,
+    encoded_extras,
     fenced_out,
 )
 from kvmesh.blockkeys import chain_keys, namespace_seed
 from kvmesh.errors import FailedPrecondition, NotFound
+
+
+def _uncopied(copies: dict[int, int], h: int, mask: int) -> int:
+    """The tier bits of ``mask`` whose last copy of block ``h`` goes (one copy
+    of every other tier is taken from ``copies``)."""
+    out = 0
+    for t in range(3):
+        if mask >> t & 1:
+            k = h << 2 | t
+            n = copies.get(k)
+            if n is None:
+                out |= 1 << t
+            elif n > 1:
+                copies[k] = n - 1
+            else:
+                del copies[k]
+    return out
+
 
 # Index of the fastest tier (0 gpu, 1 cpu, 2 disk) for each tier mask 1..7.
 _FASTEST = (-1, 0, 1, 0, 2, 0, 1, 0)
@@ -87,6 +106,9 @@ class _Instance:
     #: that it goes with it (remove, reap) and is bounded by 7 per instance;
     #: replaced by a fresh list whenever the address or the stale flag changes.
     depth1: list[InstanceMatch | None] = field(default_factory=_no_depth1)
+    #: Batches that count copies (EventBatch.counts_copies): engine hash << 2 |
+    #: tier index -> copies beyond the first, for (block, tier)s held twice or more.
+    copies: dict[int, int] = field(default_factory=dict)
 
 
 class MemoryIndex(Index):
@@ -229,14 +251,17 @@ class MemoryIndex(Index):
         cleared = False
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                s, r, o = self._store(inst, ev)
+                s, r, o = self._store(inst, ev, batch.counts_copies)
                 stored += s
                 removed += r
                 orphaned += o
             elif isinstance(ev, BlockRemoved):
                 mask = ALL_TIERS_MASK if ev.tier is None else ev.tier.bit
+                copies = inst.copies if batch.counts_copies else None
                 for h in ev.block_hashes:
-                    removed += self._remove_hash(inst, h, mask)
+                    m = mask if not copies else _uncopied(copies, h, mask)
+                    if m:
+                        removed += self._remove_hash(inst, h, m)
             elif isinstance(ev, AllBlocksCleared):
                 removed += self._clear(inst)
                 cleared = True
@@ -259,7 +284,9 @@ class MemoryIndex(Index):
             self._ns_list.append(ns)
         return nid
 
-    def _store(self, inst: _Instance, ev: BlockStored) -> tuple[int, int, int]:
+    def _store(
+        self, inst: _Instance, ev: BlockStored, counts_copies: bool = False
+    ) -> tuple[int, int, int]:
         ns = Namespace(inst.spec.model, ev.lora_name)
         nid = self._ns_id(ns)
         ehs = inst.engine_hashes
@@ -273,7 +300,7 @@ class MemoryIndex(Index):
                 if mapped is None or mapped >> 64 != nid:
                     return 0, 0, len(ev.block_hashes)
                 parent = mapped & _U64
-            keys = chain_keys(parent, ev.token_ids, ev.block_size)
+            keys = chain_keys(parent, ev.token_ids, ev.block_size, encoded_extras(ev.extras))
         table = self._blocks.setdefault(ns, {})
         bit = ev.tier.bit
         base = nid << 64
@@ -295,6 +322,9 @@ class MemoryIndex(Index):
                 holders[ikey] = old | bit
                 inst.bits += 1
                 stored += 1
+            elif counts_copies:
+                k = h << 2 | (ev.tier.value - 1)
+                inst.copies[k] = inst.copies.get(k, 0) + 1
         return stored, removed, 0
 
     def _remove_hash(self, inst: _Instance, h: int, mask: int) -> int:
@@ -318,6 +348,10 @@ class MemoryIndex(Index):
                     del table[key]
         if not new:
             del inst.engine_hashes[h]
+        if inst.copies:
+            for t in range(3):
+                if mask >> t & 1:
+                    inst.copies.pop(h << 2 | t, None)
         inst.bits -= cleared
         return cleared
 
@@ -341,6 +375,7 @@ class MemoryIndex(Index):
                 if not holders:
                     del table[key]
         inst.engine_hashes.clear()
+        inst.copies.clear()
         inst.bits = 0
         return removed
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvmesh.blockkeys import encode_extras
 from kvmesh.errors import FailedPrecondition
 
 
@@ -88,6 +89,31 @@ class InstanceState:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockExtras:
+    """What an engine mixed into one block's hash besides its tokens.
+
+    ``salt``: the request's ``cache_salt`` (vLLM adds it to a prompt's first
+    block only, so it scopes the whole chain). ``media``: ``(identifier,
+    offset)`` of each multimodal item the block overlaps, the offset of the
+    item's first placeholder token relative to the block's first token (may be
+    negative: the item began in an earlier block). ``other``: anything else
+    the engine sent (prompt-embedding digests), kept as opaque bytes.
+    """
+
+    salt: str = ""
+    media: tuple[tuple[str, int], ...] = ()
+    other: tuple[bytes, ...] = ()
+
+
+def encoded_extras(extras: Sequence[BlockExtras | None] | None) -> list[bytes] | None:
+    """``E_i`` of each block (docs/spec/block-keys.md, "Extra keys"); None when there are none."""
+    if not extras:
+        return None
+    out = [b"" if e is None else encode_extras(e.salt, e.media, e.other) for e in extras]
+    return out if any(out) else None
+
+
+@dataclass(frozen=True, slots=True)
 class BlockStored:
     """Blocks entering an instance's cache on one tier.
 
@@ -110,6 +136,20 @@ class BlockStored:
     tier: Tier = Tier.GPU
     block_keys: tuple[int, ...] | None = None
     position_known: bool = True
+    #: What the engine mixed into each block's hash besides its tokens, one
+    #: entry per block (None: nothing): :class:`BlockExtras`. Enters the
+    #: content keys (docs/spec/block-keys.md, "Extra keys").
+    extras: tuple[BlockExtras | None, ...] | None = None
+    #: The engine's KV-cache group (vLLM ``group_idx``; 0 when not said) and
+    #: what it holds (``kv_cache_spec_kind``, '' unknown; its sliding window
+    #: in tokens, 0 none). Only full-attention groups make a block matchable;
+    #: the others constrain a hit (indexer/groups.py).
+    group: int = 0
+    group_kind: str = ""
+    sliding_window: int = 0
+    #: The engine hashed tokens past each block into its hash (speculative
+    #: lookahead): its key cannot be derived from ``token_ids``.
+    lookahead: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +158,7 @@ class BlockRemoved:
 
     block_hashes: tuple[int, ...]
     tier: Tier | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +183,11 @@ class EventBatch:
     #: A writer that another may have superseded (re-registered the instance)
     #: sets it; '' applies to whatever incarnation is registered.
     incarnation: str = ""
+    #: Stored events count physical copies (an engine's own event stream: vLLM
+    #: publishes a store per physical block, so one hash may be stored twice):
+    #: a block leaves only when as many removals came. False (the API's set
+    #: semantics): a store of a held block changes nothing, one removal drops it.
+    counts_copies: bool = False
 
 
 def fenced_out(batch: EventBatch) -> FailedPrecondition:
@@ -170,6 +216,9 @@ class ApplyResult:
     blocks_removed: int = 0
     blocks_orphaned: int = 0
     stale: bool = False
+    #: Blocks of events the service left out (counted by reason in
+    #: ``Counters.events_skipped``): set by the service, not the index.
+    blocks_skipped: int = 0
 
 
 class InstanceMatch(NamedTuple):
@@ -236,6 +285,12 @@ class MatchQuery:
     include_stale: bool = False
     #: Keep only the deepest this many hits (0: all).
     max_instances: int = 0
+    #: What the request gives the engine besides its tokens, which the engine
+    #: mixes into its block hashes (docs/spec/block-keys.md, "Extra keys"):
+    #: its ``cache_salt`` and ``(identifier, offset, length)`` of each
+    #: multimodal item's placeholder tokens. Only with ``token_ids``.
+    cache_salt: str = ""
+    media: Sequence[tuple[str, int, int]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +315,10 @@ class Counters:
     matched_blocks: int = 0
     instances_reaped: int = 0
     reap_errors: int = 0
+    #: Blocks of events left out, by reason (indexer.logic.SKIP_REASONS).
+    events_skipped: dict[str, int] = field(default_factory=dict)
+    #: Stored blocks whose parent the instance did not hold (not keyable).
+    blocks_orphaned: int = 0
 
 
 @dataclass(slots=True)

@@ -322,9 +322,11 @@ class IndexerServer:
         """``host:port`` the server listens on (for a client to dial)."""
         return _host_port(self.config.host, self.port)
 
-    def _counter_values(self) -> dict[str, int]:
+    def _counter_values(self) -> dict[str, int | dict[str, int]]:
         c = self.logic.counters
         return {
+            "events_skipped": dict(c.events_skipped),
+            "blocks_orphaned": c.blocks_orphaned,
             "batches_applied": c.batches_applied,
             "batches_duplicate": c.batches_duplicate,
             "batches_rejected": c.batches_rejected,

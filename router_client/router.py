@@ -79,7 +79,12 @@ class RouteRequest:
 
     Give ``block_keys`` (precomputed) or ``token_ids`` (keyed here with the
     config's model and the router's block size); with neither, no Match is made.
-    SLO targets are optional.
+    With ``token_ids``, ``cache_salt`` and ``media`` (``(identifier, offset,
+    length)`` of each multimodal item's placeholder tokens) are what the
+    request gives the engine besides its tokens: they enter the keys the way
+    the engine mixes them into its block hashes (docs/spec/block-keys.md,
+    "Extra keys"), so a salted tenant or an image is matched only where it
+    is cached. SLO targets are optional.
     """
 
     request_id: object
@@ -89,6 +94,8 @@ class RouteRequest:
     token_ids: Sequence[int] | None = None
     ttft_slo_ms: float | None = None
     tps_slo: float | None = None
+    cache_salt: str = ""
+    media: Sequence[tuple[str, int, int]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +263,12 @@ class Router:
             return req.block_keys
         if req.token_ids is not None:
             return compute_block_keys(
-                req.token_ids, self.block_size, self.config.model, self.config.lora_name
+                req.token_ids,
+                self.block_size,
+                self.config.model,
+                self.config.lora_name,
+                cache_salt=req.cache_salt,
+                media=req.media,
             )
         return ()
 

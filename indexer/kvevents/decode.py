@@ -16,8 +16,11 @@ Wire layout (vLLM ``vllm/distributed/kv_events.py``, SGLang
   defaults may be missing in either form; unknown fields are ignored.
 
   ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name (then extra_keys, group_idx, ..., ignored).
-  ``BlockRemoved``: block_hashes, medium. ``AllBlocksCleared``: nothing.
+  lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window (then locality, ownership, session_id,
+  lookahead_token_ids: read in map form, see below).
+  ``BlockRemoved``: block_hashes, medium, group_idx. ``AllBlocksCleared``:
+  nothing.
 
 Conversions, defined here once:
 
@@ -33,6 +36,20 @@ Conversions, defined here once:
   Case-insensitive.
 - **LoRA**: ``lora_name`` when given, else ``lora_id`` as a decimal string
   (older publishers send only the id), else the base model.
+- **Extra keys** (vLLM ``extra_keys``: per block, untagged, in the order LoRA
+  name, ``(mm identifier, offset)`` pairs, cache salt, prompt-embedding
+  digests): the LoRA name is dropped (the namespace carries it), a 2-item
+  array of a string and an int is a multimodal item, a string the salt,
+  anything else an opaque extra (its msgpack bytes). They enter the content
+  keys (docs/spec/block-keys.md, "Extra keys"), so a salted or multimodal
+  block is keyed as the router keys the request.
+- **Groups**: ``group_idx`` (None: 0), ``kv_cache_spec_kind`` (None: ''),
+  ``kv_cache_spec_sliding_window`` (None: 0), for indexer/groups.py.
+- ``session_id`` names the request that stored the block, not an owner of it;
+  ``lookahead_token_ids`` are tokens past the block that entered its hash
+  (speculative lookahead hashing). Neither changes what a block is: the first
+  is not used, the second makes the block's key unknowable from its tokens, so
+  such an event is decoded with ``lookahead`` set and skipped by the service.
 
 A frame that cannot be a batch at all raises :class:`MalformedFrame`; an
 event that cannot be decoded is counted in ``malformed_events`` and skipped,
@@ -47,7 +64,14 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from indexer.model import AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier
+from indexer.model import (
+    AllBlocksCleared,
+    BlockExtras,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Tier,
+)
 
 _U64 = (1 << 64) - 1
 
@@ -56,8 +80,12 @@ MEDIUM_TIERS: dict[str, Tier] = {
     "GPU": Tier.GPU,
     "CPU": Tier.CPU,
     "CPU_PINNED": Tier.CPU,
+    "CPU_TIER1": Tier.CPU,
+    "CPU_TIER2": Tier.CPU,
     "STORAGE": Tier.DISK,
     "DISK": Tier.DISK,
+    "FS": Tier.DISK,
+    "OBJ": Tier.DISK,
     "EXTERNAL": Tier.DISK,
 }
 
@@ -70,8 +98,16 @@ _STORED_FIELDS = (
     "lora_id",
     "medium",
     "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 )
-_REMOVED_FIELDS = ("block_hashes", "medium")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 class MalformedFrame(ValueError):
@@ -158,6 +194,54 @@ def _lora_name(fields: Mapping[str, Any]) -> str:
     return ""
 
 
+def _extras(value: Any, n: int, lora_name: str) -> tuple[BlockExtras | None, ...] | None:
+    """vLLM's per-block ``extra_keys`` (see the module docstring)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise MalformedEvent("extra_keys is not a list")
+    if len(value) != n:
+        raise MalformedEvent(f"extra_keys has {len(value)} entries for {n} block hashes")
+    out: list[BlockExtras | None] = []
+    for entry in value:
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, list):
+            raise MalformedEvent("an extra_keys entry is not a list")
+        items = entry
+        if lora_name and items and items[0] == lora_name:
+            items = items[1:]
+        salt = ""
+        media: list[tuple[str, int]] = []
+        other: list[bytes] = []
+        for item in items:
+            if (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], int)
+                and not isinstance(item[1], bool)
+            ):
+                media.append((item[0], item[1]))
+            elif isinstance(item, str) and not salt:
+                salt = item
+            else:
+                other.append(msgpack.packb(item))
+        out.append(
+            BlockExtras(salt, tuple(media), tuple(other)) if salt or media or other else None
+        )
+    return tuple(out) if any(e is not None for e in out) else None
+
+
+def _str(value: Any, name: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise MalformedEvent(f"{name} is not a string")
+    return value
+
+
 def decode_event(raw: Any, *, engine_hash_keys: bool = False) -> Event:
     """One event (map or array form). ``engine_hash_keys``: use the engine's hashes as keys."""
     tag, _ = _fields(raw, ())
@@ -168,22 +252,34 @@ def decode_event(raw: Any, *, engine_hash_keys: bool = False) -> Event:
         token_ids = f.get("token_ids") or []
         if not isinstance(token_ids, list):
             raise MalformedEvent("token_ids is not a list")
+        lora = _lora_name(f)
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if parent_raw is None else engine_hash(parent_raw),
             # Range and type of each id are checked by the service (naming the index).
             token_ids=tuple(token_ids),
             block_size=_int(f.get("block_size"), "block_size"),
-            lora_name=_lora_name(f),
+            lora_name=lora,
             tier=medium_tier(f.get("medium")),
             block_keys=hashes if engine_hash_keys else None,
+            extras=_extras(f.get("extra_keys"), len(hashes), lora),
+            group=_int(f.get("group_idx"), "group_idx"),
+            group_kind=_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+            sliding_window=_int(
+                f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
+            ),
+            lookahead=bool(f.get("lookahead_token_ids")),
         )
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_FIELDS)
         medium = f.get("medium")
         # No medium: the publisher predates tiers and means the GPU copy; the
         # index then clears only that tier's bit.
-        return BlockRemoved(block_hashes=_hashes(f.get("block_hashes")), tier=medium_tier(medium))
+        return BlockRemoved(
+            block_hashes=_hashes(f.get("block_hashes")),
+            tier=medium_tier(medium),
+            group=_int(f.get("group_idx"), "group_idx"),
+        )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise MalformedEvent(f"unknown event type {tag!r}")

@@ -644,10 +644,13 @@ class EndpointSubscriber:
                     decoded.dp_rank,
                     self.instance.dp_rank,
                 )
-        batch = EventBatch(self.instance, seq, decoded.events, decoded.timestamp)
+        # An engine's own stream: a store per physical copy (EventBatch.counts_copies).
+        batch = EventBatch(
+            self.instance, seq, decoded.events, decoded.timestamp, counts_copies=True
+        )
         try:
             try:
-                result = await self._retrying(lambda: self.logic.publish(batch))
+                result = await self._retrying(lambda: self.logic.publish(batch, skip_invalid=True))
             except FailedPrecondition:
                 # Not registered: reaped while the engine was away, removed, or the
                 # index lost it (a Redis restarted empty). Its blocks are gone:
@@ -660,7 +663,7 @@ class EndpointSubscriber:
                 if seq > 0:
                     await self._lost(0, seq)
                 self.next_seq = seq + 1
-                result = await self._retrying(lambda: self.logic.publish(batch))
+                result = await self._retrying(lambda: self.logic.publish(batch, skip_invalid=True))
         except KvmeshError as e:
             self.counters.batches_rejected += 1
             log.warning("%s: batch %d rejected: %s", self.instance, seq, e)

@@ -86,6 +86,7 @@ from indexer.model import (
     InstanceState,
     Namespace,
     NamespaceStats,
+    encoded_extras,
     fenced_out,
 )
 from indexer.redis import keys as K
@@ -173,6 +174,9 @@ _TRANSIENT = (b"LOADING", b"BUSY", b"MASTERDOWN", b"READONLY", b"TRYAGAIN", b"CL
 
 _OP_STORE = b"S"
 _OP_REMOVE = b"R"
+# The same for a batch that counts copies (EventBatch.counts_copies).
+_OP_STORE_COPY = b"T"
+_OP_REMOVE_COPY = b"Q"
 _OP_CLEAR = b"C"
 
 
@@ -517,6 +521,14 @@ class RedisIndex(Index):
         return None
 
     async def _eval(self, script: Script, numkeys: int, *args: Any) -> Any:
+        if self.cluster and script.name in CLUSTER_CONTROL:
+            # Shielded: a caller that gives up (a deadline) while the script
+            # runs must not skip spreading the generation it bumped, or
+            # Matches on other replicas trust an old instance table.
+            return await asyncio.shield(self._eval_now(script, numkeys, *args))
+        return await self._eval_now(script, numkeys, *args)
+
+    async def _eval_now(self, script: Script, numkeys: int, *args: Any) -> Any:
         if not self._schema_ok:
             await self._check_schema()  # before this process's first script
         self.round_trips += 1
@@ -761,11 +773,17 @@ class RedisIndex(Index):
         the two halves of an apply). The cluster code paths reload the slot map
         by themselves every few seconds, and an instance's next batch finishes
         its pending writes first; this is for everything else, and the reaper
-        runs it. Nothing to do with a single Redis. Raises Unavailable when a
-        write still fails: it stays pending, for the next call."""
+        runs it. It also copies the current generation under every copy tag
+        again, which bounds how long a copy a spread missed (its master was
+        down, the process died in between) can hide a change from Matches.
+        Nothing to do with a single Redis. Raises Unavailable when a write
+        still fails: it stays pending, for the next call."""
         if not self.cluster:
             return
         await self._topology()
+        gen = await self._cmd("GET", self._gen_key)
+        if gen is not None:
+            await self._spread_gen(gen)
         await self._redrive_all()
 
     async def _redrive_quietly(self) -> None:
@@ -1086,7 +1104,9 @@ class RedisIndex(Index):
         self._forget(instance)
         if dead:
             self._dead.add(dead)
-            await self._purge(dead)
+            # Shielded like the generation's spread: a caller that gives up
+            # leaves no entries of a removed id for other replicas to find.
+            await asyncio.shield(self._purge(dead))
         return int(row[10] or 0)
 
     async def remove_instance(self, instance: InstanceId) -> int:
@@ -1236,7 +1256,14 @@ class RedisIndex(Index):
                         ks = self._chain(int.from_bytes(value[8:], "big"), ev)
                 kb = _pack(ks, "block_keys")
                 hb = _pack(hashes, "block_hashes")
-                ops += (_OP_STORE, nid, ev.tier.bit, parent_arg, hb, kb)
+                ops += (
+                    _OP_STORE_COPY if batch.counts_copies else _OP_STORE,
+                    nid,
+                    ev.tier.bit,
+                    parent_arg,
+                    hb,
+                    kb,
+                )
                 if self.cluster:
                     # The engine hash whose location the chain continues; b"" for
                     # a chain that starts a prompt, b"?" where the event does not
@@ -1250,7 +1277,8 @@ class RedisIndex(Index):
                         overlay[hashes[i]] = nid + kb[8 * i : 8 * i + 8]
             elif isinstance(ev, BlockRemoved):
                 mask = ALL_TIERS_MASK if ev.tier is None else ev.tier.bit
-                ops += (_OP_REMOVE, mask, _pack(ev.block_hashes, "block_hashes"))
+                op = _OP_REMOVE_COPY if batch.counts_copies else _OP_REMOVE
+                ops += (op, mask, _pack(ev.block_hashes, "block_hashes"))
                 for h in ev.block_hashes:
                     lru.pop((name, h), None)
             elif isinstance(ev, AllBlocksCleared):
@@ -1271,7 +1299,7 @@ class RedisIndex(Index):
     @staticmethod
     def _chain(parent_key: int, ev: BlockStored) -> list[int]:
         try:
-            return chain_keys(parent_key, ev.token_ids, ev.block_size)
+            return chain_keys(parent_key, ev.token_ids, ev.block_size, encoded_extras(ev.extras))
         except ValueError as exc:  # TokenIdError is a ValueError
             raise InvalidArgument(str(exc), field="token_ids") from None
 
@@ -1417,6 +1445,11 @@ class RedisIndex(Index):
                 refreshed = True
                 if res[0] != self._gen and self._gen:
                     await self._spread_gen(self._gen)  # a restarted master lost its copy
+                fresh = self._exclusions(now, include_stale)
+                if list(fresh) != list(excl):
+                    # The answer left out what the old table excluded (an
+                    # instance revived elsewhere): ask again with the new one.
+                    res = await self._match_cluster(ns[0], keys, blob, fresh)
         else:
             check = (b"=" + self._gen,) if due and self._gen is not None else ()
             args = (self._base, self._gen_key, ns[1], ns[1], 0, blob)

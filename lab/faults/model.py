@@ -30,6 +30,7 @@ state again.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -415,9 +416,38 @@ class EngineTruth:
         self.restart()
 
     def apply(self, events: Sequence[Event]) -> None:
-        """Apply the engine's next batch."""
+        """Apply the engine's next batch.
+
+        An engine's stream stores each physical copy of a block (vLLM): the
+        engine holds a (block, tier) while more stores than removals of it
+        came, and the index must drop it only then (indexer/groups.py).
+        """
         self.seq += 1
-        self.index.apply(EventBatch(self.iid, self.seq, tuple(events)), 0.0)
+        out: list[Event] = []
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
+                    self.copies[(h, ev.tier)] += 1
+                out.append(ev)
+            elif isinstance(ev, BlockRemoved):
+                tiers = list(Tier) if ev.tier is None else [ev.tier]
+                gone = []
+                for h in ev.block_hashes:
+                    last = False
+                    for t in tiers:
+                        n = self.copies.get((h, t), 0)
+                        if n <= 1:
+                            self.copies.pop((h, t), None)
+                            last = True
+                        else:
+                            self.copies[(h, t)] = n - 1
+                    if last:
+                        gone.append(h)
+                out.append(replace(ev, block_hashes=tuple(gone)))
+            else:
+                self.copies.clear()
+                out.append(ev)
+        self.index.apply(EventBatch(self.iid, self.seq, tuple(out)), 0.0)
         if any(isinstance(e, AllBlocksCleared) for e in events):
             # A clear is a reset point: the index drops everything too and is
             # fresh again (what follows is a full replay of the cache).
@@ -425,6 +455,7 @@ class EngineTruth:
 
     def restart(self) -> None:
         """A restarted engine: an empty cache and a stream from sequence 0."""
+        self.copies: Counter[tuple[int, Tier]] = Counter()
         self.index = IndexModel()
         self.index.register(InstanceSpec(self.iid, self.model, lease_ttl_s=math.inf), 0.0)
         self.seq = -1

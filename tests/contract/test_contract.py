@@ -214,6 +214,34 @@ async def test_a_fenced_batch_applies_only_to_its_incarnation(index: Any, clock:
     assert r.outcome is BatchOutcome.APPLIED and await depths(index) == {A: 3}
 
 
+async def test_an_engine_stream_keeps_a_block_until_its_last_copy_goes(index: Any) -> None:
+    """vLLM stores one event per physical block: one hash can be in two blocks."""
+    await reg(index, A)
+    await reg(index, B)
+    for iid in (A, B):
+        copies = iid == A
+        await index.apply(EventBatch(iid, 0, (stored(0, 3),), counts_copies=copies))
+        await index.apply(EventBatch(iid, 1, (stored(1, 2),), counts_copies=copies))  # again
+        await index.apply(
+            EventBatch(iid, 2, (BlockRemoved((1001,), Tier.GPU),), counts_copies=copies)
+        )
+    # A holds block 1 still (its second copy); B's set semantics dropped it.
+    assert await depths(index) == {A: 3, B: 1}
+    await index.apply(EventBatch(A, 3, (BlockRemoved((1001,), Tier.GPU),), counts_copies=True))
+    assert await depths(index) == {A: 1, B: 1}
+    # A copy on another tier is its own: the GPU copies go, the CPU one stays.
+    await index.apply(
+        EventBatch(
+            A, 4, (stored(1, 2), stored(1, 2), stored(1, 2, tier=Tier.CPU)), counts_copies=True
+        )
+    )
+    await index.apply(EventBatch(A, 5, (BlockRemoved((1001,), None),), counts_copies=True))
+    (hit,) = [m for m in await index.match(NS, KEYS) if m.instance == A]
+    assert (hit.depth, hit.gpu_blocks, hit.cpu_blocks) == (3, 3, 0)
+    await index.apply(EventBatch(A, 6, (BlockRemoved((1001,), Tier.GPU),), counts_copies=True))
+    assert await depths(index) == {A: 1, B: 1}
+
+
 async def test_remove_instance_and_stats(index: Any) -> None:
     await reg(index, A)
     await reg(index, B)

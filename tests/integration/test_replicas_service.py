@@ -39,7 +39,7 @@ from indexer.model import (
 from indexer.redis.backend import RedisIndex
 from indexer.sglang.compat import Action, ActionKind, ApplyRequest, SglangCompat
 from kvmesh.auth import Client, Principal, reset_current_client, set_current_client
-from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvmesh.errors import FailedPrecondition, PermissionDenied
 
 W = InstanceId("w0", 0)
 #: Block hashes as SGLang reports them (unsigned here, as the compat layer takes them).
@@ -157,11 +157,12 @@ async def test_a_batch_that_stays_wrong_rereads_the_model_once() -> None:
     logic = IndexerLogic(index, config(model_block_sizes={"m4": 4, "m8": 8}))
     await logic.register(InstanceSpec(W, "m4", "http://w0:1", 30.0, "first"))
     before = index.listings
-    for _ in range(20):  # an engine that keys with the wrong block size
-        with pytest.raises(InvalidArgument):
-            await logic.publish(EventBatch(W, 0, (stored(1, 8, block_size=8),)))
+    for seq in range(20):  # an engine that keys with the wrong block size
+        r = await logic.publish(EventBatch(W, seq, (stored(1, 8, block_size=8),)))
+        assert r.blocks_skipped == 1 and r.blocks_stored == 0
     assert index.listings - before == 1
-    assert logic.counters.batches_rejected == 20
+    assert logic.counters.events_skipped == {"block_size": 20}
+    assert logic.counters.batches_rejected == 0
 
 
 async def test_instances_removed_elsewhere_are_forgotten() -> None:

@@ -12,7 +12,7 @@ from indexer.kvevents.decode import (
     engine_hash,
     medium_tier,
 )
-from indexer.model import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+from indexer.model import AllBlocksCleared, BlockExtras, BlockRemoved, BlockStored, Tier
 
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -37,7 +37,9 @@ def test_map_encoding_current_vllm() -> None:
         {
             "ts": 12.5,
             "events": [
-                stored_map(extra_keys=None, group_idx=0, kv_cache_spec_kind="full", new=1),
+                stored_map(
+                    extra_keys=None, group_idx=0, kv_cache_spec_kind="full_attention", new=1
+                ),
                 {"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU", "group_idx": 0},
                 {"type": "AllBlocksCleared"},
             ],
@@ -47,7 +49,13 @@ def test_map_encoding_current_vllm() -> None:
     b = decode_batch(payload)
     assert (b.timestamp, b.dp_rank, b.malformed_events) == (12.5, 3, 0)
     assert b.events == (
-        BlockStored(block_hashes=(11, 12), token_ids=tuple(TOKENS), block_size=4, tier=Tier.GPU),
+        BlockStored(
+            block_hashes=(11, 12),
+            token_ids=tuple(TOKENS),
+            block_size=4,
+            tier=Tier.GPU,
+            group_kind="full_attention",
+        ),
         BlockRemoved(block_hashes=(12,), tier=Tier.CPU),
         AllBlocksCleared(),
     )
@@ -159,3 +167,43 @@ def test_sequence_frame() -> None:
     assert decode_seq(b"\xff" * 8) == 2**64 - 1
     with pytest.raises(MalformedFrame):
         decode_seq(b"\x00\x01")
+
+
+def test_vllm_033_fields_extra_keys_groups_and_media() -> None:
+    """What vLLM 0.33 sends: untagged extra keys per block, the group, newer media."""
+    payload = msgpack.packb(
+        {
+            "ts": 1.0,
+            "events": [
+                stored_map(
+                    lora_name="ad",
+                    extra_keys=[["ad", "tenant"], ["ad", ["img-1", -3], b"emb"]],
+                    group_idx=1,
+                    kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=128,
+                    session_id="s",
+                    medium="CPU_TIER2",
+                ),
+                stored_map(medium="OBJ", lookahead_token_ids=[[9], [9]]),
+                {"type": "BlockRemoved", "block_hashes": [11], "medium": "FS", "group_idx": 1},
+            ],
+        }
+    )
+    b = decode_batch(payload)
+    assert b.malformed_events == 0
+    first, second, removed = b.events
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert first.extras == (
+        BlockExtras(salt="tenant"),
+        BlockExtras(media=(("img-1", -3),), other=(msgpack.packb(b"emb"),)),
+    )
+    assert (first.group, first.group_kind, first.sliding_window) == (1, "sliding_window", 128)
+    assert first.tier is Tier.CPU and first.lora_name == "ad"
+    assert second.tier is Tier.DISK and second.lookahead and second.extras is None
+    assert removed == BlockRemoved(block_hashes=(11,), tier=Tier.DISK, group=1)
+
+
+def test_extra_keys_that_do_not_fit_the_hashes_skip_only_their_event() -> None:
+    payload = msgpack.packb({"ts": 1.0, "events": [stored_map(extra_keys=[None]), stored_map()]})
+    b = decode_batch(payload)
+    assert b.malformed_events == 1 and len(b.events) == 1

@@ -1,11 +1,18 @@
 'use strict';
-// Block keys (docs/spec/block-keys.md, version 1): chained XXH3-64 over
-// fixed-size token blocks, seeded by the namespace. Keys are unsigned 64-bit
-// integers, returned as BigInt.
+// Block keys (docs/spec/block-keys.md, version 2): chained XXH3-64 over
+// fixed-size token blocks, seeded by the namespace, each block's bytes followed
+// by its extra keys (cache salt, multimodal items; none for a plain text block,
+// whose key is then the version-1 one). Keys are unsigned 64-bit integers,
+// returned as BigInt.
 
 const { xxh3 } = require('@node-rs/xxhash');
 
 const TOKEN_LIMIT = 2 ** 32;
+
+/** Tags of the extra-key items. */
+const TAG_SALT = 0x01;
+const TAG_MEDIA = 0x02;
+const TAG_OTHER = 0x03;
 
 /** XXH3-64 (seed 0, default secret) of a byte buffer, as an unsigned BigInt. */
 function h(buf) {
@@ -17,18 +24,83 @@ function namespaceSeed(model, loraName = '') {
   return h(Buffer.concat([Buffer.from(model, 'utf8'), Buffer.from([0]), Buffer.from(loraName, 'utf8')]));
 }
 
+/** One extra-key item: tag || LE32(data length) || data. */
+function item(tag, data) {
+  const head = Buffer.alloc(5);
+  head.writeUInt8(tag, 0);
+  head.writeUInt32LE(data.length, 1);
+  return Buffer.concat([head, data]);
+}
+
+/** An integer offset (Number or BigInt) as a BigInt; throws RangeError otherwise. */
+function offsetOf(value, what) {
+  if (typeof value === 'bigint') return value;
+  if (!Number.isSafeInteger(value)) throw new RangeError(`${what}: offset ${value} is not an integer`);
+  return BigInt(value);
+}
+
+/**
+ * E_i of one block (a Buffer, empty when there is nothing): the salt (UTF-8),
+ * then each multimodal item `[identifier, offset]` (UTF-8 identifier followed
+ * by the offset as LE64 two's complement: the item's first token relative to
+ * the block's first, negative when the item began in an earlier block), then
+ * each opaque extra (a Buffer or Uint8Array).
+ */
+function encodeExtras(salt = '', media = [], other = []) {
+  const parts = [];
+  if (salt) parts.push(item(TAG_SALT, Buffer.from(salt, 'utf8')));
+  media.forEach(([identifier, offset], i) => {
+    const off = Buffer.alloc(8);
+    off.writeBigUInt64LE(BigInt.asUintN(64, offsetOf(offset, `media[${i}]`)));
+    parts.push(item(TAG_MEDIA, Buffer.concat([Buffer.from(identifier, 'utf8'), off])));
+  });
+  for (const o of other) parts.push(item(TAG_OTHER, Buffer.from(o)));
+  return Buffer.concat(parts);
+}
+
+/**
+ * E_i of each of a prompt's first `nBlocks` blocks, as the engine scopes them:
+ * `cacheSalt` enters block 0 only (it scopes the whole chain); each item of
+ * `media`, `[identifier, offset, length]` of its placeholder tokens in the
+ * prompt, enters every block its tokens overlap, with its offset relative to
+ * that block. null when there is no salt and no item (plain text).
+ */
+function promptExtras(nBlocks, blockSize, cacheSalt = '', media = []) {
+  if (!cacheSalt && media.length === 0) return null;
+  const items = media.map(([identifier, offset, length], i) => [
+    identifier,
+    offsetOf(offset, `media[${i}]`),
+    offsetOf(length, `media[${i}]`),
+  ]);
+  const out = [];
+  for (let i = 0; i < nBlocks; i++) {
+    const start = BigInt(i * blockSize);
+    const end = BigInt((i + 1) * blockSize);
+    const inBlock = items
+      .filter(([, offset, length]) => offset < end && start < offset + length)
+      .map(([identifier, offset]) => [identifier, offset - start]);
+    out.push(encodeExtras(i === 0 ? cacheSalt : '', inBlock));
+  }
+  return out;
+}
+
 /**
  * The block keys of a prompt: one per full block of `blockSize` tokens (the
- * partial last block gets none). Throws RangeError for a token id outside
- * [0, 2^32), naming its index.
+ * partial last block gets none). `options.cacheSalt` (string) and
+ * `options.media` (`[identifier, offset, length]` per multimodal item, in
+ * prompt order) as the request gives them to the engine; without them the
+ * keys are those of a plain text prompt. Throws RangeError for a token id
+ * outside [0, 2^32), naming its index.
  */
-function blockKeys(model, loraName, tokenIds, blockSize) {
+function blockKeys(model, loraName, tokenIds, blockSize, options = {}) {
   if (!Number.isInteger(blockSize) || blockSize < 1) {
     throw new RangeError(`blockSize must be a positive integer, got ${blockSize}`);
   }
+  const { cacheSalt = '', media = [] } = options;
   const keys = [];
   let prev = namespaceSeed(model, loraName);
   const blocks = Math.floor(tokenIds.length / blockSize);
+  const extras = promptExtras(blocks, blockSize, cacheSalt, media);
   const payload = Buffer.alloc(8 + 4 * blockSize);
   for (let i = 0; i < blocks; i++) {
     payload.writeBigUInt64LE(prev, 0);
@@ -40,10 +112,10 @@ function blockKeys(model, loraName, tokenIds, blockSize) {
       }
       payload.writeUInt32LE(t, 8 + 4 * j);
     }
-    prev = h(payload);
+    prev = h(extras && extras[i].length ? Buffer.concat([payload, extras[i]]) : payload);
     keys.push(prev);
   }
   return keys;
 }
 
-module.exports = { namespaceSeed, blockKeys };
+module.exports = { namespaceSeed, encodeExtras, promptExtras, blockKeys };

@@ -7,7 +7,7 @@ const fs = require('node:fs');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
-const { namespaceSeed, blockKeys } = require('./blockkeys');
+const { namespaceSeed, encodeExtras, promptExtras, blockKeys } = require('./blockkeys');
 
 /** The repository's proto/ directory (the import root of every kvmesh proto). */
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
@@ -215,5 +215,7 @@ module.exports = {
   errorField,
   keysToWire,
   namespaceSeed,
+  encodeExtras,
+  promptExtras,
   blockKeys,
 };

@@ -1,31 +1,86 @@
 'use strict';
-// The block-key test vectors of docs/spec/block-keys.md, computed here with
-// XXH3-64 from @node-rs/xxhash: what a router in another language reproduces.
+// The block-key test vectors of docs/spec/block-keys.md (version 2: with the
+// extra keys of salted and multimodal prompts), computed here with XXH3-64 from
+// @node-rs/xxhash: what a router in another language reproduces.
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
 const path = require('node:path');
-const { namespaceSeed, blockKeys } = require('../src');
+const { namespaceSeed, encodeExtras, promptExtras, blockKeys } = require('../src');
 
 const VECTORS = path.resolve(__dirname, '..', '..', '..', 'docs', 'spec', 'block-key-vectors.json');
 const spec = JSON.parse(fs.readFileSync(VECTORS, 'utf8'));
 
-test('the vector file is version 1 and has cases', () => {
-  assert.equal(spec.version, 1);
+test('the vector file is version 2 and has cases, salted and multimodal ones among them', () => {
+  assert.equal(spec.version, 2);
   assert.ok(spec.vectors.length >= 6);
+  for (const v of spec.vectors) {
+    assert.equal(typeof v.cache_salt, 'string', v.name);
+    assert.ok(Array.isArray(v.media), v.name);
+  }
+  assert.ok(spec.vectors.some((v) => v.cache_salt && v.media.length));
+  assert.ok(spec.vectors.some((v) => v.media.some(([, offset]) => offset % v.block_size !== 0)));
 });
 
 for (const v of spec.vectors) {
   test(`vector: ${v.name}`, () => {
     assert.equal(namespaceSeed(v.model, v.lora_name).toString(), v.namespace_seed);
-    const keys = blockKeys(v.model, v.lora_name, v.token_ids, v.block_size);
+    const keys = blockKeys(v.model, v.lora_name, v.token_ids, v.block_size, {
+      cacheSalt: v.cache_salt,
+      media: v.media,
+    });
     assert.deepEqual(
       keys.map((k) => k.toString()),
       v.block_keys,
     );
   });
 }
+
+test('extra keys: tag, LE32 length, data; an offset is LE64 two\'s complement', () => {
+  assert.equal(encodeExtras().length, 0);
+  const got = encodeExtras('\u00e9', [['img', -3]], [Buffer.from('pe')]);
+  const want = Buffer.concat([
+    Buffer.from([0x01, 2, 0, 0, 0, 0xc3, 0xa9]),
+    Buffer.from([0x02, 11, 0, 0, 0]),
+    Buffer.from('img'),
+    Buffer.from([0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+    Buffer.from([0x03, 2, 0, 0, 0]),
+    Buffer.from('pe'),
+  ]);
+  assert.deepEqual(got, want);
+});
+
+test('extra keys: the salt on block 0, an item on every block it overlaps', () => {
+  assert.equal(promptExtras(3, 4), null);
+  // Blocks of 4; the item's tokens are 2..9: blocks 0, 1 and 2, not 3.
+  assert.deepEqual(promptExtras(4, 4, 's', [['x', 2, 8]]), [
+    encodeExtras('s', [['x', 2]]),
+    encodeExtras('', [['x', -2]]),
+    encodeExtras('', [['x', -6]]),
+    Buffer.alloc(0),
+  ]);
+});
+
+test('a plain prompt keeps its version-1 keys; a salt changes every key', () => {
+  const tokens = Array.from({ length: 40 }, (_, i) => i);
+  const plain = blockKeys('m', '', tokens, 16);
+  assert.deepEqual(blockKeys('m', '', tokens, 16, { cacheSalt: '', media: [] }), plain);
+  // An item only in the partial last block touches no key.
+  assert.deepEqual(blockKeys('m', '', tokens, 16, { media: [['img', 32, 8]] }), plain);
+  const a = blockKeys('m', '', tokens, 16, { cacheSalt: 'a' });
+  const b = blockKeys('m', '', tokens, 16, { cacheSalt: 'b' });
+  for (const k of a) assert.ok(!b.includes(k) && !plain.includes(k));
+});
+
+test('moving an image by one token changes the keys from its first block on', () => {
+  const tokens = Array.from({ length: 64 }, (_, i) => i % 7);
+  const at = (offset) => blockKeys('m', '', tokens, 16, { media: [['img', offset, 10]] });
+  const before = at(20);
+  const after = at(21);
+  assert.equal(before[0], after[0]);
+  for (let i = 1; i < 4; i++) assert.notEqual(before[i], after[i]);
+});
 
 test('a LoRA name changes the seed and every key', () => {
   const tokens = Array.from({ length: 32 }, (_, i) => i);

@@ -50,7 +50,7 @@ local bpre = B .. 'b:'
 local sub = string.sub
 while p <= #ARGV do
   local op = ARGV[p]
-  if op == 'S' then
+  if op == 'S' or op == 'T' then
     local ns, tb, parent, hb, kb = ARGV[p + 1], tonumber(ARGV[p + 2]), ARGV[p + 3], ARGV[p + 4], ARGV[p + 5]
     p = p + 6
     local ok = true
@@ -90,17 +90,23 @@ while p <= #ARGV do
             redis.call('HSET', bk, id, m + tb)
             stored = stored + 1
             n = n + 1
+          elseif op == 'T' then
+            copy_add(id, eh, tb)
           end
         end
       end
     end
-  elseif op == 'R' then
-    local mask, hb = tonumber(ARGV[p + 1]), ARGV[p + 2]
+  elseif op == 'R' or op == 'Q' then
+    local rmask, hb = tonumber(ARGV[p + 1]), ARGV[p + 2]
     p = p + 3
     for i = 1, #hb / 8 do
       local eh = sub(hb, 8 * i - 7, 8 * i)
       local suf = redis.call('HGET', ek, eh)
-      if suf then
+      local mask = rmask
+      if suf and op == 'Q' then
+        mask = uncopied(id, eh, rmask)
+      end
+      if suf and mask ~= 0 then
         local bk = bpre .. suf
         local m = redis.call('HGET', bk, id)
         local old = m and tonumber(m) or 0

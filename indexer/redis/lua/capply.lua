@@ -271,7 +271,7 @@ local function kdrop(suf)
 end
 while p <= #ARGV do
   local op = ARGV[p]
-  if op == 'S' then
+  if op == 'S' or op == 'T' then
     local ns, tb, check, hb, kb, parent = ARGV[p + 1], tonumber(ARGV[p + 2]), ARGV[p + 3], ARGV[p + 4], ARGV[p + 5], ARGV[p + 6]
     p = p + 7
     local ok = true
@@ -327,6 +327,8 @@ while p <= #ARGV do
             nm = m + tb
             stored = stored + 1
             n = n + 1
+          elseif op == 'T' then
+            copy_add(id, eh, tb)
           end
           if oloc ~= loc then
             touch(suf, oloc)
@@ -338,13 +340,17 @@ while p <= #ARGV do
         end
       end
     end
-  elseif op == 'R' then
-    local mask, hb = tonumber(ARGV[p + 1]), ARGV[p + 2]
+  elseif op == 'R' or op == 'Q' then
+    local rmask, hb = tonumber(ARGV[p + 1]), ARGV[p + 2]
     p = p + 3
     for i = 1, #hb / 8 do
       local eh = sub(hb, 8 * i - 7, 8 * i)
       local suf = redis.call('HGET', ek, eh)
-      if suf then
+      local mask = rmask
+      if suf and op == 'Q' then
+        mask = uncopied(id, eh, rmask)
+      end
+      if suf and mask ~= 0 then
         local v = redis.call('HGET', kk, suf)
         local old = v and tonumber(sub(v, 1, 1)) or 0
         local new = old - bit.band(old, mask)

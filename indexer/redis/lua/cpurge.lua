@@ -53,7 +53,7 @@ until #out > 2 * limit or cur == '0'
 if #out > 2 then
   return out
 end
-redis.call('UNLINK', B .. 'e:' .. id, pk)
+redis.call('UNLINK', B .. 'e:' .. id, pk, B .. 'cp:' .. id)
 redis.call('SREM', B .. 'dead', id)
 redis.call('SREM', B .. 'pend', id)
 return {''}

@@ -75,6 +75,32 @@ local function pair_drop(suf)
   ns_add(string.sub(suf, 1, 8), left <= 0 and -1 or 0, -1)
 end
 
+-- Batches that count copies ('T' / 'Q' ops): 'cp:<id>' field engine hash ..
+-- tier bit digit -> copies of that (block, tier) beyond the first.
+local function copy_add(id, eh, tb)
+  redis.call('HINCRBY', B .. 'cp:' .. id, eh .. tb, 1)
+end
+-- The bits of `mask` whose last copy of `eh` goes; one copy of each other
+-- bit is taken.
+local function uncopied(id, eh, mask)
+  local ck = B .. 'cp:' .. id
+  local out = 0
+  for _, b in ipairs({1, 2, 4}) do
+    if bit.band(mask, b) ~= 0 then
+      local f = eh .. b
+      local c = tonumber(redis.call('HGET', ck, f) or '0')
+      if c <= 0 then
+        out = out + b
+      elseif c == 1 then
+        redis.call('HDEL', ck, f)
+      else
+        redis.call('HSET', ck, f, c - 1)
+      end
+    end
+  end
+  return out
+end
+
 -- Drop the entry of int id `id` on block `suf` (ns id .. key); return bits dropped.
 local function drop_entry(suf, id)
   local bk = B .. 'b:' .. suf

@@ -18,5 +18,6 @@ ns_flush()
 local left = redis.call('HLEN', ek)
 if left == 0 then
   redis.call('SREM', B .. 'dead', id)
+  redis.call('UNLINK', B .. 'cp:' .. id)
 end
 return left

@@ -40,7 +40,7 @@ class InstanceRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "tier", "block_keys")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "tier", "block_keys", "extra_keys", "group_idx", "group_kind", "sliding_window")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,10 @@ class BlockStored(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KIND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -55,15 +59,37 @@ class BlockStored(_message.Message):
     lora_name: str
     tier: Tier
     block_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    extra_keys: _containers.RepeatedCompositeFieldContainer[BlockExtraKeys]
+    group_idx: int
+    group_kind: str
+    sliding_window: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_keys: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[_Union[BlockExtraKeys, _Mapping]]] = ..., group_idx: _Optional[int] = ..., group_kind: _Optional[str] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+
+class BlockExtraKeys(_message.Message):
+    __slots__ = ("cache_salt", "media")
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    cache_salt: str
+    media: _containers.RepeatedCompositeFieldContainer[MediaInBlock]
+    def __init__(self, cache_salt: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaInBlock, _Mapping]]] = ...) -> None: ...
+
+class MediaInBlock(_message.Message):
+    __slots__ = ("identifier", "offset")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "tier")
+    __slots__ = ("block_hashes", "tier", "group_idx")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     tier: Tier
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    group_idx: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ..., group_idx: _Optional[int] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
@@ -80,16 +106,20 @@ class Event(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class EventBatch(_message.Message):
-    __slots__ = ("instance", "sequence", "timestamp", "events")
+    __slots__ = ("instance", "sequence", "timestamp", "events", "counts_copies", "incarnation")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_COPIES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     instance: InstanceRef
     sequence: int
     timestamp: float
     events: _containers.RepeatedCompositeFieldContainer[Event]
-    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+    counts_copies: bool
+    incarnation: str
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., counts_copies: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class BatchError(_message.Message):
     __slots__ = ("code", "message", "field")
@@ -102,7 +132,7 @@ class BatchError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class BatchAck(_message.Message):
-    __slots__ = ("instance", "sequence", "outcome", "applied_sequence", "blocks_stored", "blocks_removed", "blocks_orphaned", "stale", "error")
+    __slots__ = ("instance", "sequence", "outcome", "applied_sequence", "blocks_stored", "blocks_removed", "blocks_orphaned", "stale", "error", "blocks_skipped")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +142,7 @@ class BatchAck(_message.Message):
     BLOCKS_ORPHANED_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     instance: InstanceRef
     sequence: int
     outcome: BatchOutcome
@@ -121,7 +152,8 @@ class BatchAck(_message.Message):
     blocks_orphaned: int
     stale: bool
     error: BatchError
-    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[BatchOutcome, str]] = ..., applied_sequence: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., blocks_orphaned: _Optional[int] = ..., stale: _Optional[bool] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ...) -> None: ...
+    blocks_skipped: int
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[BatchOutcome, str]] = ..., applied_sequence: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., blocks_orphaned: _Optional[int] = ..., stale: _Optional[bool] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., blocks_skipped: _Optional[int] = ...) -> None: ...
 
 class RegisterInstanceRequest(_message.Message):
     __slots__ = ("instance", "model", "address", "lease_ttl_seconds", "incarnation")
@@ -234,7 +266,7 @@ class PublishEventsStreamResponse(_message.Message):
     def __init__(self, ack: _Optional[_Union[BatchAck, _Mapping]] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale", "max_instances")
+    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale", "max_instances", "cache_salt", "media")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +274,8 @@ class MatchRequest(_message.Message):
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STALE_FIELD_NUMBER: _ClassVar[int]
     MAX_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -249,7 +283,19 @@ class MatchRequest(_message.Message):
     max_blocks: int
     include_stale: bool
     max_instances: int
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ..., max_instances: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    media: _containers.RepeatedCompositeFieldContainer[MediaRange]
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ..., max_instances: _Optional[int] = ..., cache_salt: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaRange, _Mapping]]] = ...) -> None: ...
+
+class MediaRange(_message.Message):
+    __slots__ = ("identifier", "offset", "length")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    length: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class InstanceMatch(_message.Message):
     __slots__ = ("instance", "address", "depth", "gpu_blocks", "cpu_blocks", "disk_blocks", "stale")

@@ -15,6 +15,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
 
+# vLLM in a virtualenv of its own, for the conformance harness (lab/conformance.py,
+# tests/conformance/): its pins and its torch never meet kvmesh's .venv.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	python3 -m venv .venv-vllm && .venv-vllm/bin/pip install --no-deps torch==2.13.0 && .venv-vllm/bin/pip install --no-deps vllm==0.33.0 aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio apache-tvm-ffi attrs cachetools cbor2 certifi cloudpickle fastapi filelock frozenlist h11 httpcore2 httpx2 huggingface_hub idna importlib_metadata llguidance mpmath msgspec multidict networkx numpy openai openai-harmony opentelemetry-api packaging partial-json-parser pillow prometheus_client propcache psutil py-cpuinfo pybase64 pydantic pydantic_core PyYAML pyzmq regex requests safetensors sniffio starlette sympy tokenizers tqdm transformers truststore typing_extensions typing-inspection urllib3 uvloop xgrammar yarl zipp
+	touch $(VLLM_STAMP)
+
 node_modules/.bin/buf: package.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch node_modules/.bin/buf
@@ -23,14 +32,14 @@ clients/node/node_modules/.installed: clients/node/package-lock.json
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-setup: $(STAMP) node_modules/.bin/buf clients/node/node_modules/.installed
+setup: $(STAMP) $(VLLM_STAMP) node_modules/.bin/buf clients/node/node_modules/.installed
 
 ## The main job: the whole cluster on this machine, driven by the Mooncake trace.
 run: $(STAMP)
 	$(BIN)/kvmesh up
 
 ## The whole test suite (what CI runs).
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 
 ## Lint + format check + type check + buf lint + buf breaking + stub freshness.
@@ -53,4 +62,4 @@ bench: $(STAMP)
 	$(BIN)/kvmesh bench indexer
 
 clean:
-	rm -rf $(VENV) node_modules build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) node_modules build *.egg-info

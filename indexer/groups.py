@@ -196,7 +196,15 @@ class GroupTracker:
     def _learn_keys(
         self, st: _Instance, model: str, ev: BlockStored, block_size: int
     ) -> list[int] | None:
-        """Content keys of a stored event's blocks (remembered by hash); None if unknown."""
+        """Content keys of a stored event's blocks (remembered by hash); None if unknown.
+
+        A hash the full-attention group stored has its key already; another
+        group's event may name one hash for several blocks' tokens (a Mamba
+        state), so its tokens are used only when a hash is new here.
+        """
+        known = [st.keys.get(h) for h in ev.block_hashes]
+        if ev.group_kind not in FULL_KINDS and all(k is not None for k in known):
+            return [k for k in known if k is not None]
         if ev.block_keys is not None:
             keys = list(ev.block_keys)
         else:

@@ -641,6 +641,11 @@ class IndexerLogic:
         _check_name(ev.group_kind, f"{path}.group_kind", required=False)
         if ev.block_size < 0 or ev.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"must be in [0, {MAX_BLOCK_SIZE}]", field=f"{path}.block_size")
+        if ev.group_kind not in FULL_KINDS:
+            # Another group's blocks are placed by their hashes (the group
+            # tracker), not keyed from their tokens: a Mamba group names one
+            # hash for several blocks' tokens.
+            return ev
         if ev.block_keys is not None:
             if len(ev.block_keys) != n:
                 raise InvalidArgument(

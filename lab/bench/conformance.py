@@ -1,0 +1,202 @@
+"""``kvmesh bench conformance``: kvmesh's Match against vLLM's own prefix cache, per scenario.
+
+Each scenario (``lab/conformance.py``: ``full``, ``fanout``, ``swa``,
+``mamba``, ``mamba64``, ``lora``, ``salt``, ``mm``, ``multi``; ``full`` is also
+measured with ``keys: engine_hashes`` as ``full_engine_hashes``) runs real
+vLLM engines (``lab/engines/vllm_engine.py``, in the vLLM virtualenv that
+``make setup`` creates) against indexers on the chosen backends, and every
+request's predicted reuse is compared with vLLM's. It measures; a figure
+below 100 % is the indexer's, not the harness's.
+
+Printed: one row per (scenario, backend) with requests compared, hits (vLLM
+or kvmesh saw a reusable prefix; the other requests agree trivially), exact, over
+(kvmesh promised more than vLLM reuses), under, the exact fraction and the
+batches the indexer rejected; then the first mismatches of each row that has
+any. ``--json FILE`` writes ``{"figures": {"conf_<row>_exact_fraction",
+"conf_<row>_over", "conf_<row>_under", ...}, "params": {...}, "rows": [...]}``;
+with ``--backend both`` every figure name carries its backend
+(``conf_<row>_<backend>_exact_fraction``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from lab.bench.report import table, write_report
+from lab.conformance import (
+    BACKENDS,
+    DEFAULT_REQUESTS,
+    SCENARIOS,
+    SPECS,
+    Result,
+    RunResult,
+    VllmMissing,
+    run_scenario,
+    vllm_python,
+)
+from lab.redisproc import RedisProcess
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``kvmesh bench conformance``."""
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench conformance",
+        description="kvmesh's Match against vLLM 0.33's KVCacheManager.get_computed_blocks, "
+        "request by request (vLLM runs from its own virtualenv: `make setup`).",
+    )
+    ap.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)",
+    )
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=DEFAULT_REQUESTS,
+        help=f"requests per scenario ({DEFAULT_REQUESTS})",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=(*BACKENDS, "both"),
+        default="memory",
+        help="indexer backend (memory); both: memory and redis against the same engines",
+    )
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="tokens per block of engine and indexer (default: the scenario's; 16, "
+        "the Mamba scenarios 64)",
+    )
+    ap.add_argument("--seed", type=int, default=1, help="workload seed (1)")
+    ap.add_argument("--json", dest="json_path", help="also write figures and params here")
+    ap.add_argument("--logs", metavar="DIR", help="keep the engines' and indexers' logs here")
+    ap.add_argument("--examples", type=int, default=3, help="mismatches printed per row (3)")
+    return ap
+
+
+@contextlib.contextmanager
+def _redis(needed: bool) -> Iterator[str]:
+    if not needed:
+        yield ""
+        return
+    with RedisProcess() as proc:
+        yield proc.url
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """The conformance table (one row per scenario and backend)."""
+    head = (
+        f"{'scenario':<20} {'backend':<7} {'requests':>8} {'hits':>6} {'exact':>7} {'over':>6} "
+        f"{'under':>6} {'exact %':>8} {'rejected':>8}"
+    )
+    rows = [
+        f"{r.row:<20} {r.backend:<7} {r.requests:>8,} {r.hits:>6,} {r.exact:>7,} {r.over:>6,} "
+        f"{r.under:>6,} {_pct(r.exact_fraction):>8} {r.rejected_batches:>8,}"
+        for r in results
+    ]
+    return table(head, rows)
+
+
+def figures_of(results: Sequence[Result], *, with_backend: bool) -> dict[str, Any]:
+    """``conf_<row>[_<backend>]_{exact_fraction,over,under,requests}`` per result."""
+    out: dict[str, Any] = {}
+    for r in results:
+        name = f"conf_{r.row}_{r.backend}" if with_backend else f"conf_{r.row}"
+        out[f"{name}_exact_fraction"] = round(r.exact_fraction, 6)
+        out[f"{name}_over"] = r.over
+        out[f"{name}_under"] = r.under
+        out[f"{name}_requests"] = r.requests
+    return out
+
+
+def _engine_note(run: RunResult) -> str:
+    """What the engines did, in one line: the shape behind the figures."""
+    keys = ("lookups", "preemptions", "resets", "batches")
+    totals = {k: sum(int(e.get(k, 0)) for e in run.engines) for k in keys}
+    events: dict[str, int] = {}
+    for e in run.engines:
+        for name, n in (e.get("events") or {}).items():
+            events[name] = events.get(name, 0) + int(n)
+    hits = sum(int(e.get("hit_tokens", 0)) for e in run.engines)
+    looked = sum(int(e.get("lookup_tokens", 0)) for e in run.engines) or 1
+    ev = ", ".join(f"{k} {v:,}" for k, v in sorted(events.items()) if not k.endswith("_blocks"))
+    return (
+        f"  {run.spec.scenario}: {totals['lookups']:,} lookups, vLLM hit rate "
+        f"{_pct(hits / looked)}, {totals['preemptions']} preemptions, {totals['resets']} "
+        f"resets, {totals['batches']:,} batches ({ev}); {run.seconds:.0f} s"
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``kvmesh bench conformance``; exit code 2 when vLLM's virtualenv is missing."""
+    args = build_parser().parse_args(list(argv))
+    names = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in names if s not in SPECS]
+    if unknown:
+        raise SystemExit(f"kvmesh bench conformance: unknown scenarios {unknown}")
+    backends = list(BACKENDS) if args.backend == "both" else [args.backend]
+    try:
+        python = vllm_python()
+    except VllmMissing as e:
+        print(f"kvmesh bench conformance: {e}", file=sys.stderr)
+        return 2
+    results: list[Result] = []
+    runs: list[RunResult] = []
+    logs = Path(args.logs) if args.logs else None
+    with _redis("redis" in backends) as redis_url:
+        for name in names:
+            run = run_scenario(
+                name,
+                requests=args.requests,
+                backends=backends,
+                redis_url=redis_url,
+                seed=args.seed,
+                python=python,
+                log_dir=logs,
+                block_size=args.block_size,
+            )
+            runs.append(run)
+            results += run.results()
+            print(f"{name}: done in {run.seconds:.0f} s", file=sys.stderr, flush=True)
+    print(format_table(results))
+    print("engines:")
+    for run in runs:
+        print(_engine_note(run))
+    for r in results:
+        for ex in r.examples[: args.examples]:
+            print(f"  {r.row}/{r.backend} {ex['verdict']}: {json.dumps(ex)}")
+    if args.json_path:
+        shape = runs[0].engines[0].get("shape", {}) if runs and runs[0].engines else {}
+        params = {
+            "scenarios": names,
+            "requests": args.requests,
+            "backends": backends,
+            "seed": args.seed,
+            "block_size": args.block_size or "per scenario",
+            "vllm": shape.get("vllm", ""),
+            "vllm_python": str(python),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        }
+        write_report(
+            args.json_path,
+            figures_of(results, with_backend=len(backends) > 1),
+            params,
+            rows=[r.as_dict() for r in results],
+            engines={run.spec.scenario: run.engines for run in runs},
+        )
+    return 0

@@ -239,6 +239,8 @@ class MemoryIndex(Index):
         inst = self._get(batch.instance, FailedPrecondition)
         if batch.incarnation and batch.incarnation != inst.spec.incarnation:
             raise fenced_out(batch)
+        if batch.address and batch.address != inst.spec.address:
+            raise fenced_out(batch, "address")
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)

@@ -183,6 +183,9 @@ class EventBatch:
     #: A writer that another may have superseded (re-registered the instance)
     #: sets it; '' applies to whatever incarnation is registered.
     incarnation: str = ""
+    #: A fence like ``incarnation``: the batch applies only while the instance
+    #: is registered at this address (else :func:`fenced_out` on "address").
+    address: str = ""
     #: Stored events count physical copies (an engine's own event stream: vLLM
     #: publishes a store per physical block, so one hash may be stored twice):
     #: a block leaves only when as many removals came. False (the API's set
@@ -190,11 +193,13 @@ class EventBatch:
     counts_copies: bool = False
 
 
-def fenced_out(batch: EventBatch) -> FailedPrecondition:
-    """The error for a batch whose fence (``batch.incarnation``) the instance no longer has."""
+def fenced_out(batch: EventBatch, what: str = "incarnation") -> FailedPrecondition:
+    """The error for a batch whose fence (``batch.incarnation`` or ``batch.address``,
+    named by ``what``) the instance no longer has."""
+    value = batch.incarnation if what == "incarnation" else batch.address
     return FailedPrecondition(
-        f"instance {batch.instance} is no longer registered with incarnation {batch.incarnation!r}",
-        field="incarnation",
+        f"instance {batch.instance} is no longer registered with {what} {value!r}",
+        field=what,
     )
 
 

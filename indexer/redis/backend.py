@@ -1059,6 +1059,13 @@ class RedisIndex(Index):
 
     async def register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
         """Create, renew or reset an instance (see :mod:`indexer.index`)."""
+        if self.cluster:
+            # A reset's old id must be purged from the data nodes even when the
+            # caller gives up: a Match there cannot tell a retired id (KEYS.md).
+            return await asyncio.shield(self._register(spec))
+        return await self._register(spec)
+
+    async def _register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
         now = self._clock()
         name, ikey = self._inst_key(spec.instance)
         reset, dead, row = await self._eval(
@@ -1104,14 +1111,13 @@ class RedisIndex(Index):
         self._forget(instance)
         if dead:
             self._dead.add(dead)
-            # Shielded like the generation's spread: a caller that gives up
-            # leaves no entries of a removed id for other replicas to find.
-            await asyncio.shield(self._purge(dead))
+            await self._purge(dead)
         return int(row[10] or 0)
 
     async def remove_instance(self, instance: InstanceId) -> int:
         """Drop an instance and its blocks; return the (key, tier) entries dropped."""
-        dropped = await self._remove(instance, b"remove", self._clock())
+        call = self._remove(instance, b"remove", self._clock())
+        dropped = await (asyncio.shield(call) if self.cluster else call)
         if dropped is None:
             raise NotFound(f"instance {instance} is not registered", field="instance")
         return dropped
@@ -1315,6 +1321,13 @@ class RedisIndex(Index):
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
         """Apply one batch atomically (see :mod:`indexer.index`); one EVALSHA when warm."""
+        if self.cluster:
+            # A clear's old id must be purged from the data nodes, and the
+            # batch's data-node half written, even when the caller gives up.
+            return await asyncio.shield(self._apply(batch))
+        return await self._apply(batch)
+
+    async def _apply(self, batch: EventBatch) -> ApplyResult:
         instance = batch.instance
         inst = self._by_name.get(instance)
         if inst is None:
@@ -1343,6 +1356,7 @@ class RedisIndex(Index):
                 inst.spec.model.encode(),
                 inst.name,
                 batch.incarnation.encode(),
+                batch.address.encode(),
                 *((self._anchor,) if self.cluster else ()),
                 *args,
             )
@@ -1386,6 +1400,8 @@ class RedisIndex(Index):
                 )
             if status == b"inc":
                 raise fenced_out(batch)
+            if status == b"addr":
+                raise fenced_out(batch, "address")
             if status == b"dup":
                 _, seq, stale, exp, bits, *pending = res
                 if inst.exp <= now:

@@ -46,7 +46,9 @@ an epoch or enforces its sequence is fenced with the incarnation the replica
 believes (``EventBatch.incarnation``, checked in the apply's own step): when
 another replica re-registered the worker meanwhile (a snapshot, a removal by
 ConfigureExpectedWorkers and a registration without epoch) the index refuses
-it, and the request is judged again on the registration read anew.
+it, and the request is judged again on the registration read anew. Every
+batch is fenced with the address its request names too, so a replica whose
+cache still holds that address does not skip the move another made.
 
 Hit counters (GetExternalKvHitCounts) count, per hash, the prefix matches
 that found it (every hash of ``hashes[0..best_prefix_blocks)``) and the
@@ -82,6 +84,8 @@ from indexer.model import (
 )
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 
+#: Fields of the fences a batch carries (EventBatch.incarnation, .address).
+_FENCES = ("incarnation", "address")
 #: Incarnation prefix of workers fed through this API.
 INCARNATION_PREFIX = "sglang/"
 #: Seconds a cached worker registration is believed when the request agrees
@@ -289,13 +293,13 @@ class SglangCompat:
         try:
             return await self._apply(req)
         except FailedPrecondition as e:
-            if e.field != "incarnation":
+            if e.field not in _FENCES:
                 raise
             self._specs.pop(req.worker_id, None)  # the next _spec reads the index
         try:
             return await self._apply(req)
         except FailedPrecondition as e:
-            if e.field != "incarnation":
+            if e.field not in _FENCES:
                 raise
             raise FailedPrecondition(
                 f"worker {req.worker_id!r} is being re-registered concurrently; retry",
@@ -341,11 +345,12 @@ class SglangCompat:
             req.seq,
             events,
             incarnation=known[0].incarnation if fenced and known else "",
+            address=req.worker_address,
         )
         try:
             result = await self.logic.publish(batch)
         except FailedPrecondition as e:
-            if e.field == "incarnation":
+            if e.field in _FENCES:
                 raise
             # Not registered any more (its lease ran out and it was reaped).
             self._specs.pop(req.worker_id, None)

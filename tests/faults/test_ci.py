@@ -192,3 +192,25 @@ async def test_stats_count_a_key_held_placed_and_unplaced_once(
     p = RunParams(profile="core", ops=len(script), script=script)
     res = await run_round(request.getfixturevalue(target), p)
     assert not res.violations, format_round(res)
+
+
+#: Found by the harness (Cluster, profile sglang, seed 29), shrunk: replica 1
+#: caches worker s1 at :9001 (reading every worker for s2's batch); replica 0
+#: moves s1 to :9000; replica 1's next batch for s1 names :9001 again and must
+#: move it back, though its cache still agrees with the request.
+_ADDRESS_MOVED_ELSEWHERE = (
+    SgApply(2, "s1", "next", (SgAction("report", Tier.GPU, 3, 6, 8),), "http://s1:9001", "e2"),
+    SgApply(1, "s2", "next", (SgAction("report", Tier.GPU, 1, 2, 5),), "http://s2:9000", "e2"),
+    SgApply(0, "s1", "next", (SgAction("report", Tier.DISK, 0, 1, 3),), "http://s1:9000", "e2"),
+    SgApply(1, "s1", "next", (SgAction("report", Tier.GPU, 4, 0, 1),), "http://s1:9001", "e2"),
+)
+
+
+@pytest.mark.parametrize("target", ["memory", "standalone", "cluster"])
+async def test_an_address_moved_by_another_replica_is_moved_back_by_the_next_request(
+    target: str, request: pytest.FixtureRequest
+) -> None:
+    script = _ADDRESS_MOVED_ELSEWHERE
+    p = RunParams(profile="sglang", ops=len(script), script=script)
+    res = await run_round(request.getfixturevalue(target), p)
+    assert not res.violations, format_round(res)

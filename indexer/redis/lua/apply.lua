@@ -1,16 +1,16 @@
 -- Apply one event batch atomically.
 -- KEYS: instance hash.
 -- ARGV: base, now, seq (decimal, any uint64), model, name, incarnation
---   fence ('' = none), nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
+--   fence ('' = none), address fence ('' = none), nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
 --   nn, then nn pairs (ns id, model \0 lora) to register,
 --   then ops:  'S' ns tierbit parent hashes keys | 'R' mask hashes | 'C'
 --   (hashes and keys packed as 8-byte big-endian words; parent '' = no check).
--- Returns {'noreg'} | {'model'} | {'inc'} | {'retry'} |
+-- Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} |
 --   {'dup', seq, stale, exp, n} |
 --   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, retired ids...}
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
-local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc')
+local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a')
 if not h[1] then
   return {'noreg'}
 end
@@ -19,6 +19,9 @@ if h[2] ~= ARGV[4] then
 end
 if ARGV[6] ~= '' and h[8] ~= ARGV[6] then
   return {'inc'}
+end
+if ARGV[7] ~= '' and h[9] ~= ARGV[7] then
+  return {'addr'}
 end
 local exp = string.format('%.17g', now + tonumber(h[3]))
 redis.call('HSET', meta, 'exp', exp)
@@ -37,7 +40,7 @@ end
 local gap = last ~= nil and last ~= seq_dec(seq)
 local id = h[1]
 local ek = B .. 'e:' .. id
-local p = parents_hold(ek, 7)
+local p = parents_hold(ek, 8)
 if not p then
   return {'retry'}
 end

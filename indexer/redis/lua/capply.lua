@@ -7,13 +7,14 @@
 -- confirms its writes (KEYS.md, "Apply: two phases").
 --
 -- Apply. KEYS: instance hash. ARGV: base, now, seq (decimal, any uint64),
---   model, name, incarnation fence ('' = none), A (shallow levels), nb, then nb pairs (parent engine hash,
+--   model, name, incarnation fence ('' = none), address fence ('' = none),
+--   A (shallow levels), nb, then nb pairs (parent engine hash,
 --   value the caller assumed; '' = absent), nn, then nn pairs (ns id, model \0
 --   lora) to register, then ops: 'S' ns tierbit check hashes keys parent |
 --   'R' mask hashes | 'C' (check: parent engine hash for the orphan test, '' =
 --   none; parent: the engine hash whose location the chain continues, '' = the
 --   chain starts a prompt, '?' = its position is unknown).
---   Returns {'noreg'} | {'model'} | {'inc'} | {'retry'} | {'dup', seq, stale, exp, n, W} |
+--   Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'dup', seq, stale, exp, n, W} |
 --   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, {retired ids}, W}.
 -- Pending records. KEYS: any control key. ARGV: base, '', '', then
 --   'c' epoch id...: confirm: drop each record still stamped with epoch;
@@ -179,7 +180,7 @@ end
 
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
-local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc')
+local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a')
 if not h[1] then
   return {'noreg'}
 end
@@ -188,6 +189,9 @@ if h[2] ~= ARGV[4] then
 end
 if ARGV[6] ~= '' and h[8] ~= ARGV[6] then
   return {'inc'}
+end
+if ARGV[7] ~= '' and h[9] ~= ARGV[7] then
+  return {'addr'}
 end
 local exp = string.format('%.17g', now + tonumber(h[3]))
 redis.call('HSET', meta, 'exp', exp)
@@ -205,10 +209,10 @@ if last and seq_le(seq, last) then
   return {'dup', h[4], stale and 1 or 0, exp, h[7], redrive({id})}
 end
 local gap = last ~= nil and last ~= seq_dec(seq)
-local na = tonumber(ARGV[7])
+local na = tonumber(ARGV[8])
 local ek = B .. 'e:' .. id
 local kk = B .. 'k:' .. id
-local p = parents_hold(ek, 8)
+local p = parents_hold(ek, 9)
 if not p then
   return {'retry'}
 end

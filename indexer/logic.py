@@ -112,7 +112,16 @@ def _check_media(media: Sequence[tuple[str, int, int]], n_tokens: int) -> None:
     """Raise InvalidArgument naming ``media[i]`` for an item that cannot be in the prompt."""
     if len(media) > MAX_MEDIA_ITEMS:
         raise InvalidArgument(f"{len(media)} items, more than {MAX_MEDIA_ITEMS}", field="media")
+    last = 0
     for i, (ident, offset, length) in enumerate(media):
+        if offset < last:
+            # The engine walks its items in prompt order (vLLM keeps them
+            # sorted by offset); keys of items given otherwise never match.
+            raise InvalidArgument(
+                f"offset {offset} is before the previous item's {last}: give items in prompt order",
+                field=f"media[{i}].offset",
+            )
+        last = offset
         if not ident or len(ident.encode("utf-8")) > MAX_NAME_BYTES:
             raise InvalidArgument(
                 f"must be 1..{MAX_NAME_BYTES} bytes", field=f"media[{i}].identifier"

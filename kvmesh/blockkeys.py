@@ -107,8 +107,6 @@ def prompt_extras(
     """
     if not cache_salt and not media:
         return None
-    # The engine walks its items in prompt order (vLLM keeps them sorted by offset).
-    media = sorted(media, key=lambda m: m[1])
     out: list[bytes] = []
     for i in range(n_blocks):
         start, end = i * block_size, (i + 1) * block_size

@@ -28,6 +28,7 @@ from indexer.model import (
     Namespace,
 )
 from kvmesh.blockkeys import block_keys
+from kvmesh.errors import InvalidArgument
 from tests.integration.test_replicas_service import config
 
 BS = 4
@@ -215,3 +216,16 @@ async def test_a_salted_or_multimodal_prompt_matches_only_its_own_blocks() -> No
     assert await depth(cache_salt="tenant-a", media=(("other", 6, 4),)) == 1
     assert await depth(cache_salt="tenant-a", media=(("img", 5, 4),)) == 1  # moved by one
     assert await depth(cache_salt="tenant-a") == 1
+
+
+async def test_media_out_of_prompt_order_or_outside_the_prompt_name_the_item() -> None:
+    logic = IndexerLogic(MemoryIndex(), config())
+    tokens = tuple(range(3 * BS))
+    for media, field in (
+        ((("a", 6, 2), ("b", 2, 2)), "media[1].offset"),
+        ((("a", 10, 4),), "media[0].offset"),
+        ((("", 0, 1),), "media[0].identifier"),
+    ):
+        with pytest.raises(InvalidArgument) as e:
+            await logic.match(MatchQuery(Namespace("m"), token_ids=tokens, media=media))
+        assert e.value.field == field

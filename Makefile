@@ -21,7 +21,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(VLLM_STAMP):
-	python3 -m venv .venv-vllm && .venv-vllm/bin/pip install --no-deps torch==2.13.0 && .venv-vllm/bin/pip install --no-deps vllm==0.33.0 aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio apache-tvm-ffi attrs cachetools cbor2 certifi cloudpickle fastapi filelock frozenlist h11 httpcore2 httpx2 huggingface_hub idna importlib_metadata llguidance mpmath msgspec multidict networkx numpy openai openai-harmony opentelemetry-api packaging partial-json-parser pillow prometheus_client propcache psutil py-cpuinfo pybase64 pydantic pydantic_core PyYAML pyzmq regex requests safetensors sniffio starlette sympy tokenizers tqdm transformers truststore typing_extensions typing-inspection urllib3 uvloop xgrammar yarl zipp
+	$(PY) -m venv .venv-vllm && .venv-vllm/bin/pip install --no-deps torch==2.13.0 && .venv-vllm/bin/pip install --no-deps vllm==0.33.0 aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio apache-tvm-ffi attrs cachetools cbor2 certifi cloudpickle fastapi filelock frozenlist h11 httpcore2 httpx2 huggingface_hub idna importlib_metadata llguidance mpmath msgspec multidict networkx numpy openai openai-harmony opentelemetry-api packaging partial-json-parser pillow prometheus_client propcache psutil py-cpuinfo pybase64 pydantic pydantic_core PyYAML pyzmq regex requests safetensors sniffio starlette sympy tokenizers tqdm transformers truststore typing_extensions typing-inspection urllib3 uvloop xgrammar yarl zipp
 	touch $(VLLM_STAMP)
 
 node_modules/.bin/buf: package.json

@@ -37,6 +37,8 @@ class _Inst:
     stale: bool = False
     seq: int | None = None
     ehs: dict[int, tuple[Namespace, int]] = field(default_factory=dict)
+    #: Batches that count copies: (engine hash, tier bit) -> copies beyond the first.
+    copies: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 class ReferenceIndex:
@@ -96,6 +98,7 @@ class ReferenceIndex:
         n = sum(bin(self.entries.pop(k)).count("1") for k in mine)
         if iid in self.inst:
             self.inst[iid].ehs.clear()
+            self.inst[iid].copies.clear()
         return n
 
     # events
@@ -115,9 +118,17 @@ class ReferenceIndex:
                 cleared = True
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    removed += self.remove_hash(batch.instance, h, ev.tier)
+                    tiers = list(Tier) if ev.tier is None else [ev.tier]
+                    for t in tiers:
+                        extra = i.copies.get((h, t.bit), 0) if batch.counts_copies else 0
+                        if extra:
+                            i.copies[(h, t.bit)] = extra - 1
+                            if extra == 1:
+                                del i.copies[(h, t.bit)]
+                        else:
+                            removed += self.remove_hash(batch.instance, h, t)
             elif isinstance(ev, BlockStored):
-                s, r, o = self.store(batch.instance, ev)
+                s, r, o = self.store(batch.instance, ev, batch.counts_copies)
                 stored, removed, orphaned = stored + s, removed + r, orphaned + o
         i.seq = batch.sequence
         i.stale = (i.stale or gap) and not cleared
@@ -137,7 +148,9 @@ class ReferenceIndex:
             parent = got[1]
         return chain_keys(parent, ev.token_ids, ev.block_size)
 
-    def store(self, iid: InstanceId, ev: BlockStored) -> tuple[int, int, int]:
+    def store(
+        self, iid: InstanceId, ev: BlockStored, counts_copies: bool = False
+    ) -> tuple[int, int, int]:
         i = self.inst[iid]
         ns = Namespace(i.spec.model, ev.lora_name)
         keys = self.keys_for(i, ev)
@@ -151,6 +164,9 @@ class ReferenceIndex:
             old = self.entries.get((iid, ns, k), 0)
             if not old & ev.tier.bit:
                 stored += 1
+            elif counts_copies:
+                c = (h, ev.tier.bit)
+                i.copies[c] = i.copies.get(c, 0) + 1
             self.entries[(iid, ns, k)] = old | ev.tier.bit
         return stored, removed, 0
 
@@ -161,6 +177,9 @@ class ReferenceIndex:
         ns, k = i.ehs[h]
         old = self.entries.get((iid, ns, k), 0)
         new = 0 if tier is None else old & ~tier.bit
+        for t in Tier:
+            if old & t.bit and not new & t.bit:
+                i.copies.pop((h, t.bit), None)
         if new:
             self.entries[(iid, ns, k)] = new
         else:

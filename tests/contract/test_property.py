@@ -63,6 +63,12 @@ remove_st = st.tuples(
     st.one_of(st.none(), tier_st),
     st.sampled_from(["", "lora"]),
 )
+
+
+def _twice(spec: tuple[Any, ...]) -> bool:
+    return spec[0] == "store" and spec[3] % 2 == 0
+
+
 event_st = st.one_of(store_st, store_st, remove_st, st.tuples(st.just("clear")))
 batch_st = st.tuples(
     st.just("batch"), inst_st, seq_delta_st, st.lists(event_st, min_size=1, max_size=3)
@@ -172,8 +178,15 @@ class Harness:
                 _, iid, delta, events = op
                 seq = max(0, self.next_seq.get(iid, -1) + delta)
                 self.next_seq[iid] = max(seq, self.next_seq.get(iid, -1))
-                evs = tuple(self.event(e, iid) for e in events)
-                await self.call("apply", EventBatch(iid, seq, evs))
+                # w0/dp1 publishes as an engine stream (a store per physical copy):
+                # a store of an even block count is of two physical copies.
+                copies = iid == WORKERS[1]
+                evs = tuple(
+                    ev
+                    for e in events
+                    for ev in [self.event(e, iid)] * (2 if copies and _twice(e) else 1)
+                )
+                await self.call("apply", EventBatch(iid, seq, evs, counts_copies=copies))
             elif kind == "heartbeat":
                 await self.call("heartbeat", op[1])
             elif kind == "advance":

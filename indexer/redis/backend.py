@@ -1465,7 +1465,8 @@ class RedisIndex(Index):
                 if list(fresh) != list(excl):
                     # The answer left out what the old table excluded (an
                     # instance revived elsewhere): ask again with the new one.
-                    res = await self._match_cluster(ns[0], keys, blob, fresh)
+                    excl = fresh
+                    res = await self._match_cluster(ns[0], keys, blob, excl)
         else:
             check = (b"=" + self._gen,) if due and self._gen is not None else ()
             args = (self._base, self._gen_key, ns[1], ns[1], 0, blob)

@@ -22,6 +22,10 @@ import pytest
 from indexer.model import InstanceId, Tier
 from lab.faults.driver import RunParams, format_round, run_round, shrink
 from lab.faults.ops import (
+    ClockJump,
+    During,
+    Heartbeat,
+    Pause,
     Publish,
     Register,
     SgAction,
@@ -213,4 +217,29 @@ async def test_an_address_moved_by_another_replica_is_moved_back_by_the_next_req
     script = _ADDRESS_MOVED_ELSEWHERE
     p = RunParams(profile="sglang", ops=len(script), script=script)
     res = await run_round(request.getfixturevalue(target), p)
+    assert not res.violations, format_round(res)
+
+
+#: Found by the harness (Cluster, profile pause, seed 44), shrunk: w0/dp0's
+#: lease runs out, replica 2 reads the table (w0/dp0 expired), replica 1
+#: revives it with a batch; replica 2's next Match sees the generation move,
+#: rereads the table, and must not leave w0/dp0 out by the old exclusions.
+_REVIVED_ELSEWHERE = (
+    Register(0, InstanceId("w0", 0), "m", "http://w0-0:8000", 60.0, "c"),
+    ClockJump(61.0),
+    Register(2, InstanceId("w0", 1), "m", "http://w0-1:8000", 20.0, "a", via="logic"),
+    Publish(
+        1, InstanceId("w0", 0), "gap", (Store(0, 7, 8), Store(1, 0, 1), Store(1, 0, 3, lora="l"))
+    ),
+    During(Pause(400), Heartbeat(0, InstanceId("w2", 0)), delay_ms=1.0),
+)
+
+
+async def test_a_lease_revived_elsewhere_is_matched_after_the_table_is_reread(
+    request: pytest.FixtureRequest,
+) -> None:
+    script = _REVIVED_ELSEWHERE
+    # seed 44: the probe Match after each step is drawn from it (replica 2, chain 0).
+    p = RunParams(seed=44, profile="pause", ops=len(script), script=script, replicas=3)
+    res = await run_round(request.getfixturevalue("cluster"), p)
     assert not res.violations, format_round(res)

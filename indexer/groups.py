@@ -176,11 +176,7 @@ class GroupTracker:
         if kind not in SLIDING_KINDS and kind not in MAMBA_KINDS:
             skipped["group_kind"] = skipped.get("group_kind", 0) + len(ev.block_hashes)
             return None
-        if ev.group not in st.specs:
-            if not st.specs:
-                self._hybrids += 1
-                self._undo.append(self._unhybrid)
-            self._put(st.specs, ev.group, GroupSpec(kind, ev.sliding_window))
+        # Its group was registered by filter() before the batch's events.
         keys = self._learn_keys(st, model, ev, block_size)
         if keys is None:
             skipped["group_unplaced"] = skipped.get("group_unplaced", 0) + len(ev.block_hashes)

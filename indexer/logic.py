@@ -547,17 +547,8 @@ class IndexerLogic:
             not isinstance(ev, BlockStored) or ev.group_kind in FULL_KINDS for ev in batch.events
         ):
             return batch, None  # one group: nothing to filter
-        model = ""
-        if self.groups.hybrid(iid) or any(
-            isinstance(ev, BlockStored) and ev.group_kind not in FULL_KINDS for ev in batch.events
-        ):
-            model, _ = await self._model_of(iid)
-        f = self.groups.filter(
-            iid,
-            model,
-            batch.events,
-            self.config.block_size_for(model),
-        )
+        model, _ = await self._model_of(iid)  # keys of the other groups' blocks
+        f = self.groups.filter(iid, model, batch.events, self.config.block_size_for(model))
         for reason, n in f.skipped.items():
             self._skipped(iid, reason, n)
         self._counted[iid] = batch.sequence

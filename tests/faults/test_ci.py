@@ -16,15 +16,17 @@ replays it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from indexer.model import InstanceId, Tier
-from lab.faults.driver import RunParams, format_round, run_round, shrink
+from lab.faults.driver import RoundResult, RunParams, format_round, run_round, shrink
 from lab.faults.ops import (
     ClockJump,
     During,
     Heartbeat,
+    Op,
     Pause,
     Publish,
     Register,
@@ -125,6 +127,16 @@ async def test_fleet_keeps_the_contract(case: Case, request: pytest.FixtureReque
         assert res.faults[kind] > 0, f"{case.id}: no {kind} injected in {dict(res.faults)}"
 
 
+async def _keeps_contract(
+    request: pytest.FixtureRequest, target: str, script: tuple[Op, ...], **params: Any
+) -> RoundResult:
+    """Run one scripted round on ``target`` (a fixture name); it must keep the contract."""
+    p = RunParams(ops=len(script), script=script, **params)
+    res = await run_round(request.getfixturevalue(target), p)
+    assert not res.violations, format_round(res)
+    return res
+
+
 #: An engine stores, publishes a backlog, loses its instance (an operator
 #: removes it: the subscriber rebuilds it from replay from 0), then restarts.
 _REBUILD_THEN_RESTART = (
@@ -139,10 +151,9 @@ _REBUILD_THEN_RESTART = (
 async def test_zmq_restart_after_a_rebuild(target: str, request: pytest.FixtureRequest) -> None:
     """The subscriber must see the restarted stream as new (the contract: the instance is
     reset and follows it), whatever it replayed just before."""
-    script = _REBUILD_THEN_RESTART
-    p = RunParams(profile="zmq", ops=len(script), script=script, zmq_catch_up_s=3.0)
-    res = await run_round(request.getfixturevalue(target), p)
-    assert not res.violations, format_round(res)
+    res = await _keeps_contract(
+        request, target, _REBUILD_THEN_RESTART, profile="zmq", zmq_catch_up_s=3.0
+    )
     assert res.faults["zmq_publisher_restart"] == 1
 
 
@@ -170,10 +181,7 @@ _EPOCH_GONE_ELSEWHERE = (
 async def test_an_epoch_dropped_by_another_replica_is_not_enforced_from_a_cache(
     target: str, request: pytest.FixtureRequest
 ) -> None:
-    script = _EPOCH_GONE_ELSEWHERE
-    p = RunParams(profile="sglang", ops=len(script), script=script)
-    res = await run_round(request.getfixturevalue(target), p)
-    assert not res.violations, format_round(res)
+    await _keeps_contract(request, target, _EPOCH_GONE_ELSEWHERE, profile="sglang")
 
 
 #: Found by the harness (Cluster, profile pause, seed 14), shrunk: w1 stores
@@ -192,10 +200,7 @@ _PLACED_AND_UNPLACED = (
 async def test_stats_count_a_key_held_placed_and_unplaced_once(
     target: str, request: pytest.FixtureRequest
 ) -> None:
-    script = _PLACED_AND_UNPLACED
-    p = RunParams(profile="core", ops=len(script), script=script)
-    res = await run_round(request.getfixturevalue(target), p)
-    assert not res.violations, format_round(res)
+    await _keeps_contract(request, target, _PLACED_AND_UNPLACED, profile="core")
 
 
 #: Found by the harness (Cluster, profile sglang, seed 29), shrunk: replica 1
@@ -214,10 +219,7 @@ _ADDRESS_MOVED_ELSEWHERE = (
 async def test_an_address_moved_by_another_replica_is_moved_back_by_the_next_request(
     target: str, request: pytest.FixtureRequest
 ) -> None:
-    script = _ADDRESS_MOVED_ELSEWHERE
-    p = RunParams(profile="sglang", ops=len(script), script=script)
-    res = await run_round(request.getfixturevalue(target), p)
-    assert not res.violations, format_round(res)
+    await _keeps_contract(request, target, _ADDRESS_MOVED_ELSEWHERE, profile="sglang")
 
 
 #: Found by the harness (Cluster, profile pause, seed 44), shrunk: w0/dp0's
@@ -238,8 +240,7 @@ _REVIVED_ELSEWHERE = (
 async def test_a_lease_revived_elsewhere_is_matched_after_the_table_is_reread(
     request: pytest.FixtureRequest,
 ) -> None:
-    script = _REVIVED_ELSEWHERE
     # seed 44: the probe Match after each step is drawn from it (replica 2, chain 0).
-    p = RunParams(seed=44, profile="pause", ops=len(script), script=script, replicas=3)
-    res = await run_round(request.getfixturevalue("cluster"), p)
-    assert not res.violations, format_round(res)
+    await _keeps_contract(
+        request, "cluster", _REVIVED_ELSEWHERE, seed=44, profile="pause", replicas=3
+    )

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--target", default="", help="replay: the round's target")
     ap.add_argument("--profile", default="all", help="replay: the round's profile")
-    ap.add_argument("--keep", default="", help="replay: indices of the operations to run")
+    ap.add_argument("--keep", default="", help="replay: indices of the operations to run (3,7,10..14)")
     return ap
 
 
@@ -239,8 +239,22 @@ def _violation_doc(r: RoundResult) -> dict[str, Any]:
     }
 
 
+def _parse_keep(text: str) -> tuple[int, ...]:
+    """``--keep`` as indices: ``3,7,10..14`` (a range ``A..B`` includes both ends)."""
+    out: list[int] = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("..")
+        try:
+            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+        except ValueError:
+            raise SystemExit(f"kvmesh bench faults: --keep: {part!r} is not N or A..B") from None
+    return tuple(out)
+
+
 def _replay(args: argparse.Namespace) -> int:
-    keep = tuple(int(x) for x in args.keep.split(",") if x)
+    keep = _parse_keep(args.keep)
     with _targets([args.target]) as targets:
         p = RunParams(
             seed=args.seed, profile=args.profile, replicas=args.replicas, ops=max(keep) + 1,

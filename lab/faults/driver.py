@@ -72,7 +72,7 @@ from indexer.model import (
 from indexer.sglang.compat import Action, ActionKind, ApplyRequest
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2 as spb
-from kvmesh.blockkeys import to_signed
+from kvmesh.blockkeys import block_keys, to_signed
 from kvmesh.errors import FailedPrecondition, KvmeshError, NotFound
 from lab.faults.engines import ZmqEngine
 from lab.faults.faults import Target
@@ -849,10 +849,16 @@ class Driver:
             parent = ehash("g", c, lo - 1, lora)
         elif spec.parent == "unknown":
             parent = ehash("u", c, lo, lora)
-        if spec.keys:
-            keys = tuple(content_keys(c, hi, model, lora)[lo:hi])
-            return BlockStored(hashes, parent, (), 0, lora, spec.tier, keys)
         tokens = tuple(chain_tokens(c, hi)[lo * BLOCK_SIZE :])
+        if spec.keys:
+            # Without a parent the blocks start a prompt (BlockStored): their keys are
+            # those of a chain of their own, as when the indexer computes them.
+            keys = (
+                block_keys(tokens, BLOCK_SIZE, model, lora)
+                if lo and spec.parent == "none"
+                else content_keys(c, hi, model, lora)[lo:hi]
+            )
+            return BlockStored(hashes, parent, (), 0, lora, spec.tier, tuple(keys))
         return BlockStored(hashes, parent, tokens, BLOCK_SIZE, lora, spec.tier)
 
     def seq_for(self, iid: InstanceId, mode: SeqMode) -> int:

@@ -147,8 +147,9 @@ class Store:
     """A BlockStored of blocks ``[lo, hi)`` of a chain.
 
     ``parent``: ``chain`` names block ``lo - 1`` (none for ``lo == 0``),
-    ``unknown`` a hash nobody stored, ``none`` no parent (the blocks then key
-    as a chain of their own). ``keys``: send precomputed block keys.
+    ``unknown`` a hash nobody stored, ``none`` no parent (the blocks then start a
+    prompt and key as a chain of their own, by tokens or by precomputed keys alike).
+    ``keys``: send precomputed block keys.
     """
 
     chain: int

@@ -26,6 +26,7 @@ from lab.faults.ops import (
     ClockJump,
     During,
     Heartbeat,
+    Match,
     Op,
     Pause,
     Publish,
@@ -244,3 +245,25 @@ async def test_a_lease_revived_elsewhere_is_matched_after_the_table_is_reread(
     await _keeps_contract(
         request, "cluster", _REVIVED_ELSEWHERE, seed=44, profile="pause", replicas=3
     )
+
+
+#: Found by the harness (Cluster, profile all, seed 32), shrunk: w2 stores the
+#: first two blocks of chain 1, then blocks 2..4 by precomputed keys without a
+#: parent. A chain without a parent starts a prompt (indexer.proto, BlockStored),
+#: so the keys of such blocks are those of a chain of their own: the harness sent
+#: chain 1's deeper keys instead, which the Cluster layout places at depth 0 and
+#: a Match of chain 1 never finds there, while the other backends did.
+_KEYED_ROOT = (
+    Register(0, InstanceId("w2", 0), "m", "http://w2-0:8000", 60.0, "a"),
+    Publish(0, InstanceId("w2", 0), "next", (Store(1, 0, 2),)),
+    Publish(1, InstanceId("w2", 0), "next", (Store(1, 2, 5, keys=True, parent="none"),)),
+    Match(1, "m", "", 1, 7),
+    Match(0, "m", "", 1, 7, by_keys=True),
+)
+
+
+@pytest.mark.parametrize("target", ["memory", "standalone", "cluster"])
+async def test_blocks_stored_by_keys_without_a_parent_start_a_chain(
+    target: str, request: pytest.FixtureRequest
+) -> None:
+    await _keeps_contract(request, target, _KEYED_ROOT, profile="core")

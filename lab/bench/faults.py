@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--target", default="", help="replay: the round's target")
     ap.add_argument("--profile", default="all", help="replay: the round's profile")
-    ap.add_argument("--keep", default="", help="replay: indices of the operations to run (3,7,10..14)")
+    ap.add_argument(
+        "--keep", default="", help="replay: indices of the operations to run (3,7,10..14)"
+    )
     return ap
 
 

@@ -54,9 +54,9 @@ import ssl
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
@@ -238,6 +238,21 @@ _DEPTH1_TIERS: tuple[tuple[int, int, int], ...] = (
     (0, 1, 0),
     (1, 0, 0),
 )
+
+
+_T = TypeVar("_T")
+
+
+async def _shielded(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Await ``coro`` to its end even when the caller is cancelled (``asyncio.shield``).
+
+    A caller that gave up no longer reads the outcome: the task's own callback
+    does, so a failure there is neither lost in a "never retrieved" report nor
+    raised anywhere (the caller's cancellation is what it sees).
+    """
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)
 
 
 def _slot_moved(exc: BaseException) -> bool:
@@ -525,7 +540,7 @@ class RedisIndex(Index):
             # Shielded: a caller that gives up (a deadline) while the script
             # runs must not skip spreading the generation it bumped, or
             # Matches on other replicas trust an old instance table.
-            return await asyncio.shield(self._eval_now(script, numkeys, *args))
+            return await _shielded(self._eval_now(script, numkeys, *args))
         return await self._eval_now(script, numkeys, *args)
 
     async def _eval_now(self, script: Script, numkeys: int, *args: Any) -> Any:
@@ -1062,7 +1077,7 @@ class RedisIndex(Index):
         if self.cluster:
             # A reset's old id must be purged from the data nodes even when the
             # caller gives up: a Match there cannot tell a retired id (KEYS.md).
-            return await asyncio.shield(self._register(spec))
+            return await _shielded(self._register(spec))
         return await self._register(spec)
 
     async def _register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
@@ -1117,7 +1132,7 @@ class RedisIndex(Index):
     async def remove_instance(self, instance: InstanceId) -> int:
         """Drop an instance and its blocks; return the (key, tier) entries dropped."""
         call = self._remove(instance, b"remove", self._clock())
-        dropped = await (asyncio.shield(call) if self.cluster else call)
+        dropped = await (_shielded(call) if self.cluster else call)
         if dropped is None:
             raise NotFound(f"instance {instance} is not registered", field="instance")
         return dropped
@@ -1324,7 +1339,7 @@ class RedisIndex(Index):
         if self.cluster:
             # A clear's old id must be purged from the data nodes, and the
             # batch's data-node half written, even when the caller gives up.
-            return await asyncio.shield(self._apply(batch))
+            return await _shielded(self._apply(batch))
         return await self._apply(batch)
 
     async def _apply(self, batch: EventBatch) -> ApplyResult:

@@ -354,6 +354,14 @@ class SglangApiSettings(StrictModel):
         ge=0,
         description="Hashes whose hit counts this replica keeps (oldest dropped first).",
     )
+    page_size: int = Field(
+        default=1,
+        ge=1,
+        le=65536,
+        description="The engines' --page-size (tokens per hash). Hybrid workers' sliding-"
+        "window rule counts a page as this many tokens; a REPORT whose block_sizes differ is "
+        "refused.",
+    )
 
 
 class IndexerConfig(StrictModel):

@@ -17,6 +17,15 @@ Mapping:
   index has no per-tier clear, so clearing any tier clears the worker on every
   tier (under-reporting a hit is safe; SGLang's bridge clears all three tiers
   together anyway).
+- Hybrid workers (a ``WorkerCacheSpec`` with SWA or Mamba components): each
+  component a REPORT names is kept in a namespace of its own
+  (``component:full`` / ``:swa`` / ``:mamba``, the page's hash as its key,
+  a hash derived from it as the engine hash), and prefix matches apply
+  SGLang's component rule (indexer/sglang/components.py). The spec is kept in
+  the worker's incarnation, so every replica reads it; another spec resets the
+  worker. Cost: their prefix match adds one lookup per page of the deepest
+  FULL prefix for each of SWA and Mamba (run at once). A worker without a
+  spec is legacy: pages count whole, and component masks are refused.
 - Workers fed through this API carry an incarnation ``sglang/<epoch>/<nonce>``;
   a new ``worker_epoch`` resets the worker, and ConfigureExpectedWorkers only
   ever removes workers with such an incarnation (never a ZMQ-fed or
@@ -82,8 +91,20 @@ from indexer.model import (
     Namespace,
     Tier,
 )
+from indexer.sglang.components import (
+    COMPONENT_FULL,
+    COMPONENT_MAMBA,
+    COMPONENT_SWA,
+    COMPONENTS,
+    CacheSpec,
+    component_hash,
+    prefix_blocks,
+)
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 
+#: The LoRA-name prefix of the namespaces holding hybrid workers' components
+#: (``component:full``, ``component:swa``, ``component:mamba``).
+COMPONENT_NS_PREFIX = "component:"
 #: Fields of the fences a batch carries (EventBatch.incarnation, .address).
 _FENCES = ("incarnation", "address")
 #: Incarnation prefix of workers fed through this API.
@@ -109,11 +130,18 @@ class ActionKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One action: ``hashes`` are unsigned 64-bit block keys."""
+    """One action: ``hashes`` are unsigned 64-bit block keys.
+
+    ``component_masks`` and ``block_sizes`` (REPORT only): none, or one per
+    hash (indexer/sglang/components.py); ``path`` names the action in errors.
+    """
 
     kind: ActionKind
     tier: Tier
     hashes: tuple[int, ...] = ()
+    component_masks: tuple[int, ...] = ()
+    block_sizes: tuple[int, ...] = ()
+    path: str = "actions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +154,8 @@ class ApplyRequest:
     worker_address: str = ""
     worker_epoch: str = ""
     enforce_sequence: bool = False
+    #: The worker's WorkerCacheSpec; None: not sent (the registered one holds).
+    cache_spec: CacheSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,16 +178,19 @@ class PrefixResult:
 
 @dataclass(slots=True)
 class NodeMatch:
-    """MatchExternalKv: which of the hashes one worker holds, by (fastest) tier."""
+    """MatchExternalKv: which of the hashes one worker holds, by (fastest) tier, each
+    with the components held there (0: a whole page, no component detail)."""
 
     worker_id: str
     address: str
-    by_tier: dict[Tier, list[int]] = field(default_factory=dict)
+    by_tier: dict[Tier, dict[int, int]] = field(default_factory=dict)
 
 
-def make_incarnation(epoch: str) -> str:
-    """A fresh incarnation for ``epoch`` (the nonce makes each one reset the worker)."""
-    return f"{INCARNATION_PREFIX}{epoch}/{uuid.uuid4().hex[:8]}"
+def make_incarnation(epoch: str, spec: CacheSpec | None = None) -> str:
+    """A fresh incarnation for ``epoch`` (the nonce makes each one reset the worker),
+    carrying the worker's cache spec, so that every replica reads it with the worker."""
+    tail = f"+{spec.encode()}" if spec is not None else ""
+    return f"{INCARNATION_PREFIX}{epoch}/{uuid.uuid4().hex[:8]}{tail}"
 
 
 def epoch_of(incarnation: str) -> str | None:
@@ -165,6 +198,14 @@ def epoch_of(incarnation: str) -> str | None:
     if not incarnation.startswith(INCARNATION_PREFIX):
         return None
     return incarnation[len(INCARNATION_PREFIX) :].rpartition("/")[0]
+
+
+def spec_of(incarnation: str) -> CacheSpec | None:
+    """The cache spec an incarnation made here carries; None: a legacy worker."""
+    if not incarnation.startswith(INCARNATION_PREFIX):
+        return None
+    _, plus, text = incarnation.rpartition("/")[2].partition("+")
+    return CacheSpec.decode(text) if plus else None
 
 
 class SglangCompat:
@@ -180,6 +221,11 @@ class SglangCompat:
         self.logic = logic
         self.settings = settings
         self.namespace = Namespace(settings.model, "")
+        #: Where each component of hybrid workers' pages is kept (one namespace each).
+        self.component_ns = {
+            bit: Namespace(settings.model, f"{COMPONENT_NS_PREFIX}{label}")
+            for bit, label in COMPONENTS
+        }
         self.hit_counts: dict[int, int] = {}
         self._specs: dict[str, tuple[InstanceSpec, float]] = {}
         # The reread of the namespace in flight, shared by concurrent callers.
@@ -188,6 +234,8 @@ class SglangCompat:
         # worker id -> (monotonic time, epoch, address) of its last reread for a
         # request that disagreed with the cache.
         self._disputed: dict[str, tuple[float, str, str]] = {}
+        # Monotonic time of the last reread of every worker (-inf: never).
+        self._read_at = float("-inf")
 
     # -- workers -------------------------------------------------------------
 
@@ -206,6 +254,7 @@ class SglangCompat:
                 specs[wid] = (spec, at)
         self._specs = specs
         self._disputed = {w: d for w, d in self._disputed.items() if w in specs}
+        self._read_at = started
 
     async def _spec(
         self, worker_id: str, *, reread: bool = False, about: tuple[str, str] = ("", "")
@@ -227,16 +276,27 @@ class SglangCompat:
         if reread:
             await self._read_workers()
         elif entry is None or time.monotonic() - entry[1] >= SPEC_CACHE_TTL_S:
-            task = self._reload
-            if task is None or task.done():
-                task = self._reload = asyncio.ensure_future(self._read_workers())
-                # Its error reaches every caller still waiting; none may be left.
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            await asyncio.shield(task)
+            await self._reread_shared()
         else:
             return entry[0]
         entry = self._specs.get(worker_id)
         return None if entry is None else entry[0]
+
+    async def _reread_shared(self) -> None:
+        """Reread every worker, joining a reread already in flight."""
+        task = self._reload
+        if task is None or task.done():
+            task = self._reload = asyncio.ensure_future(self._read_workers())
+            # Its error reaches every caller still waiting; none may be left.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(task)
+
+    async def _layouts(self) -> dict[str, CacheSpec | None]:
+        """Every worker's cache spec as this replica knows it, read at most
+        :data:`SPEC_CACHE_TTL_S` ago (a Match uses it to pick each worker's rule)."""
+        if time.monotonic() - self._read_at >= SPEC_CACHE_TTL_S:
+            await self._reread_shared()
+        return {w: spec_of(sp.incarnation) for w, (sp, _) in self._specs.items()}
 
     async def _register(
         self, worker_id: str, address: str, incarnation: str
@@ -258,27 +318,105 @@ class SglangCompat:
         self._disputed.pop(worker_id, None)
         return result
 
-    def _events(self, actions: Sequence[Action]) -> tuple[Event, ...]:
+    def _events(
+        self, worker_id: str, actions: Sequence[Action], spec: CacheSpec | None
+    ) -> tuple[Event, ...]:
+        """The index events of a batch's actions for a worker with cache ``spec``.
+
+        A page with no component mask is stored whole in the main namespace;
+        each component a hybrid worker reports is stored in that component's
+        namespace, under a hash derived from the page's, when the spec lets
+        it be served from that tier (indexer/sglang/components.py).
+        """
         cap = self.logic.config.limits.max_blocks_per_event
         out: list[Event] = []
+
+        def stored(hashes: Sequence[int], keys: Sequence[int], tier: Tier, lora: str) -> None:
+            # Split long actions so that each event stays within the index's cap;
+            # a REPORT names hashes, not where they sit in their chain.
+            for i in range(0, len(hashes), cap):
+                out.append(
+                    BlockStored(
+                        block_hashes=tuple(hashes[i : i + cap]),
+                        tier=tier,
+                        block_keys=tuple(keys[i : i + cap]),
+                        lora_name=lora,
+                        position_known=False,
+                    )
+                )
+
+        def removed(hashes: Sequence[int], tier: Tier) -> None:
+            for i in range(0, len(hashes), cap):
+                out.append(BlockRemoved(block_hashes=tuple(hashes[i : i + cap]), tier=tier))
+
         for a in actions:
             if a.kind is ActionKind.CLEAR:
                 if not out or not isinstance(out[-1], AllBlocksCleared):
                     out.append(AllBlocksCleared())
                 continue
-            # Split long actions so that each event stays within the index's cap.
-            for i in range(0, len(a.hashes), cap):
-                chunk = a.hashes[i : i + cap]
-                if a.kind is ActionKind.REPORT:
-                    # A REPORT names hashes, not where they sit in their chain.
-                    out.append(
-                        BlockStored(
-                            block_hashes=chunk, tier=a.tier, block_keys=chunk, position_known=False
-                        )
-                    )
-                else:
-                    out.append(BlockRemoved(block_hashes=chunk, tier=a.tier))
+            if a.kind is ActionKind.REVOKE:
+                removed(a.hashes, a.tier)
+                if spec is not None:
+                    for bit, _ in COMPONENTS:
+                        if spec.components & bit:
+                            removed([component_hash(h, bit) for h in a.hashes], a.tier)
+                continue
+            masks = self._check_components(worker_id, a, spec)
+            whole = [h for h, m in zip(a.hashes, masks, strict=True) if not m]
+            if whole:
+                stored(whole, whole, a.tier, "")
+            if spec is None:
+                continue
+            # A REPORT gives a page's placement on its tier anew: what it does not
+            # name there any more (a component evicted) goes.
+            parts = [h for h, m in zip(a.hashes, masks, strict=True) if m]
+            if parts:
+                removed(parts, a.tier)
+            for bit, _ in COMPONENTS:
+                if not spec.components & bit:
+                    continue
+                ok = spec.servable(bit, a.tier)
+                pages = [h for h, m in zip(a.hashes, masks, strict=True) if ok and m & bit]
+                gone = [
+                    component_hash(h, bit)
+                    for h, m in zip(a.hashes, masks, strict=True)
+                    if not (ok and m & bit)
+                ]
+                if gone:
+                    removed(gone, a.tier)
+                if pages:
+                    derived = [component_hash(h, bit) for h in pages]
+                    stored(derived, pages, a.tier, self.component_ns[bit].lora_name)
         return tuple(out)
+
+    def _check_components(self, worker_id: str, a: Action, spec: CacheSpec | None) -> Sequence[int]:
+        """A REPORT's component masks, one per hash (0 where none was sent)."""
+        n = len(a.hashes)
+        sides = (("component_masks", a.component_masks), ("block_sizes", a.block_sizes))
+        for name, values in sides:
+            if values and len(values) != n:
+                raise InvalidArgument(
+                    f"{len(values)} entries for {n} hashes; send none or one per hash",
+                    field=f"{a.path}.{name}",
+                )
+        if not any(a.component_masks):
+            return (0,) * n
+        if spec is None:
+            raise InvalidArgument(
+                f"worker {worker_id!r} has no cache_spec: send its WorkerCacheSpec "
+                "(ConfigureExpectedWorkers, ApplyExternalKvBatch or "
+                "ReplaceExternalKvSnapshot) before reporting components",
+                field=f"{a.path}.component_masks",
+            )
+        page = self.settings.page_size
+        for j, size in enumerate(a.block_sizes):
+            if size and size != page:
+                raise InvalidArgument(
+                    f"{size} tokens, but sglang.page_size is {page}: set it to the "
+                    "engine's --page-size",
+                    field=f"{a.path}.block_sizes[{j}]",
+                )
+        return a.component_masks
 
     async def apply(self, req: ApplyRequest) -> tuple[int, bool]:
         """ApplyExternalKvBatch: ``(applied_seq, duplicate)``.
@@ -314,6 +452,8 @@ class SglangCompat:
                 req.worker_id, reread=True, about=(req.worker_epoch, req.worker_address)
             )
         epoch = None if spec is None else epoch_of(spec.incarnation)
+        have = None if spec is None else spec_of(spec.incarnation)
+        want = req.cache_spec
         if req.enforce_sequence:
             if spec is None or not req.worker_epoch or epoch != req.worker_epoch:
                 raise FailedPrecondition(
@@ -321,15 +461,32 @@ class SglangCompat:
                     "install one with ReplaceExternalKvSnapshot first",
                     field="worker_epoch",
                 )
+            if want is not None and want != have:
+                raise FailedPrecondition(
+                    f"worker {req.worker_id!r}'s snapshot was installed with another "
+                    "cache_spec; install a new one",
+                    field="cache_spec",
+                )
             if spec.address != req.worker_address:
                 await self._register(req.worker_id, req.worker_address, spec.incarnation)
         elif spec is None or (req.worker_epoch and epoch != req.worker_epoch):
             await self._register(
-                req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
+                req.worker_id,
+                req.worker_address,
+                make_incarnation(req.worker_epoch, want if want is not None else have),
+            )
+        elif want is not None and want != have:
+            # Another cache layout: what the worker reported before says nothing of it.
+            await self._register(
+                req.worker_id,
+                req.worker_address,
+                make_incarnation(req.worker_epoch or epoch or "", want),
             )
         elif spec.address != req.worker_address:
             await self._register(req.worker_id, req.worker_address, spec.incarnation)
-        events = self._events(req.actions)
+        known = self._specs.get(req.worker_id)
+        layout = spec_of(known[0].incarnation) if known else want
+        events = self._events(req.worker_id, req.actions, layout)
         cap = self.logic.config.limits.max_events_per_batch
         if len(events) > cap:
             raise InvalidArgument(
@@ -338,8 +495,9 @@ class SglangCompat:
                 f"limits.max_events_per_batch ({cap}); split the batch",
                 field="actions",
             )
-        fenced = req.enforce_sequence or bool(req.worker_epoch)
-        known = self._specs.get(req.worker_id)
+        # A batch whose events follow a cache spec is fenced too: it must not
+        # apply to a registration another replica made with another spec.
+        fenced = req.enforce_sequence or bool(req.worker_epoch) or layout is not None
         batch = EventBatch(
             InstanceId(req.worker_id, 0),
             req.seq,
@@ -360,7 +518,7 @@ class SglangCompat:
                     field="worker_id",
                 ) from None
             st, _ = await self._register(
-                req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
+                req.worker_id, req.worker_address, make_incarnation(req.worker_epoch, layout)
             )
             batch = replace(batch, incarnation=st.spec.incarnation if fenced else "")
             result = await self.logic.publish(batch)
@@ -368,7 +526,7 @@ class SglangCompat:
             if req.seq == 0 and result.applied_sequence > 0 and not req.enforce_sequence:
                 # Publishers count from 0: a new stream, so a restarted worker.
                 st, _ = await self._register(
-                    req.worker_id, req.worker_address, make_incarnation(req.worker_epoch)
+                    req.worker_id, req.worker_address, make_incarnation(req.worker_epoch, layout)
                 )
                 batch = replace(batch, incarnation=st.spec.incarnation if fenced else "")
                 result = await self.logic.publish(batch)
@@ -378,7 +536,7 @@ class SglangCompat:
             await self.logic.heartbeat(batch.instance)
             return result.applied_sequence, True
         if result.outcome is BatchOutcome.APPLIED_AFTER_GAP and req.enforce_sequence:
-            await self._register(req.worker_id, req.worker_address, make_incarnation(""))
+            await self._register(req.worker_id, req.worker_address, make_incarnation("", layout))
             raise FailedPrecondition(
                 f"sequence gap before seq {req.seq}: worker {req.worker_id!r} is cleared until "
                 "a new snapshot is installed",
@@ -386,15 +544,19 @@ class SglangCompat:
             )
         return result.applied_sequence, False
 
-    async def configure(self, workers: Sequence[tuple[str, str]]) -> tuple[int, int]:
-        """ConfigureExpectedWorkers with ``(worker_id, worker_address)`` pairs.
+    async def configure(
+        self, workers: Sequence[tuple[str, str] | tuple[str, str, CacheSpec | None]]
+    ) -> tuple[int, int]:
+        """ConfigureExpectedWorkers with ``(worker_id, worker_address[, cache_spec])``.
 
         Registers (or renews) each listed worker and removes the workers this
-        API fed before that are not listed. Returns ``(total, ready)``, ready
-        meaning live, not stale, and holding an applied batch or snapshot.
+        API fed before that are not listed. A listed cache spec other than the
+        worker's resets it (its pages were reported for another layout).
+        Returns ``(total, ready)``, ready meaning live, not stale, and holding
+        an applied batch or snapshot.
         """
         seen: set[str] = set()
-        for i, (wid, address) in enumerate(workers):
+        for i, (wid, address, *_) in enumerate(workers):
             # Checked before any registration, so that a bad entry changes nothing.
             check_instance(InstanceId(wid, 0), prefix=f"workers[{i}]")
             if len(address.encode("utf-8")) > MAX_ADDRESS_BYTES:
@@ -411,9 +573,15 @@ class SglangCompat:
             if st.spec.instance.dp_rank == 0 and epoch_of(st.spec.incarnation) is not None
         }
         ready = 0
-        for i, (wid, address) in enumerate(workers):
+        for i, (wid, address, *rest) in enumerate(workers):
             old = ours.get(wid)
-            incarnation = old.spec.incarnation if old is not None else make_incarnation("")
+            want = rest[0] if rest else None
+            if old is None:
+                incarnation = make_incarnation("", want)
+            elif want is not None and want != spec_of(old.spec.incarnation):
+                incarnation = make_incarnation(epoch_of(old.spec.incarnation) or "", want)
+            else:
+                incarnation = old.spec.incarnation
             address = address or (old.spec.address if old is not None else "")
             try:
                 st, _ = await self._register(wid, address, incarnation)
@@ -434,13 +602,21 @@ class SglangCompat:
         worker_address: str,
         worker_epoch: str,
         applied_seq: int,
-        tiers: Sequence[tuple[Tier, Sequence[int]]],
+        tiers: Sequence[tuple[Tier, Sequence[int]] | Action],
+        cache_spec: CacheSpec | None = None,
     ) -> int:
-        """ReplaceExternalKvSnapshot: clear the worker, store the snapshot, set its sequence."""
+        """ReplaceExternalKvSnapshot: clear the worker, store the snapshot, set its sequence.
+
+        ``tiers``: per tier its hashes, or REPORT actions (with component masks).
+        """
         if not worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
-        actions = [Action(ActionKind.REPORT, tier, tuple(h)) for tier, h in tiers if h]
-        events = self._events(actions)
+        actions = [
+            t if isinstance(t, Action) else Action(ActionKind.REPORT, t[0], tuple(t[1]))
+            for t in tiers
+        ]
+        actions = [a for a in actions if a.hashes]
+        events = self._events(worker_id, actions, cache_spec)
         cap = self.logic.config.limits.max_events_per_batch
         if len(events) > cap:
             raise InvalidArgument(
@@ -451,7 +627,7 @@ class SglangCompat:
             )
         # A fresh incarnation resets the worker (blocks and sequence) in one
         # step; the snapshot then applies as its first batch.
-        await self._register(worker_id, worker_address, make_incarnation(worker_epoch))
+        await self._register(worker_id, worker_address, make_incarnation(worker_epoch, cache_spec))
         batch = EventBatch(InstanceId(worker_id, 0), applied_seq, events)
         result = await self.logic.publish(batch)
         return result.applied_sequence
@@ -487,18 +663,77 @@ class SglangCompat:
         result = await self.logic.match(
             MatchQuery(self.namespace, block_keys=used, max_blocks=limit)
         )
+        layouts = await self._layouts()
+        rows = [
+            (m.depth, m.instance.worker_id, m.address)
+            for m in result.matches
+            if layouts.get(m.instance.worker_id) is None  # legacy: whole pages count
+        ]
+        if any(v is not None for v in layouts.values()):
+            rows += await self._component_rows(used, layouts)
+        rows.sort(key=lambda r: (-r[0], r[1]))  # deepest first, then worker id
         matches: list[PrefixMatch] = []
         addresses: set[str] = set()
-        for m in result.matches:  # deepest first, then worker id
+        for depth, wid, address in rows:
             # A worker with no address cannot be routed to; one address with
             # several ranks is reported once, at its deepest.
-            if not m.address or m.address in addresses:
+            if not address or address in addresses:
                 continue
-            addresses.add(m.address)
-            matches.append(PrefixMatch(m.address, m.depth, m.instance.worker_id))
+            addresses.add(address)
+            matches.append(PrefixMatch(address, depth, wid))
         best = matches[0].matched_prefix_blocks if matches else 0
         self._count_hits(used[:best])
         return PrefixResult(matches, best, len(used))
+
+    async def _holders(self, ns: Namespace, keys: Sequence[int]) -> list[set[InstanceId]]:
+        """For each key, the live, fresh instances holding it in ``ns`` (one lookup per
+        key, all at once)."""
+        results = await asyncio.gather(
+            *(self.logic.match(MatchQuery(ns, block_keys=[k], max_blocks=1)) for k in keys)
+        )
+        return [{m.instance for m in r.matches} for r in results]
+
+    async def _component_rows(
+        self, used: Sequence[int], layouts: dict[str, CacheSpec | None]
+    ) -> list[tuple[int, str, str]]:
+        """``(prefix, worker id, address)`` of the hybrid workers holding ``used[0]``.
+
+        One Match of the FULL component gives each worker's FULL depth; when a
+        worker has SWA or Mamba, that component is looked up page by page over
+        the deepest FULL prefix (one index lookup per page and component, run
+        at once), and the rule of indexer/sglang/components.py cuts it.
+        """
+        full = await self.logic.match(
+            MatchQuery(self.component_ns[COMPONENT_FULL], block_keys=used, max_blocks=len(used))
+        )
+        found = []
+        for m in full.matches:
+            spec = layouts.get(m.instance.worker_id)
+            if spec is not None and spec.usable:
+                found.append((m, spec))
+        if not found:
+            return []
+        deepest = max(m.depth for m, _ in found)
+        held: dict[int, list[set[InstanceId]]] = {}
+        for bit in (COMPONENT_SWA, COMPONENT_MAMBA):
+            if any(spec.components & bit for _, spec in found):
+                held[bit] = await self._holders(self.component_ns[bit], used[:deepest])
+        rows = []
+        for m, spec in found:
+            per = {
+                bit: [m.instance in h for h in held.get(bit, [])]
+                for bit in (COMPONENT_SWA, COMPONENT_MAMBA)
+            }
+            n = prefix_blocks(
+                spec,
+                m.depth,
+                per[COMPONENT_SWA],
+                per[COMPONENT_MAMBA],
+                self.settings.page_size,
+            )
+            if n:
+                rows.append((n, m.instance.worker_id, m.address))
+        return rows
 
     async def match_each(self, keys: Sequence[int], count_as_hit: bool) -> list[NodeMatch]:
         """MatchExternalKv: every worker holding any of ``keys``, each hash at its fastest tier.
@@ -507,17 +742,23 @@ class SglangCompat:
         """
         _check_hashes(keys, self.logic.config.limits.max_match_blocks)
         nodes: dict[InstanceId, NodeMatch] = {}
+        layouts = await self._layouts()
+        spaces = [(0, self.namespace)]
+        if any(v is not None for v in layouts.values()):
+            spaces += [(bit, self.component_ns[bit]) for bit, _ in COMPONENTS]
         for k in dict.fromkeys(keys):
-            result = await self.logic.match(
-                MatchQuery(self.namespace, block_keys=[k], max_blocks=1)
-            )
-            for m in result.matches:
-                node = nodes.get(m.instance)
-                if node is None:
-                    node = nodes[m.instance] = NodeMatch(m.instance.worker_id, m.address)
-                tier = Tier.GPU if m.gpu_blocks else Tier.CPU if m.cpu_blocks else Tier.DISK
-                node.by_tier.setdefault(tier, []).append(k)
-            if count_as_hit and result.matches:
+            any_found = False
+            for bit, ns in spaces:
+                result = await self.logic.match(MatchQuery(ns, block_keys=[k], max_blocks=1))
+                for m in result.matches:
+                    node = nodes.get(m.instance)
+                    if node is None:
+                        node = nodes[m.instance] = NodeMatch(m.instance.worker_id, m.address)
+                    tier = Tier.GPU if m.gpu_blocks else Tier.CPU if m.cpu_blocks else Tier.DISK
+                    at = node.by_tier.setdefault(tier, {})
+                    at[k] = at.get(k, 0) | bit
+                any_found = any_found or bool(result.matches)
+            if count_as_hit and any_found:
                 self._count_hits((k,))
         return [nodes[i] for i in sorted(nodes)]
 
@@ -533,8 +774,11 @@ class SglangCompat:
 
 
 def _disagrees(spec: InstanceSpec, req: ApplyRequest) -> bool:
-    """Whether ``req`` names another epoch or address than the registration ``spec``."""
+    """Whether ``req`` names another epoch, address or cache spec than the registration
+    ``spec``."""
     if spec.address != req.worker_address:
+        return True
+    if req.cache_spec is not None and req.cache_spec != spec_of(spec.incarnation):
         return True
     wants_epoch = req.enforce_sequence or bool(req.worker_epoch)
     return wants_epoch and epoch_of(spec.incarnation) != req.worker_epoch

@@ -19,6 +19,7 @@ from indexer.instrumented import Metrics
 from indexer.model import Tier
 from indexer.rpc import IndexerCalls
 from indexer.sglang.compat import Action, ActionKind, ApplyRequest, SglangCompat
+from indexer.sglang.components import CacheSpec
 from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2 as spb
 from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
 from kvmesh.blockkeys import to_signed, to_unsigned
@@ -56,7 +57,31 @@ def action_from_pb(a: spb.ExternalKvAction, path: str) -> Action:
     tier = _tier(a.tier, f"{path}.tier")
     if kind is not ActionKind.CLEAR and not a.hashes:
         raise InvalidArgument("must not be empty", field=f"{path}.hashes")
-    return Action(kind, tier, tuple(_keys(a.hashes)) if kind is not ActionKind.CLEAR else ())
+    if kind is ActionKind.CLEAR:
+        return Action(kind, tier, path=path)
+    return Action(
+        kind,
+        tier,
+        tuple(_keys(a.hashes)),
+        tuple(a.component_masks) if kind is ActionKind.REPORT else (),
+        tuple(a.block_sizes) if kind is ActionKind.REPORT else (),
+        path,
+    )
+
+
+def spec_from_pb(msg: Any, name: str = "cache_spec") -> CacheSpec | None:
+    """The message's WorkerCacheSpec field (None when not sent)."""
+    if not msg.HasField(name):
+        return None
+    c = getattr(msg, name)
+    return CacheSpec(
+        c.version,
+        c.components,
+        c.swa_window_tokens,
+        c.full_tier_mask,
+        c.swa_tier_mask,
+        c.mamba_tier_mask,
+    )
 
 
 class SglangServicer(spb_grpc.KVIndexerServicer):
@@ -83,6 +108,7 @@ class SglangServicer(spb_grpc.KVIndexerServicer):
             worker_address=request.worker_address,
             worker_epoch=request.worker_epoch,
             enforce_sequence=request.enforce_sequence,
+            cache_spec=spec_from_pb(request),
         )
         applied, duplicate = await self.compat.apply(req)
         return spb.ApplyExternalKvBatchResponse(applied_seq=applied, duplicate=duplicate)
@@ -95,7 +121,7 @@ class SglangServicer(spb_grpc.KVIndexerServicer):
     ) -> spb.ConfigureExpectedWorkersResponse:
         """Register the listed workers; remove the ones this API fed that are not listed."""
         total, ready = await self.compat.configure(
-            [(w.worker_id, w.worker_address) for w in request.workers]
+            [(w.worker_id, w.worker_address, spec_from_pb(w)) for w in request.workers]
         )
         return spb.ConfigureExpectedWorkersResponse(total_workers=total, ready_workers=ready)
 
@@ -107,7 +133,14 @@ class SglangServicer(spb_grpc.KVIndexerServicer):
     ) -> spb.ReplaceExternalKvSnapshotResponse:
         """Clear the worker, store its snapshot and set its sequence checkpoint."""
         tiers = [
-            (_tier(t.tier, f"hashes_by_tier[{i}].tier"), _keys(t.hashes))
+            Action(
+                ActionKind.REPORT,
+                _tier(t.tier, f"hashes_by_tier[{i}].tier"),
+                tuple(_keys(t.hashes)),
+                tuple(t.component_masks),
+                tuple(t.block_sizes),
+                f"hashes_by_tier[{i}]",
+            )
             for i, t in enumerate(request.hashes_by_tier)
         ]
         applied = await self.compat.replace_snapshot(
@@ -116,6 +149,7 @@ class SglangServicer(spb_grpc.KVIndexerServicer):
             request.worker_epoch,
             request.applied_seq,
             tiers,
+            spec_from_pb(request),
         )
         return spb.ReplaceExternalKvSnapshotResponse(applied_seq=applied)
 
@@ -152,11 +186,8 @@ class SglangServicer(spb_grpc.KVIndexerServicer):
                     worker_id=n.worker_id,
                     address=n.address,
                     hashes_by_tier=[
-                        spb.TierHashes(
-                            tier=_TIER_NUMBERS[tier],
-                            hashes=[to_signed(k) for k in keys],
-                        )
-                        for tier, keys in sorted(n.by_tier.items())
+                        _tier_hashes(tier, held, self.compat.settings.page_size)
+                        for tier, held in sorted(n.by_tier.items())
                     ],
                 )
                 for n in nodes
@@ -174,6 +205,16 @@ class SglangServicer(spb_grpc.KVIndexerServicer):
         return spb.GetExternalKvHitCountsResponse(
             entries=[spb.HitCountEntry(hash=to_signed(k), hit_count_total=n) for k, n in counts]
         )
+
+
+def _tier_hashes(tier: Tier, held: dict[int, int], page_size: int) -> spb.TierHashes:
+    """One tier of a MatchExternalKv answer: component masks and page sizes only
+    when some hash has components (a legacy answer stays as it was)."""
+    msg = spb.TierHashes(tier=_TIER_NUMBERS[tier], hashes=[to_signed(k) for k in held])
+    if any(held.values()):
+        msg.component_masks.extend(held.values())
+        msg.block_sizes.extend(page_size if m else 0 for m in held.values())
+    return msg
 
 
 #: Who may call each KVIndexer method (admin may call all). Engines apply

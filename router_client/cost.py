@@ -2,14 +2,15 @@
 
 For a prompt of ``n`` blocks and a candidate worker ``w``::
 
-    uncached(w) = n - (gpu(w) * 1.0 + cpu(w) * 0.75 + disk(w) * 0.5)
+    uncached(w) = n - (gpu(w) * 1.0 + cpu(w) * 0.75 + disk(w) * 0.5)   (hit capped below)
     load(w)     = (tokens of requests running or queued on w
                    + uncached prefill tokens waiting on w) / block_size
     cost(w)     = (1 - balance) * uncached(w) + balance * load(w)
 
 where ``gpu(w)``, ``cpu(w)``, ``disk(w)`` are the prompt's leading blocks the
-worker holds per tier (from the indexer's Match). Both terms are in blocks, so
-``balance`` is the one knob: 0 is pure cache affinity (fewest blocks to
+worker holds per tier (from the indexer's Match), capped at the blocks the
+engine reuses of the prompt (:func:`reusable_blocks`: never its last token).
+Both terms are in blocks, so ``balance`` is the one knob: 0 is pure cache affinity (fewest blocks to
 compute, load ignored), 1 is pure load balance (the prompt's cache ignored),
 0.5 weighs a block of someone else's work on a worker the same as a block of
 prefill the request would compute itself. The default, 0.02
@@ -38,15 +39,31 @@ CPU_WEIGHT = 0.75
 DISK_WEIGHT = 0.5
 
 
-def cached_blocks(match: WorkerMatch | None) -> float:
-    """Tier-weighted blocks of the prompt the worker holds (0 without a match)."""
+def reusable_blocks(input_tokens: int, n_blocks: int, block_size: int) -> int:
+    """The most leading blocks an engine reuses of an ``input_tokens`` prompt.
+
+    vLLM and SGLang never reuse the whole prompt: the last token is computed
+    again for its logits, so a hit ends at ``(input_tokens - 1) // block_size``
+    whole blocks. Without a token count (0) the prompt's blocks are the limit.
+    """
+    if input_tokens <= 0:
+        return n_blocks
+    return min(n_blocks, (input_tokens - 1) // block_size)
+
+
+def cached_blocks(match: WorkerMatch | None, limit: int | None = None) -> float:
+    """Tier-weighted blocks of the prompt the worker holds (0 without a match),
+    at most ``limit`` of them (:func:`reusable_blocks`; its tiers in proportion)."""
     if match is None:
         return 0.0
-    return (
+    weighted = (
         match.gpu_blocks * GPU_WEIGHT
         + match.cpu_blocks * CPU_WEIGHT
         + match.disk_blocks * DISK_WEIGHT
     )
+    if limit is not None and match.depth > limit:
+        return weighted * max(0, limit) / match.depth
+    return weighted
 
 
 def load_blocks(load: WorkerLoad, block_size: int) -> float:

@@ -364,13 +364,16 @@ class Router:
         balance = self._balance
         matches = outcome.matches if outcome is not None else {}
         load = self.load
+        reusable = costmod.reusable_blocks(req.input_tokens, n_blocks, bs)
         for dom in domains:
             best: list[str] = []
             best_cost = 0.0
             best_cached = 0.0
             cached_seen: set[float] = set()
             for w in dom.workers:
-                cached = costmod.cached_blocks(matches.get(w)) if stage == "prefill" else 0.0
+                cached = (
+                    costmod.cached_blocks(matches.get(w), reusable) if stage == "prefill" else 0.0
+                )
                 uncached = max(0.0, n_blocks - cached)
                 if not load.admits(w, dom.limits, int(uncached * bs)):
                     continue
@@ -389,7 +392,9 @@ class Router:
             worker = best[0] if len(best) == 1 else self.rng.choice(best)
             if worker != best[0]:
                 best_cached = (
-                    costmod.cached_blocks(matches.get(worker)) if stage == "prefill" else 0
+                    costmod.cached_blocks(matches.get(worker), reusable)
+                    if stage == "prefill"
+                    else 0
                 )
             if dom.range_fallback:
                 reason = RANGE_FALLBACK

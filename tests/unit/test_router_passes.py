@@ -219,3 +219,21 @@ def test_route_without_indexer_and_token_ids() -> None:
     assert len(r.keys_for(rq)) == 4
     d = asyncio.run(r.route(rq, decode=False))
     assert d.prefill.reason == "indexer_unavailable"
+
+
+def test_a_hit_counts_only_the_blocks_the_engine_reuses() -> None:
+    # A 10-block prompt of exactly 10 * BS tokens: the engine computes its last
+    # token again, so at most 9 blocks are reused however many the worker holds.
+    r = make_router()
+    d = r.decide(req(), ok(a=10, b=9), decode=False)
+    assert d.prefill.cached_blocks == 9
+    r.started(req(), d.prefill)
+    assert r.load.load(d.prefill.worker).pending_prefill_tokens == BS
+    # One more token: all 10 whole blocks can be reused.
+    longer = RouteRequest(2, 10 * BS + 1, 0, block_keys=list(range(10)))
+    assert r.decide(longer, ok(a=10), decode=False).prefill.cached_blocks == 10
+    # Equal reusable hits tie (broken at random), a deeper one still wins.
+    r = make_router()
+    picks = {r.decide(req(i), ok(a=10, b=9), decode=False).prefill.worker for i in range(40)}
+    assert picks == {"a", "b"}
+    assert r.decide(req(), ok(a=8, b=9), decode=False).prefill.worker == "b"

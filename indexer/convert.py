@@ -221,6 +221,7 @@ def instance_match_to_pb(m: InstanceMatch) -> pb.InstanceMatch:
         cpu_blocks=m.cpu_blocks,
         disk_blocks=m.disk_blocks,
         stale=m.stale,
+        tokens=m.tokens,
     )
 
 
@@ -251,6 +252,7 @@ _TAG_GPU = b"\x20"  # InstanceMatch.gpu_blocks = 4
 _TAG_CPU = b"\x28"  # InstanceMatch.cpu_blocks = 5
 _TAG_DISK = b"\x30"  # InstanceMatch.disk_blocks = 6
 _STALE_TRUE = b"\x38\x01"  # InstanceMatch.stale = 7, true
+_TAG_TOKENS = b"\x40"  # InstanceMatch.tokens = 8, varint
 
 
 class MatchResponseEncoder:
@@ -319,6 +321,8 @@ class MatchResponseEncoder:
             body += _TAG_DISK + varint(m.disk_blocks)
         if m.stale:
             body += _STALE_TRUE
+        if m.tokens:
+            body += _TAG_TOKENS + varint(m.tokens)
         return _TAG_MATCHES + varint(len(body)) + body
 
 

@@ -16,29 +16,52 @@ engine reuses for a prompt (vLLM ``HybridKVCacheCoordinator``) is:
    block at or before the hit);
 3. repeated until no group cuts it further (a fixed point).
 
-:class:`GroupTracker` keeps, per instance fed through this replica, a copy
-count per (block, tier) of the full-attention groups, and for every other
-group the content keys it holds. It filters each batch before the index sees
-it: a full-attention block leaves the index only when its last copy goes
-(a removal the tracker has no count for passes, so a replica that restarted
-under-reports at worst); the other groups' events never reach the index
-(their blocks are not matchable by themselves) and feed the hit rule,
-:meth:`GroupTracker.cut`, applied to Match depths. Their content keys are
-chained here from the events' tokens (the full-attention group's events
-teach the parent keys), only for instances that announced a non-full group.
+**Hash units finer than the block.** An engine may hash in units smaller than
+its blocks (vLLM ``hash_block_size``, e.g. 16 tokens under 64-token blocks
+with a Mamba group in ``align`` mode). Its hits then end on any unit
+boundary: step 1 goes on past the whole blocks into the next block, to the
+last unit the full-attention group holds a *partial-block entry* for (at
+most ``num_tokens - 1`` tokens), and step 2 takes each Mamba group's
+rightmost state at unit granularity. vLLM publishes such an entry as a
+``BlockStored`` whose ``block_size`` is the unit: one hash (the prefix's hash
+at that unit), the unit's tokens, the previous unit's hash as parent. The
+rule is unit-granular only when every non-full group is a Mamba group (vLLM
+turns it off for a sliding-window group); otherwise those entries cannot be
+hit and only whole blocks count.
+
+The content key of a prefix ending inside block ``j + 1`` is kvmesh's block
+key ``k_j`` of the whole blocks before it, chained unit by unit over the rest
+(:func:`kvmesh.blockkeys.chain_keys` at the unit, each unit with the extra
+keys of its tokens): a Match derives it from the prompt's tokens, the
+tracker from an entry's parent. An entry whose parent is a unit no event
+keyed (a tail two or three units into a block: vLLM publishes the tokens of
+the units before it in no event) cannot be keyed and is skipped, counted as
+``partial_unplaced``: the hit is cut to what is known (under, never over).
+
+:class:`GroupTracker` keeps, per instance fed through this replica, the
+content keys every non-full group holds and the partial-block entries of the
+full-attention groups, each with its copies. It filters each batch before the
+index sees it: a full-attention block leaves the index only when its last
+copy goes (a removal the tracker has no count for passes, so a replica that
+restarted under-reports at worst); the other groups' events and every
+partial-block entry never reach the index (they are not matchable by
+themselves) and feed the hit rule, :meth:`GroupTracker.hit`, applied to
+Match depths. Their content keys are chained here from the events' tokens
+(the full-attention group's events teach the parent keys), only for
+instances that announced a non-full group.
 
 Limits: the state is this replica's. Another replica answering Match for a
 hybrid instance it does not ingest has no group presence and answers the
-full-attention depth cut to 0 for it (under-reporting, never over; the
-embedded memory backend is one process, so it always knows). Groups whose
-kind has another hit rule (chunked local attention, encoder-only, cross
-attention) are counted as skipped and left out.
+full-attention depth uncut, which can over-report (the embedded memory
+backend is one process, so it always knows). Groups whose kind has another
+hit rule (chunked local attention, encoder-only, cross attention) are counted
+as skipped and left out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from indexer.model import (
@@ -49,7 +72,7 @@ from indexer.model import (
     InstanceId,
     encoded_extras,
 )
-from kvmesh.blockkeys import chain_keys, namespace_seed
+from kvmesh.blockkeys import KEY_MASK, chain_keys, namespace_seed, prompt_extras
 
 _MISSING = object()
 
@@ -57,6 +80,10 @@ _MISSING = object()
 FULL_KINDS = frozenset({"", "full_attention", "mla_attention", "sink_full_attention"})
 SLIDING_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 MAMBA_KINDS = frozenset({"mamba"})
+
+#: Marks a remembered content key chained at the hash unit (a prefix that ends
+#: inside a block), as opposed to a block key: bit 64, above every key.
+_UNIT = 1 << 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +98,16 @@ class GroupSpec:
 class _Instance:
     #: Non-full groups: group index -> its spec.
     specs: dict[int, GroupSpec] = field(default_factory=dict)
-    #: Non-full groups: group index -> content key -> copies.
+    #: Non-full groups: group index -> block key -> copies.
     held: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: Engine hash -> content key, learned from stored events of a hybrid instance.
+    #: Any group: group index -> key of a prefix ending inside a block -> copies
+    #: (partial-block entries; a full-attention group's never reach the index).
+    units: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Engine hash -> content key (| _UNIT when chained at the hash unit),
+    #: learned from stored events of a hybrid instance.
     keys: dict[int, int] = field(default_factory=dict)
+    #: The engine's hash unit in tokens, from its partial-block entries (0: none seen).
+    unit: int = 0
 
 
 @dataclass(slots=True)
@@ -85,6 +118,73 @@ class Filtered:
     skipped: dict[str, int] = field(default_factory=dict)
     #: How to undo what filtering counted (GroupTracker.rollback), newest last.
     undo: list[Callable[[], None]] = field(default_factory=list)
+
+
+class Prompt:
+    """A Match's prompt as the hit rule reads it.
+
+    ``keys``: its block keys (of ``block_size`` tokens). ``tokens`` (None when
+    the query gave block keys): its token ids, from which the keys of prefixes
+    ending inside a block are derived when an engine hashes in finer units,
+    with ``seed`` (the namespace seed) and the request's ``cache_salt`` and
+    ``media`` as for block keys. ``limit``: the most tokens the engine may
+    reuse (``len(tokens) - 1`` for a whole prompt: it computes the last
+    token); default ``len(keys) x block_size``.
+    """
+
+    __slots__ = ("_units", "block_size", "cache_salt", "keys", "limit", "media", "seed", "tokens")
+
+    def __init__(
+        self,
+        keys: Sequence[int],
+        block_size: int,
+        *,
+        tokens: Sequence[int] | None = None,
+        seed: int = 0,
+        cache_salt: str = "",
+        media: Sequence[tuple[str, int, int]] = (),
+        limit: int | None = None,
+    ) -> None:
+        self.keys = keys
+        self.block_size = block_size
+        self.tokens = tokens
+        self.seed = seed
+        self.cache_salt = cache_salt
+        self.media = media
+        self.limit = len(keys) * block_size if limit is None else limit
+        # unit -> (extras of every unit, or None; block index -> its unit keys)
+        self._units: dict[int, tuple[list[bytes] | None, dict[int, list[int]]]] = {}
+
+    def n_units(self, unit: int) -> int:
+        """Whole hash units of ``unit`` tokens in the prompt."""
+        n = len(self.tokens) if self.tokens is not None else len(self.keys) * self.block_size
+        return n // unit
+
+    def unit_key(self, k: int, unit: int) -> int | None:
+        """Key of the prefix of ``k`` units of ``unit`` tokens, chained at the unit after
+        the whole blocks before its last unit; None without token ids."""
+        if self.tokens is None or k <= 0:
+            return None
+        per = self.block_size // unit
+        j = (k - 1) // per  # the block the unit is in (0-based)
+        cached = self._units.get(unit)
+        if cached is None:
+            n = self.n_units(unit)
+            cached = self._units[unit] = (
+                prompt_extras(n, unit, self.cache_salt, self.media),
+                {},
+            )
+        extras, blocks = cached
+        keys = blocks.get(j)
+        if keys is None:
+            parent = self.seed if j == 0 else self.keys[j - 1]
+            start = j * self.block_size
+            ex = extras[j * per : (j + 1) * per] if extras is not None else None
+            keys = blocks[j] = chain_keys(
+                parent, self.tokens[start : start + self.block_size], unit, ex
+            )
+        i = (k - 1) % per
+        return keys[i] if i < len(keys) else None
 
 
 class GroupTracker:
@@ -118,7 +218,11 @@ class GroupTracker:
         events: Sequence[Event],
         block_size: int,
     ) -> Filtered:
-        """The events of one validated batch, as the index applies them."""
+        """The events of one validated batch, as the index applies them.
+
+        ``block_size`` is the namespace's: a stored event with fewer tokens per
+        block is a partial-block entry (a hash unit finer than the block).
+        """
         self._undo = []
         st = self._by.get(instance)
         if st is None:
@@ -140,11 +244,11 @@ class GroupTracker:
         skipped: dict[str, int] = {}
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
-                old = (st.held, st.keys)
-                st.held, st.keys = {}, {}
+                old = (st.held, st.units, st.keys)
+                st.held, st.units, st.keys = {}, {}, {}
 
-                def restore(st: _Instance = st, old: tuple[Any, Any] = old) -> None:
-                    st.held, st.keys = old
+                def restore(st: _Instance = st, old: tuple[Any, Any, Any] = old) -> None:
+                    st.held, st.units, st.keys = old
 
                 self._undo.append(restore)
                 out.append(ev)
@@ -169,37 +273,58 @@ class GroupTracker:
     ) -> BlockStored | None:
         kind = ev.group_kind
         full = kind in FULL_KINDS and ev.group not in st.specs
-        if full:
+        n = len(ev.block_hashes)
+        partial = 0 < ev.block_size < block_size
+        if full and not partial:
             if st.specs:
                 self._learn_keys(st, model, ev, block_size)
             return ev
-        if kind not in SLIDING_KINDS and kind not in MAMBA_KINDS:
-            skipped["group_kind"] = skipped.get("group_kind", 0) + len(ev.block_hashes)
+        if not full and kind not in SLIDING_KINDS and kind not in MAMBA_KINDS:
+            skipped["group_kind"] = skipped.get("group_kind", 0) + n
             return None
-        # Its group was registered by filter() before the batch's events.
+        if full and not st.specs:
+            # A unit finer than the block with full attention alone: vLLM
+            # never hits such an entry (nor publishes one).
+            skipped["block_size"] = skipped.get("block_size", 0) + n
+            return None
+        # A non-full group was registered by filter() before the batch's events.
         keys = self._learn_keys(st, model, ev, block_size)
         if keys is None:
-            skipped["group_unplaced"] = skipped.get("group_unplaced", 0) + len(ev.block_hashes)
+            reason = "partial_unplaced" if partial else "group_unplaced"
+            skipped[reason] = skipped.get(reason, 0) + n
             return None
-        held = st.held.get(ev.group)
-        if held is None:
-            held = {}
-            self._put(st.held, ev.group, held)
+        if partial and st.unit != ev.block_size:
+            old_unit = st.unit
+
+            def undo_unit(st: _Instance = st, old: int = old_unit) -> None:
+                st.unit = old
+
+            st.unit = ev.block_size
+            self._undo.append(undo_unit)
         for key in keys:
-            self._put(held, key, held.get(key, 0) + 1)
+            where = st.units if key & _UNIT else st.held
+            held = where.get(ev.group)
+            if held is None:
+                held = {}
+                self._put(where, ev.group, held)
+            k = key & KEY_MASK
+            self._put(held, k, held.get(k, 0) + 1)
         return None
 
     def _learn_keys(
         self, st: _Instance, model: str, ev: BlockStored, block_size: int
     ) -> list[int] | None:
-        """Content keys of a stored event's blocks (remembered by hash); None if unknown.
+        """Content keys of a stored event's blocks (remembered by hash, | _UNIT when
+        chained at the hash unit); None if unknown.
 
-        A hash the full-attention group stored has its key already; another
-        group's event may name one hash for several blocks' tokens (a Mamba
-        state), so its tokens are used only when a hash is new here.
+        A hash a full-attention block event stored has its key already;
+        another group's event may name one hash for several blocks' tokens (a
+        Mamba state), and a partial-block entry may name a hash another
+        group's entry keyed, so their tokens are used only when a hash is new.
         """
+        partial = 0 < ev.block_size < block_size
         known = [st.keys.get(h) for h in ev.block_hashes]
-        if ev.group_kind not in FULL_KINDS and all(k is not None for k in known):
+        if (ev.group_kind not in FULL_KINDS or partial) and all(k is not None for k in known):
             return [k for k in known if k is not None]
         if ev.block_keys is not None:
             keys = list(ev.block_keys)
@@ -210,28 +335,39 @@ class GroupTracker:
                 got = st.keys.get(ev.parent_block_hash)
                 if got is None:
                     return None
-                parent = got
+                parent = got & KEY_MASK
             size = ev.block_size or block_size
             if size <= 0 or len(ev.token_ids) != size * len(ev.block_hashes):
                 return None
             keys = chain_keys(parent, ev.token_ids, size, encoded_extras(ev.extras))
+        if partial:
+            keys = [k | _UNIT for k in keys]
         for h, key in zip(ev.block_hashes, keys, strict=False):
             self._put(st.keys, h, key)
         return keys
 
     def _removed(self, st: _Instance, ev: BlockRemoved) -> BlockRemoved | None:
-        spec_group = ev.group in st.specs
-        if spec_group:
-            held = st.held.get(ev.group)
-            if held is not None:
-                for h in ev.block_hashes:
-                    key = st.keys.get(h)
-                    if key is None:
-                        continue
-                    n = held.get(key, 0) - 1
-                    self._put(held, key, n if n > 0 else None)
+        full = ev.group not in st.specs
+        if full and ev.group not in st.units:
+            return ev  # a full-attention block: the index's
+        kept: list[int] = []
+        for h in ev.block_hashes:
+            key = st.keys.get(h)
+            if key is not None and key & _UNIT:
+                held = st.units.get(ev.group)
+            elif full:
+                kept.append(h)
+                continue
+            else:
+                held = st.held.get(ev.group)
+            if held is None or key is None:
+                continue
+            k = key & KEY_MASK
+            n = held.get(k, 0) - 1
+            self._put(held, k, n if n > 0 else None)
+        if not full or not kept:
             return None
-        return ev
+        return ev if len(kept) == len(ev.block_hashes) else replace(ev, block_hashes=tuple(kept))
 
     def _put(self, d: dict[Any, Any], k: object, v: object) -> None:
         """``d[k] = v`` (None: delete), journaled for :meth:`rollback`."""
@@ -265,11 +401,55 @@ class GroupTracker:
             step()
 
     def cut(self, instance: InstanceId, keys: Sequence[int], depth: int, block_size: int) -> int:
-        """The hit of a prompt of block ``keys`` (of ``block_size`` tokens) whose
-        full-attention prefix is ``depth`` blocks."""
+        """The hit, in whole blocks, of a prompt of block ``keys`` (of ``block_size``
+        tokens) whose full-attention prefix is ``depth`` blocks."""
+        return self.hit(instance, Prompt(keys, block_size), depth) // block_size
+
+    def hit(self, instance: InstanceId, prompt: Prompt, depth: int) -> int:
+        """The tokens the instance reuses of ``prompt``, whose full-attention prefix is
+        ``depth`` whole blocks (the index's answer): the rule of the module docstring.
+
+        An instance without another group reuses ``depth`` blocks as they are
+        (the caller caps them); a hybrid one at most ``prompt.limit`` tokens.
+        """
+        bs = prompt.block_size
         st = self._by.get(instance)
         if st is None or not st.specs:
-            return depth
+            return depth * bs
+        d = min(depth, prompt.limit // bs)
+        unit = st.unit
+        fine = (
+            0 < unit < bs
+            and bs % unit == 0
+            and all(spec.kind in MAMBA_KINDS for spec in st.specs.values())
+        )
+        if not fine:
+            return self._cut_blocks(st, prompt.keys, d, bs) * bs
+        hit = d * bs
+        # Full attention, past its whole blocks: the last unit of the next block
+        # it holds a partial-block entry for.
+        fa = [held for g, held in st.units.items() if g not in st.specs and held]
+        if fa:
+            per = bs // unit
+            top = min(d * per + per - 1, prompt.limit // unit, prompt.n_units(unit))
+            for k in range(top, d * per, -1):
+                key = prompt.unit_key(k, unit)
+                if key is not None and any(key in held for held in fa):
+                    hit = k * unit
+                    break
+        while True:
+            start = hit
+            for g in st.specs:
+                hit = _rightmost_unit(st.held.get(g, {}), st.units.get(g, {}), prompt, hit, unit)
+                if hit == 0:
+                    return 0
+            if hit == start:
+                return hit
+
+    @staticmethod
+    def _cut_blocks(st: _Instance, keys: Sequence[int], depth: int, block_size: int) -> int:
+        """The rule at whole blocks (the hash unit is the block, or a sliding-window group
+        keeps hits on block boundaries)."""
         d = depth
         while True:
             start = d
@@ -294,6 +474,23 @@ def _rightmost(held: dict[int, int], keys: Sequence[int], d: int) -> int:
     for i in range(d - 1, -1, -1):
         if keys[i] in held:
             return i + 1
+    return 0
+
+
+def _rightmost_unit(
+    held: dict[int, int], units: dict[int, int], prompt: Prompt, hit: int, unit: int
+) -> int:
+    """A Mamba group's rightmost state at or before ``hit`` tokens, at unit granularity:
+    a block end it holds as a block (or as a unit entry), or a unit inside a block."""
+    per = prompt.block_size // unit
+    keys = prompt.keys
+    for k in range(min(hit // unit, prompt.n_units(unit)), 0, -1):
+        if k % per == 0 and keys[k // per - 1] in held:
+            return k * unit
+        if units:
+            key = prompt.unit_key(k, unit)
+            if key is not None and key in units:
+                return k * unit
     return 0
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from indexer.config import IndexerConfig
-from indexer.groups import FULL_KINDS, Filtered, GroupTracker
+from indexer.groups import FULL_KINDS, Filtered, GroupTracker, Prompt
 from indexer.index import Index
 from indexer.model import (
     AllBlocksCleared,
@@ -40,7 +40,7 @@ from indexer.model import (
     ServiceStats,
 )
 from kvmesh.auth import current_client, require_owner
-from kvmesh.blockkeys import TOKEN_ID_LIMIT, block_keys
+from kvmesh.blockkeys import TOKEN_ID_LIMIT, block_keys, namespace_seed
 from kvmesh.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -76,16 +76,36 @@ MODEL_CACHE_SIZE = 65_536
 #: instance: a caller that keeps sending what the backend's answer refuses
 #: (a wrong block size, an instance it does not own) costs one a second.
 MODEL_CACHE_TTL_S = 1.0
+#: LoRA name of the namespace where each hybrid instance (full attention plus
+#: sliding-window or Mamba groups) holds one marker block, :data:`HYBRID_MARKER`.
+#: Group presence lives on the replica that ingests the engine; the marker
+#: tells every other replica which instances it cannot judge, so it leaves
+#: them out of its answers (under-reporting) instead of answering their
+#: full-attention depth uncut (over-reporting).
+HYBRID_LORA = "kvmesh:hybrid"
+#: Engine hash and block key of the marker ("kvmesh-h" in ASCII).
+HYBRID_MARKER = 0x6B766D6573682D68
+#: Seconds a replica believes which instances of a model are hybrid: a
+#: hybrid instance another replica ingests may be answered uncut for up to
+#: this long after its first hybrid batch.
+HYBRID_CACHE_TTL_S = 0.25
+#: Models whose hybrid instances a replica remembers at most (only models
+#: whose Match found blocks enter, so invented names do not).
+HYBRID_CACHE_SIZE = 4096
 #: Why blocks of an event were left out of the index (the label of
 #: ``kvmesh_indexer_events_skipped_total``), and what it means.
 SKIP_REASONS: dict[str, str] = {
     "block_size": "the event's block_size is not the one this indexer keys the model with "
-    "(block_size / model_block_sizes): a partial-block entry or a misconfigured block size",
+    "(block_size / model_block_sizes): a misconfigured block size (a hybrid instance's "
+    "partial-block entries, a hash unit dividing the block, are kept for its hit rule)",
     "lookahead": "the engine hashed tokens past each block (lookahead hashing): the key "
     "cannot be derived from the block's tokens",
     "group_kind": "a KV-cache group of a kind whose hit rule the indexer does not know",
     "group_unplaced": "a non-full-attention group's blocks whose full-attention parent "
     "this replica has not seen (after a restart): their group presence is unknown",
+    "partial_unplaced": "a partial-block entry (a hash unit finer than the block) whose "
+    "parent is a unit no event keyed (vLLM publishes a tail two or three units into a block "
+    "without the units before it): its prefix cannot be keyed from tokens",
     "invalid": "an event the engine sent that does not validate (named in the log)",
 }
 
@@ -167,6 +187,17 @@ def _size_error(ev: BlockStored, expected: int, path: str) -> InvalidArgument | 
     return None
 
 
+def _unit_entry(ev: BlockStored, expected: int) -> bool:
+    """Whether ``ev`` is a partial-block entry of a namespace keyed by ``expected``-token
+    blocks: whole units of a hash unit that divides the block (indexer/groups.py)."""
+    size = ev.block_size
+    return (
+        0 < size < expected
+        and expected % size == 0
+        and len(ev.token_ids) == size * len(ev.block_hashes)
+    )
+
+
 class IndexerLogic:
     """Request handling on top of an :class:`~indexer.index.Index`.
 
@@ -203,6 +234,8 @@ class IndexerLogic:
         self._counted: dict[InstanceId, int] = {}
         # (instance, reason) pairs already logged as skipped: warn once each.
         self._warned_skips: set[tuple[InstanceId, str]] = set()
+        # model -> (its instances holding the hybrid marker, monotonic time read).
+        self._hybrids: dict[str, tuple[frozenset[InstanceId], float]] = {}
 
     # -- background tasks ----------------------------------------------------
 
@@ -546,12 +579,18 @@ class IndexerLogic:
         if not self.groups.hybrid(iid) and all(
             not isinstance(ev, BlockStored) or ev.group_kind in FULL_KINDS for ev in batch.events
         ):
-            return batch, None  # one group: nothing to filter
+            # One group: nothing to filter (validation kept no partial-block
+            # entry, which it does only for a batch of a hybrid instance).
+            return batch, None
         model, _ = await self._model_of(iid)  # keys of the other groups' blocks
         f = self.groups.filter(iid, model, batch.events, self.config.block_size_for(model))
         for reason, n in f.skipped.items():
             self._skipped(iid, reason, n)
         self._counted[iid] = batch.sequence
+        if self.groups.hybrid(iid):
+            # Every replica must know it cannot judge this instance (HYBRID_LORA);
+            # last, so that a clear in the batch does not drop it.
+            return replace(batch, events=(*f.events, _HYBRID_MARK)), f
         if len(f.events) == len(batch.events) and all(
             a is b for a, b in zip(f.events, batch.events, strict=True)
         ):
@@ -594,12 +633,18 @@ class IndexerLogic:
         if batch.sequence < 0 or batch.sequence >= 1 << 64:
             raise InvalidArgument("must be in [0, 2^64)", field="sequence")
         events: list[Event | None] | None = None
+        # Partial-block entries are kept for the hit rule of hybrid instances only.
+        units = self.groups.hybrid(batch.instance) or any(
+            isinstance(ev, BlockStored) and ev.group_kind not in FULL_KINDS for ev in batch.events
+        )
         skipped = 0
         for i, ev in enumerate(batch.events):
             fixed: Event | None = ev
             try:
                 if isinstance(ev, BlockStored):
-                    fixed = await self._validate_stored(batch.instance, ev, f"events[{i}].stored")
+                    fixed = await self._validate_stored(
+                        batch.instance, ev, f"events[{i}].stored", units
+                    )
                     if fixed is None:
                         skipped += len(ev.block_hashes)
                 elif isinstance(ev, BlockRemoved):
@@ -627,9 +672,14 @@ class IndexerLogic:
         return replace(batch, events=tuple(e for e in events if e is not None)), skipped
 
     async def _validate_stored(
-        self, instance: InstanceId, ev: BlockStored, path: str
+        self, instance: InstanceId, ev: BlockStored, path: str, units: bool = False
     ) -> BlockStored | None:
-        """The event as the index applies it; None (counted) when it is left out."""
+        """The event as the index applies it; None (counted) when it is left out.
+
+        ``units``: the instance has groups other than full attention, so a
+        full-attention event of a hash unit finer than the block is a
+        partial-block entry for the group tracker, not a wrong block size.
+        """
         n = len(ev.block_hashes)
         cap = self.config.limits.max_blocks_per_event
         if n > cap:
@@ -656,16 +706,29 @@ class IndexerLogic:
         if self.config.model_block_sizes:
             model, fresh = await self._model_of(instance)
             expected = self.config.block_size_for(model)
-            if not fresh and _size_error(ev, expected, path) is not None:
+            if (
+                not fresh
+                and _size_error(ev, expected, path) is not None
+                and not _unit_entry(ev, expected)
+            ):
                 # The remembered model disagrees with the batch: another
                 # replica may have registered the instance with another model.
                 model, _ = await self._model_of(instance, reread=True)
                 expected = self.config.block_size_for(model)
         else:
             expected = self.config.block_size
+        if units and _unit_entry(ev, expected):
+            # A partial-block entry (a hash unit finer than the block): the
+            # group tracker keeps it for the hit rule, it never reaches the
+            # index (indexer/groups.py).
+            if ev.lookahead:
+                self._skipped(instance, "lookahead", n)
+                return None
+            check_token_ids(ev.token_ids, f"{path}.token_ids")
+            return ev
         if ev.block_size and ev.block_size != expected:
-            # Another granularity than the index keys: a partial-block entry
-            # (a hash unit below the block), or a misconfigured block size.
+            # Another granularity than the index keys: a misconfigured block
+            # size (or a partial-block entry that does not divide the block).
             self._skipped(
                 instance,
                 "block_size",
@@ -749,6 +812,16 @@ class IndexerLogic:
             except Unavailable as e:
                 self._note_error(e)
                 raise
+            if hits and query.namespace.lora_name != HYBRID_LORA:
+                hybrids = await self._hybrids_of(query.namespace.model)
+                if hybrids:
+                    # Hybrid instances ingested elsewhere: their group presence
+                    # is not here, so their hit cannot be cut; leave them out.
+                    hits = [
+                        h
+                        for h in hits
+                        if h.instance not in hybrids or self.groups.hybrid(h.instance)
+                    ]
             if self.groups.hybrid_any():
                 hits = await self._cut_hybrid(query, keys, bs, hits)
         else:
@@ -760,31 +833,92 @@ class IndexerLogic:
             hits = hits[: query.max_instances]
         return MatchResult(hits, len(keys), bs)
 
+    async def _hybrids_of(self, model: str) -> frozenset[InstanceId]:
+        """The instances of ``model`` that hold the hybrid marker, read at most
+        :data:`HYBRID_CACHE_TTL_S` ago."""
+        now = time.monotonic()
+        entry = self._hybrids.get(model)
+        if entry is not None and now - entry[1] < HYBRID_CACHE_TTL_S:
+            return entry[0]
+        try:
+            marked = await self.index.match(
+                Namespace(model, HYBRID_LORA), [HYBRID_MARKER], include_stale=True
+            )
+        except Unavailable as e:
+            self._note_error(e)
+            raise
+        found = frozenset(m.instance for m in marked)
+        self._hybrids.pop(model, None)
+        if len(self._hybrids) >= HYBRID_CACHE_SIZE:
+            del self._hybrids[next(iter(self._hybrids))]  # the oldest first
+        self._hybrids[model] = (found, now)
+        return found
+
     async def _cut_hybrid(
         self, query: MatchQuery, keys: list[int], bs: int, hits: list[InstanceMatch]
     ) -> list[InstanceMatch]:
         """Hits of hybrid instances cut back by their other groups (indexer/groups.py).
 
-        A cut hit is asked of the index again for its shorter prefix, so that
-        its per-tier counts are those of the blocks reused.
+        A hybrid hit is computed for the engine's own limit (``len(token_ids)
+        - 1`` tokens for a whole prompt): its rule is not monotone in the
+        prompt's length, so a cap applied afterwards would not be the
+        engine's answer. A hit that ends inside a block is ``depth`` whole
+        blocks and ``tokens`` in all. A cut hit is asked of the index again
+        for its shorter prefix, so that its per-tier counts are those of the
+        whole blocks reused.
         """
+        block = bs or self.config.block_size_for(query.namespace.model)
+        prompt: Prompt | None = None
         out: list[InstanceMatch] = []
-        cut: dict[int, list[InstanceMatch]] = {}
+        cut: dict[int, dict[InstanceId, int]] = {}
         for h in hits:
             if not self.groups.hybrid(h.instance):
                 out.append(h)
                 continue
-            d = self.groups.cut(h.instance, keys, h.depth, bs or self.config.block_size)
+            if prompt is None:
+                prompt = self._prompt(query, keys, block, bs)
+            t = self.groups.hit(h.instance, prompt, h.depth)
+            d, inside = divmod(t, block)
+            tokens = t if inside else 0
             if d == h.depth:
-                out.append(h)
+                out.append(h._replace(tokens=tokens) if tokens else h)
             elif d > 0:
-                cut.setdefault(d, []).append(h)
-        for d, group in cut.items():
-            wanted = {h.instance for h in group}
+                cut.setdefault(d, {})[h.instance] = tokens
+            elif tokens:  # inside the first block: no whole block reused
+                out.append(h._replace(depth=0, gpu_blocks=0, cpu_blocks=0, disk_blocks=0, tokens=t))
+        for d, wanted in cut.items():
             again = await self.index.match(query.namespace, keys[:d], include_stale=True)
-            out += [m for m in again if m.instance in wanted and m.depth == d]
-        out.sort(key=lambda m: -m.depth)
+            out += [
+                m._replace(tokens=wanted[m.instance]) if wanted[m.instance] else m
+                for m in again
+                if m.instance in wanted and m.depth == d
+            ]
+        out.sort(
+            key=lambda m: (
+                -(m.tokens or m.depth * block),
+                m.instance.worker_id,
+                m.instance.dp_rank,
+            )
+        )
         return out
+
+    @staticmethod
+    def _prompt(query: MatchQuery, keys: list[int], block: int, bs: int) -> Prompt:
+        """The query as the hybrid hit rule reads it (``bs`` 0: it gave block keys)."""
+        tokens = query.token_ids
+        if not bs or not tokens:
+            return Prompt(keys, block)
+        ns = query.namespace
+        whole = len(keys) == len(tokens) // bs  # not truncated by max_blocks
+        return Prompt(
+            keys,
+            bs,
+            tokens=tokens,
+            seed=namespace_seed(ns.model, ns.lora_name),
+            cache_salt=query.cache_salt,
+            media=query.media,
+            limit=len(tokens) - 1 if whole else len(keys) * bs,
+        )
 
     # -- admin ---------------------------------------------------------------
 
@@ -818,3 +952,14 @@ class IndexerLogic:
             self._note_error(e)
             raise
         return ServiceStats(idx, replace(self.counters))
+
+
+#: The marker a hybrid instance's batches store (HYBRID_LORA).
+_HYBRID_MARK = BlockStored(
+    block_hashes=(HYBRID_MARKER,),
+    parent_block_hash=None,
+    token_ids=(),
+    block_size=0,
+    lora_name=HYBRID_LORA,
+    block_keys=(HYBRID_MARKER,),
+)

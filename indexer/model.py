@@ -232,6 +232,9 @@ class InstanceMatch(NamedTuple):
     ``gpu_blocks``, ``cpu_blocks`` and ``disk_blocks`` count the blocks of that
     prefix whose fastest copy is on each tier (they sum to ``depth``). A
     NamedTuple because a Match builds one per holder of the first block.
+    ``tokens``: the hit in tokens when it ends inside block ``depth`` (an
+    engine hashing in units finer than its blocks, indexer/groups.py); 0
+    when it is ``depth`` whole blocks.
     """
 
     instance: InstanceId
@@ -241,6 +244,7 @@ class InstanceMatch(NamedTuple):
     cpu_blocks: int = 0
     disk_blocks: int = 0
     stale: bool = False
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

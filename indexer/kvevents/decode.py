@@ -45,6 +45,11 @@ Conversions, defined here once:
   block is keyed as the router keys the request.
 - **Groups**: ``group_idx`` (None: 0), ``kv_cache_spec_kind`` (None: ''),
   ``kv_cache_spec_sliding_window`` (None: 0), for indexer/groups.py.
+- **Partial-block entries** (vLLM with a ``hash_block_size`` below its block,
+  Mamba ``align`` mode): a ``BlockStored`` whose ``block_size`` is the hash
+  unit, with one hash per unit (the prefix's hash at that unit), the unit's
+  tokens and the previous unit's hash as parent. Decoded as they are; the
+  service keeps them for the hybrid hit rule (indexer/groups.py).
 - ``session_id`` names the request that stored the block, not an owner of it;
   ``lookahead_token_ids`` are tokens past the block that entered its hash
   (speculative lookahead hashing). Neither changes what a block is: the first

@@ -269,3 +269,30 @@ async def test_enforce_sequence_refuses_an_epoch_replaced_on_another_replica(
     with pytest.raises(FailedPrecondition):
         await one.apply(late)
     assert await best(two, H[:5]) == 4  # the epoch-e1 batch was not applied to epoch e2
+
+
+async def test_a_replica_that_does_not_ingest_a_hybrid_instance_never_over_reports_it(
+    indexes: tuple[RedisIndex, RedisIndex],
+) -> None:
+    # Replica one ingests a full-attention + sliding-window engine (its group
+    # presence lives there); replica two only answers Matches. The window
+    # group holds block 0 only, so the engine reuses 0 blocks of a 3-block
+    # prompt (its window of 2 blocks must end at the hit): two must not say 3.
+    cfg = config()
+    one, two = IndexerLogic(indexes[0], cfg), IndexerLogic(indexes[1], cfg)
+    plain = InstanceId("w1", 0)
+    await one.register(InstanceSpec(W, "m", "http://w0:1", 30.0, "a"))
+    await one.register(InstanceSpec(plain, "m", "http://w1:1", 30.0, "a"))
+    tokens = tuple(range(16))
+    full = BlockStored((1, 2, 3, 4), None, tokens, 4, group_kind="full_attention")
+    swa = BlockStored(
+        (1,), None, tokens[:4], 4, group=1, group_kind="sliding_window", sliding_window=8
+    )
+    await one.publish(EventBatch(W, 0, (full, swa)))
+    await one.publish(EventBatch(plain, 0, (full,)))
+    query = MatchQuery(Namespace("m", ""), token_ids=tokens[:13])
+    ingesting = {m.instance: m.depth for m in (await one.match(query)).matches}
+    assert ingesting == {plain: 3, W: 1}
+    other = {m.instance: m.depth for m in (await two.match(query)).matches}
+    assert other.get(W, 0) <= ingesting[W]  # under-reporting is allowed, over is not
+    assert other[plain] == 3  # a full-attention instance is answered as before

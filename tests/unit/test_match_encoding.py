@@ -19,6 +19,7 @@ match_st = st.builds(
     cpu_blocks=counts,
     disk_blocks=counts,
     stale=st.booleans(),
+    tokens=counts,
 )
 result_st = st.builds(
     MatchResult,

@@ -298,7 +298,7 @@ class MediaRange(_message.Message):
     def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class InstanceMatch(_message.Message):
-    __slots__ = ("instance", "address", "depth", "gpu_blocks", "cpu_blocks", "disk_blocks", "stale")
+    __slots__ = ("instance", "address", "depth", "gpu_blocks", "cpu_blocks", "disk_blocks", "stale", "tokens")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,7 @@ class InstanceMatch(_message.Message):
     CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance: InstanceRef
     address: str
     depth: int
@@ -313,7 +314,8 @@ class InstanceMatch(_message.Message):
     cpu_blocks: int
     disk_blocks: int
     stale: bool
-    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., address: _Optional[str] = ..., depth: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., stale: _Optional[bool] = ...) -> None: ...
+    tokens: int
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., address: _Optional[str] = ..., depth: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., stale: _Optional[bool] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("matches", "total_blocks", "block_size")

@@ -51,9 +51,9 @@ Match depths. Their content keys are chained here from the events' tokens
 instances that announced a non-full group.
 
 Limits: the state is this replica's. Another replica answering Match for a
-hybrid instance it does not ingest has no group presence and answers the
-full-attention depth uncut, which can over-report (the embedded memory
-backend is one process, so it always knows). Groups whose kind has another
+hybrid instance it does not ingest has no group presence, so it leaves the
+instance out (the marker block of indexer/logic.py ``HYBRID_LORA`` tells it
+which instances are hybrid): under-reporting, never over. Groups whose kind has another
 hit rule (chunked local attention, encoder-only, cross attention) are counted
 as skipped and left out.
 """

@@ -51,9 +51,16 @@ def reusable_blocks(input_tokens: int, n_blocks: int, block_size: int) -> int:
     return min(n_blocks, (input_tokens - 1) // block_size)
 
 
-def cached_blocks(match: WorkerMatch | None, limit: int | None = None) -> float:
+def cached_blocks(
+    match: WorkerMatch | None, limit: int | None = None, block_size: int = 0
+) -> float:
     """Tier-weighted blocks of the prompt the worker holds (0 without a match),
-    at most ``limit`` of them (:func:`reusable_blocks`; its tiers in proportion)."""
+    at most ``limit`` of them (:func:`reusable_blocks`; its tiers in proportion).
+
+    A hit that ends inside a block (``match.tokens``, a hybrid engine's finer
+    hash unit; the indexer has capped it already) adds that block's reused
+    fraction, at the GPU weight, when ``block_size`` is given.
+    """
     if match is None:
         return 0.0
     weighted = (
@@ -61,6 +68,8 @@ def cached_blocks(match: WorkerMatch | None, limit: int | None = None) -> float:
         + match.cpu_blocks * CPU_WEIGHT
         + match.disk_blocks * DISK_WEIGHT
     )
+    if block_size and match.tokens > match.depth * block_size:
+        return weighted + (match.tokens / block_size - match.depth) * GPU_WEIGHT
     if limit is not None and match.depth > limit:
         return weighted * max(0, limit) / match.depth
     return weighted

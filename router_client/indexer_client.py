@@ -89,6 +89,9 @@ class WorkerMatch:
     gpu_blocks: int = 0
     cpu_blocks: int = 0
     disk_blocks: int = 0
+    #: The hit in tokens when it ends inside a block (a hybrid engine's finer
+    #: hash unit); 0: ``depth`` whole blocks.
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +118,7 @@ def outcome_from_response(resp: pb.MatchResponse) -> MatchOutcome:
         MatchStatus.OK,
         {
             instance_name(m.instance.worker_id, m.instance.dp_rank): WorkerMatch(
-                m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks
+                m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks, m.tokens
             )
             for m in resp.matches
         },

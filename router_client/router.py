@@ -372,7 +372,9 @@ class Router:
             cached_seen: set[float] = set()
             for w in dom.workers:
                 cached = (
-                    costmod.cached_blocks(matches.get(w), reusable) if stage == "prefill" else 0.0
+                    costmod.cached_blocks(matches.get(w), reusable, bs)
+                    if stage == "prefill"
+                    else 0.0
                 )
                 uncached = max(0.0, n_blocks - cached)
                 if not load.admits(w, dom.limits, int(uncached * bs)):
@@ -392,7 +394,7 @@ class Router:
             worker = best[0] if len(best) == 1 else self.rng.choice(best)
             if worker != best[0]:
                 best_cached = (
-                    costmod.cached_blocks(matches.get(worker), reusable)
+                    costmod.cached_blocks(matches.get(worker), reusable, bs)
                     if stage == "prefill"
                     else 0
                 )

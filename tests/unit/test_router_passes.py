@@ -237,3 +237,16 @@ def test_a_hit_counts_only_the_blocks_the_engine_reuses() -> None:
     picks = {r.decide(req(i), ok(a=10, b=9), decode=False).prefill.worker for i in range(40)}
     assert picks == {"a", "b"}
     assert r.decide(req(), ok(a=8, b=9), decode=False).prefill.worker == "b"
+
+
+def test_a_hit_inside_a_block_counts_its_reused_part() -> None:
+    # A hybrid engine reuses 2 whole blocks and 10 tokens of the third (the
+    # indexer's tokens); another worker holds 2 whole blocks only.
+    r = make_router()
+    m = MatchOutcome(
+        MatchStatus.OK,
+        {"a": WorkerMatch(2, 2, tokens=2 * BS + 10), "b": WorkerMatch(2, 2)},
+    )
+    d = r.decide(req(), m, decode=False)
+    assert d.prefill.worker == "a"
+    assert d.prefill.cached_blocks == pytest.approx(2 + 10 / BS)

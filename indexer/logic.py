@@ -236,6 +236,9 @@ class IndexerLogic:
         self._warned_skips: set[tuple[InstanceId, str]] = set()
         # model -> (its instances holding the hybrid marker, monotonic time read).
         self._hybrids: dict[str, tuple[frozenset[InstanceId], float]] = {}
+        # Instances whose batches this replica applied (its group tracker saw
+        # them), oldest first, at most MODEL_CACHE_SIZE.
+        self._fed: dict[InstanceId, None] = {}
 
     # -- background tasks ----------------------------------------------------
 
@@ -460,9 +463,18 @@ class IndexerLogic:
         else:
             self._counted[instance] = last
 
+    def _fed_here(self, instance: InstanceId) -> None:
+        fed = self._fed
+        if instance in fed:
+            return
+        if len(fed) >= MODEL_CACHE_SIZE:
+            del fed[next(iter(fed))]
+        fed[instance] = None
+
     def _forget_groups(self, instance: InstanceId) -> None:
         self.groups.forget(instance)
         self._counted.pop(instance, None)
+        self._fed.pop(instance, None)
 
     async def _reread_all(self) -> None:
         """Reread every instance's model; concurrent callers share one reread."""
@@ -541,6 +553,7 @@ class IndexerLogic:
                 self._forget_groups(batch.instance)
         else:
             self.counters.batches_applied += 1
+            self._fed_here(batch.instance)
             if result.outcome is BatchOutcome.APPLIED_AFTER_GAP:
                 self.counters.sequence_gaps += 1
                 log.warning(
@@ -812,7 +825,12 @@ class IndexerLogic:
             except Unavailable as e:
                 self._note_error(e)
                 raise
-            if hits and query.namespace.lora_name != HYBRID_LORA:
+            fed = self._fed
+            if query.namespace.lora_name != HYBRID_LORA and any(
+                h.instance not in fed for h in hits
+            ):
+                # Instances this replica does not ingest: their group presence
+                # may be elsewhere. (Those it ingests, its tracker judges.)
                 hybrids = await self._hybrids_of(query.namespace.model)
                 if hybrids:
                     # Hybrid instances ingested elsewhere: their group presence

@@ -27,8 +27,9 @@ prefill saved. A result is **exact** when it equals vLLM's, **over** when
 kvmesh promises more (a router sends the request where the cache is not),
 **under** when it promises less (a hit is missed). With a hash unit finer
 than the block (Mamba ``align`` with ``hash_block_size`` 16 under 64-token
-blocks), vLLM may reuse a prefix that ends inside a block; kvmesh, keyed by
-whole blocks, cannot say so, and that counts as under.
+blocks), vLLM may reuse a prefix that ends inside a block; kvmesh then says
+so in ``InstanceMatch.tokens`` (already within the last token), which is
+its answer.
 
 Lockstep: the engine announces a request only after publishing its pending
 events, and schedules it only after ``{"go": true}``, so what the index
@@ -37,6 +38,10 @@ looked it up. Several engines (``multi``) take turns, each its own instance.
 
 Every run is seeded and deterministic on the engine side; what the index
 answers is the figure under test.
+
+Nothing here is vLLM's but the default: an :class:`EngineKind` names another
+engine program speaking the same protocol, its interpreter and its scenarios
+(``lab/conformance_sglang.py``: SGLang's radix cache).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +94,11 @@ EXAMPLES = 5
 DEFAULT_REQUESTS = 2000
 
 
-class VllmMissing(RuntimeError):
+class EngineMissing(RuntimeError):
+    """An engine's virtualenv (the interpreter its engine program runs with) is not there."""
+
+
+class VllmMissing(EngineMissing):
     """The vLLM virtualenv the engines run in is not there."""
 
 
@@ -129,6 +138,9 @@ class Spec:
     #: vLLM's hash unit (``hash_block_size``), the granularity its events
     #: and its hits have (docs/engines.md, "Partial-block entries").
     index_block_size: int = 0
+    #: The engine program's name for the scenario (``--scenario``), when it is
+    #: not ``scenario`` (the row and model name, unique across engines).
+    engine_scenario: str = ""
 
     @property
     def index_block(self) -> int:
@@ -164,6 +176,39 @@ SCENARIOS = tuple(SPECS)
 BACKENDS = ("memory", "redis")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineKind:
+    """An engine the harness runs: its program, its interpreter, its scenarios.
+
+    The harness itself is engine-agnostic: an engine program speaks the
+    lockstep protocol (``lab/engines/vllm_engine.py``'s docstring) whatever
+    cache it drives.
+    """
+
+    #: For messages and reports ("vLLM", "SGLang").
+    name: str
+    #: The engine program, run as ``python -m module``.
+    module: str
+    #: Worker ids are ``<worker_prefix>-<index>``.
+    worker_prefix: str
+    specs: Mapping[str, Spec]
+    #: The engine's interpreter; raises :class:`EngineMissing` saying how to get it.
+    python: Callable[[], Path]
+    #: Set in the engine's environment unless already set.
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+#: vLLM 0.33, the engine of :data:`SPECS`.
+VLLM = EngineKind(
+    "vLLM",
+    "lab.engines.vllm_engine",
+    "vllm",
+    SPECS,
+    vllm_python,
+    {"VLLM_LOGGING_LEVEL": "WARNING"},
+)
+
+
 def row_name(scenario: str, keys: str) -> str:
     """The result row of a scenario measured with a subscriber ``keys`` mode."""
     return scenario if keys == "tokens" else f"{scenario}_{keys}"
@@ -172,14 +217,20 @@ def row_name(scenario: str, keys: str) -> str:
 # -- the comparison ------------------------------------------------------------------
 
 
-def predicted_tokens(depth: int, block_size: int, n_tokens: int) -> int:
+def predicted_tokens(depth: int, block_size: int, n_tokens: int, tokens: int = 0) -> int:
     """The tokens a worker reuses by kvmesh's answer, counted the way vLLM counts its hit.
 
     ``depth`` blocks of ``block_size`` tokens, but never past the last whole
     block before the request's last token (vLLM recomputes the last token, and
-    a hit ends on a block boundary; see the module docstring).
+    a hit ends on a block boundary; see the module docstring). ``tokens``
+    (``InstanceMatch.tokens``, a hit that ends inside a block) is the answer
+    itself, already within the request's last token.
     """
-    if n_tokens <= 0 or depth <= 0:
+    if n_tokens <= 0:
+        return 0
+    if tokens > 0:
+        return min(tokens, n_tokens - 1)
+    if depth <= 0:
         return 0
     return min(depth * block_size, (n_tokens - 1) // block_size * block_size)
 
@@ -266,10 +317,13 @@ class Observation:
     lora_name: str
     cache_salt: str
     mm: tuple[str, ...]
+    #: ``InstanceMatch.tokens``: the hit when it ends inside block ``depth`` (0: whole blocks).
+    tokens: int = 0
 
     def predicted(self, skew_blocks: int = 0) -> int:
         """kvmesh's answer in tokens; ``skew_blocks`` deliberately adds blocks to it."""
-        return predicted_tokens(self.depth + skew_blocks, self.block_size, self.n_tokens)
+        tokens = self.tokens + skew_blocks * self.block_size if self.tokens else 0
+        return predicted_tokens(self.depth + skew_blocks, self.block_size, self.n_tokens, tokens)
 
 
 @dataclass(slots=True)
@@ -335,7 +389,7 @@ def summarize(
                     "req": ob.req,
                     "verdict": verdict,
                     "tokens": ob.n_tokens,
-                    "vllm": ob.truth,
+                    "engine": ob.truth,
                     "kvmesh": predicted,
                     "depth": ob.depth,
                     "resumed": ob.resumed,
@@ -363,10 +417,11 @@ class Engine:
     current: Announcement | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     done: bool = False
+    prefix: str = "vllm"
 
     @property
     def worker(self) -> str:
-        return f"vllm-{self.index}"
+        return f"{self.prefix}-{self.index}"
 
     def read(self) -> None:
         """The engine's next line: an announcement, or its final report."""
@@ -471,10 +526,16 @@ def wait_processed(
 
 def depth_of(stub: Any, query: pb.MatchRequest, worker: str) -> int:
     """The depth Match gives ``worker`` (0 when it is not among the holders)."""
+    return hit_of(stub, query, worker)[0]
+
+
+def hit_of(stub: Any, query: pb.MatchRequest, worker: str) -> tuple[int, int]:
+    """``(depth, tokens)`` Match gives ``worker`` ((0, 0) when it is not among the
+    holders; tokens 0 when the hit is depth whole blocks)."""
     for m in stub.Match(query, timeout=30).matches:
         if m.instance.worker_id == worker:
-            return int(m.depth)
-    return 0
+            return int(m.depth), int(getattr(m, "tokens", 0))
+    return 0, 0
 
 
 def _indexer_config(spec: Spec, engines: Sequence[Engine], redis_prefix: str) -> dict[str, Any]:
@@ -541,6 +602,7 @@ def run_scenario(
     python: Path | None = None,
     log_dir: Path | None = None,
     block_size: int = 0,
+    engine: EngineKind | None = None,
 ) -> RunResult:
     """Run one scenario's engine(s) against an indexer per backend; every lookup compared.
 
@@ -548,21 +610,24 @@ def run_scenario(
     e.g. :class:`lab.redisproc.RedisProcess`; keys go under a fresh prefix).
     ``log_dir`` keeps the children's logs (default: removed with the run).
     ``block_size`` overrides the scenario's (the engine's attention block and
-    the indexer's block size alike; 0: the scenario's).
+    the indexer's block size alike; 0: the scenario's). ``engine``: whose
+    scenario it is (default :data:`VLLM`).
     """
-    spec = SPECS[scenario]
+    kind = engine or VLLM
+    spec = kind.specs[scenario]
     if block_size:
         spec = dataclasses.replace(spec, block_size=block_size)
     if "redis" in backends and not redis_url:
         raise ValueError("the redis backend needs redis_url")
-    interpreter = python or vllm_python()
+    interpreter = python or kind.python()
     started = time.monotonic()
     with _workdir() as work:
         logs = log_dir or work
         logs.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        for name, value in kind.env.items():
+            env.setdefault(name, value)
         engines: list[Engine] = []
         indexers: list[Indexer] = []
         children: list[ChildProcess] = []
@@ -570,20 +635,21 @@ def run_scenario(
             per_engine = max(1, requests // spec.engines)
             for i in range(spec.engines):
                 ep, rep = f"ipc://{work}/e{i}.pub", f"ipc://{work}/e{i}.replay"
-                argv = [str(interpreter), "-m", "lab.engines.vllm_engine"]
-                argv += ["--scenario", scenario, "--requests", str(per_engine)]
+                argv = [str(interpreter), "-m", kind.module]
+                argv += ["--scenario", spec.engine_scenario or scenario]
+                argv += ["--requests", str(per_engine)]
                 argv += ["--seed", str(seed), "--block-size", str(spec.block_size)]
                 argv += ["--endpoint", ep, "--replay-endpoint", rep]
                 argv += ["--instance", str(i), "--instances", str(spec.engines)]
                 child = ChildProcess(
                     argv,
-                    name=f"vllm engine {scenario}/{i}",
+                    name=f"{kind.name} engine {scenario}/{i}",
                     env=env,
                     log_path=logs / f"{scenario}-engine{i}.log",
                     pipes=True,
                     die_with_parent=True,
                 )
-                engines.append(Engine(i, child, ep, rep))
+                engines.append(Engine(i, child, ep, rep, prefix=kind.worker_prefix))
                 children.append(child.start())
             prefix = f"kvc{uuid.uuid4().hex[:8]}"
             for backend in backends:
@@ -671,18 +737,20 @@ def _drive(
                     wait_processed(ix.stub, model, worker, ann.seq, ix.watches[(model, worker)])
                 query = query_for(ann, model=model, keys=keys)
                 for ix in indexers:
+                    depth, tokens = hit_of(ix.stub, query, worker)
                     out[(row_name(spec.scenario, keys), ix.backend)].append(
                         Observation(
                             ann.req,
                             len(ann.tokens),
                             ann.truth,
-                            depth_of(ix.stub, query, worker),
+                            depth,
                             spec.index_block,
                             ann.resumed,
                             ann.retry,
                             ann.lora_name,
                             ann.cache_salt,
                             tuple(m[0] for m in ann.mm),
+                            tokens,
                         )
                     )
             e.current = None

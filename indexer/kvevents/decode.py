@@ -258,6 +258,12 @@ def decode_event(raw: Any, *, engine_hash_keys: bool = False) -> Event:
         if not isinstance(token_ids, list):
             raise MalformedEvent("token_ids is not a list")
         lora = _lora_name(f)
+        extras = _extras(f.get("extra_keys"), len(hashes), lora)
+        salt = f.get("cache_salt")
+        if extras is None and parent_raw is None and hashes and isinstance(salt, str) and salt:
+            # SGLang names the salt in a field of its own; like vLLM's, it keys
+            # the chain from its first block (a continued chain has it in its parent).
+            extras = (BlockExtras(salt=salt), *(None,) * (len(hashes) - 1))
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if parent_raw is None else engine_hash(parent_raw),
@@ -267,7 +273,7 @@ def decode_event(raw: Any, *, engine_hash_keys: bool = False) -> Event:
             lora_name=lora,
             tier=medium_tier(f.get("medium")),
             block_keys=hashes if engine_hash_keys else None,
-            extras=_extras(f.get("extra_keys"), len(hashes), lora),
+            extras=extras,
             group=_int(f.get("group_idx"), "group_idx"),
             group_kind=_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
             sliding_window=_int(

@@ -1,12 +1,17 @@
-"""``kvmesh bench conformance``: kvmesh's Match against vLLM's own prefix cache, per scenario.
+"""``kvmesh bench conformance``: kvmesh's Match against real engines' own prefix caches.
 
-Each scenario (``lab/conformance.py``: ``full``, ``fanout``, ``swa``,
+Each vLLM scenario (``lab/conformance.py``: ``full``, ``fanout``, ``swa``,
 ``mamba``, ``mamba64``, ``lora``, ``salt``, ``mm``, ``multi``; ``full`` is also
 measured with ``keys: engine_hashes`` as ``full_engine_hashes``) runs real
 vLLM engines (``lab/engines/vllm_engine.py``, in the vLLM virtualenv that
-``make setup`` creates) against indexers on the chosen backends, and every
-request's predicted reuse is compared with vLLM's. It measures; a figure
-below 100 % is the indexer's, not the harness's.
+``make setup`` creates), each SGLang scenario (``lab/conformance_sglang.py``:
+``sglang_full``, ``sglang_page1``, ``sglang_lora``, ``sglang_salt``,
+``sglang_multi``, ``sglang_swa``, ``sglang_mamba``, rows ``<scenario>`` for
+``keys: tokens`` and ``<scenario>_engine_hashes``) real SGLang engines
+(``lab/engines/sglang_engine.py``, in ``.venv-sglang``), against indexers on
+the chosen backends, and every request's predicted reuse is compared with the
+engine's. ``--engine`` picks whose scenarios run (both by default). It
+measures; a figure below 100 % is the indexer's, not the harness's.
 
 Printed: one row per (scenario, backend) with requests compared, hits (vLLM
 or kvmesh saw a reusable prefix; the other requests agree trivially), exact, over
@@ -34,28 +39,44 @@ from lab.bench.report import table, write_report
 from lab.conformance import (
     BACKENDS,
     DEFAULT_REQUESTS,
-    SCENARIOS,
-    SPECS,
+    VLLM,
+    EngineKind,
+    EngineMissing,
     Result,
     RunResult,
-    VllmMissing,
     run_scenario,
-    vllm_python,
 )
+from lab.conformance_sglang import SGLANG
 from lab.redisproc import RedisProcess
+
+#: The engines by their ``--engine`` name.
+ENGINES: dict[str, EngineKind] = {"vllm": VLLM, "sglang": SGLANG}
+
+
+def engine_of(scenario: str) -> EngineKind | None:
+    """The engine whose scenario this is (scenario names are unique across engines)."""
+    return next((kind for kind in ENGINES.values() if scenario in kind.specs), None)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``kvmesh bench conformance``."""
+    every = [s for kind in ENGINES.values() for s in kind.specs]
     ap = argparse.ArgumentParser(
         prog="kvmesh bench conformance",
-        description="kvmesh's Match against vLLM 0.33's KVCacheManager.get_computed_blocks, "
-        "request by request (vLLM runs from its own virtualenv: `make setup`).",
+        description="kvmesh's Match against vLLM 0.33's KVCacheManager.get_computed_blocks "
+        "and SGLang 0.5.23's UnifiedRadixCache.match_prefix, request by request (each "
+        "engine runs from its own virtualenv: `make setup`).",
+    )
+    ap.add_argument(
+        "--engine",
+        choices=(*ENGINES, "both"),
+        default="both",
+        help="whose scenarios run by default: vllm, sglang or both (both)",
     )
     ap.add_argument(
         "--scenarios",
-        default=",".join(SCENARIOS),
-        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)",
+        default="",
+        help=f"comma-separated, of {', '.join(every)} (default: every scenario of --engine)",
     )
     ap.add_argument(
         "--requests",
@@ -73,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-size",
         type=int,
         default=0,
-        help="tokens per block of engine and indexer (default: the scenario's; 16, "
-        "the Mamba scenarios 64)",
+        help="tokens per block (vLLM) or page (SGLang) of engine and indexer (default: the "
+        "scenario's; 16, vLLM's Mamba scenarios 64, SGLang's page1 and mamba 1)",
     )
     ap.add_argument("--seed", type=int, default=1, help="workload seed (1)")
     ap.add_argument("--json", dest="json_path", help="also write figures and params here")
@@ -98,12 +119,13 @@ def _pct(x: float) -> str:
 
 def format_table(results: Sequence[Result]) -> str:
     """The conformance table (one row per scenario and backend)."""
+    w = max([20, *(len(r.row) for r in results)])
     head = (
-        f"{'scenario':<20} {'backend':<7} {'requests':>8} {'hits':>6} {'exact':>7} {'over':>6} "
+        f"{'scenario':<{w}} {'backend':<7} {'requests':>8} {'hits':>6} {'exact':>7} {'over':>6} "
         f"{'under':>6} {'exact %':>8} {'rejected':>8}"
     )
     rows = [
-        f"{r.row:<20} {r.backend:<7} {r.requests:>8,} {r.hits:>6,} {r.exact:>7,} {r.over:>6,} "
+        f"{r.row:<{w}} {r.backend:<7} {r.requests:>8,} {r.hits:>6,} {r.exact:>7,} {r.over:>6,} "
         f"{r.under:>6,} {_pct(r.exact_fraction):>8} {r.rejected_batches:>8,}"
         for r in results
     ]
@@ -133,40 +155,54 @@ def _engine_note(run: RunResult) -> str:
     hits = sum(int(e.get("hit_tokens", 0)) for e in run.engines)
     looked = sum(int(e.get("lookup_tokens", 0)) for e in run.engines) or 1
     ev = ", ".join(f"{k} {v:,}" for k, v in sorted(events.items()) if not k.endswith("_blocks"))
+    engine = engine_of(run.spec.scenario)
+    kind = engine.name if engine is not None else "engine"
     return (
-        f"  {run.spec.scenario}: {totals['lookups']:,} lookups, vLLM hit rate "
+        f"  {run.spec.scenario}: {totals['lookups']:,} lookups, {kind} hit rate "
         f"{_pct(hits / looked)}, {totals['preemptions']} preemptions, {totals['resets']} "
         f"resets, {totals['batches']:,} batches ({ev}); {run.seconds:.0f} s"
     )
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run ``kvmesh bench conformance``; exit code 2 when vLLM's virtualenv is missing."""
+    """Run ``kvmesh bench conformance``; exit code 2 when an engine's virtualenv is missing."""
     args = build_parser().parse_args(list(argv))
     names = [s for s in args.scenarios.split(",") if s]
-    unknown = [s for s in names if s not in SPECS]
+    if not names:
+        kinds = list(ENGINES.values()) if args.engine == "both" else [ENGINES[args.engine]]
+        names = [s for kind in kinds for s in kind.specs]
+    unknown = [s for s in names if engine_of(s) is None]
     if unknown:
         raise SystemExit(f"kvmesh bench conformance: unknown scenarios {unknown}")
     backends = list(BACKENDS) if args.backend == "both" else [args.backend]
-    try:
-        python = vllm_python()
-    except VllmMissing as e:
-        print(f"kvmesh bench conformance: {e}", file=sys.stderr)
-        return 2
+    pythons: dict[str, Path] = {}
+    for name in names:
+        kind = engine_of(name)
+        assert kind is not None
+        if kind.name in pythons:
+            continue
+        try:
+            pythons[kind.name] = kind.python()
+        except EngineMissing as e:
+            print(f"kvmesh bench conformance: {e}", file=sys.stderr)
+            return 2
     results: list[Result] = []
     runs: list[RunResult] = []
     logs = Path(args.logs) if args.logs else None
     with _redis("redis" in backends) as redis_url:
         for name in names:
+            kind = engine_of(name)
+            assert kind is not None
             run = run_scenario(
                 name,
                 requests=args.requests,
                 backends=backends,
                 redis_url=redis_url,
                 seed=args.seed,
-                python=python,
+                python=pythons[kind.name],
                 log_dir=logs,
                 block_size=args.block_size,
+                engine=kind,
             )
             runs.append(run)
             results += run.results()
@@ -179,15 +215,24 @@ def main(argv: Sequence[str]) -> int:
         for ex in r.examples[: args.examples]:
             print(f"  {r.row}/{r.backend} {ex['verdict']}: {json.dumps(ex)}")
     if args.json_path:
-        shape = runs[0].engines[0].get("shape", {}) if runs and runs[0].engines else {}
-        params = {
+        params: dict[str, Any] = {
             "scenarios": names,
             "requests": args.requests,
             "backends": backends,
             "seed": args.seed,
             "block_size": args.block_size or "per scenario",
-            "vllm": shape.get("vllm", ""),
-            "vllm_python": str(python),
+        }
+        for kind in ENGINES.values():
+            shapes = [
+                r.engines[0].get("shape", {})
+                for r in runs
+                if r.engines and engine_of(r.spec.scenario) is kind
+            ]
+            if shapes:
+                key = kind.name.lower()  # READY names the engine's version so
+                params[key] = shapes[0].get(key, "")
+                params[f"{key}_python"] = str(pythons[kind.name])
+        params |= {
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

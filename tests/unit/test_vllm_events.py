@@ -203,6 +203,22 @@ def test_vllm_033_fields_extra_keys_groups_and_media() -> None:
     assert removed == BlockRemoved(block_hashes=(11,), tier=Tier.DISK, group=1)
 
 
+def test_sglang_cache_salt_field_scopes_the_chain_it_starts() -> None:
+    """SGLang sends ``cache_salt`` as a field of its own: it keys a chain from its
+    first block (as vLLM's salt in extra_keys does); a continued chain carries it
+    through its parent's key."""
+    root = stored_map(cache_salt="tenant-a")
+    child = stored_map(block_hashes=[13], token_ids=TOKENS[:4], parent_block_hash=12)
+    child["cache_salt"] = "tenant-a"
+    both = stored_map(cache_salt="x", extra_keys=[["y"], None])
+    b = decode_batch(msgpack.packb({"ts": 1.0, "events": [root, child, both]}))
+    first, second, third = b.events
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert first.extras == (BlockExtras(salt="tenant-a"), None)
+    assert second.extras is None
+    assert isinstance(third, BlockStored) and third.extras == (BlockExtras(salt="y"), None)
+
+
 def test_extra_keys_that_do_not_fit_the_hashes_skip_only_their_event() -> None:
     payload = msgpack.packb({"ts": 1.0, "events": [stored_map(extra_keys=[None]), stored_map()]})
     b = decode_batch(payload)

@@ -30,7 +30,11 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "xfer"): ("lab.bench.xfer", "KV transfer benchmark (NIXL and TCP)"),
     ("bench", "soak"): ("lab.bench.soak", "mixed-load soak of indexer replicas on Redis"),
     ("bench", "faults"): ("lab.bench.faults", "seeded fault injection checked against a model"),
-    ("bench", "conformance"): ("lab.bench.conformance", "Match checked against vLLM's own cache"),
+    ("bench", "conformance"): (
+        "lab.bench.conformance",
+        "Match checked against vLLM's and SGLang's own caches",
+    ),
+    ("bench", "peer"): ("lab.bench.peer", "kvmesh's indexer beside Dynamo's on vLLM's events"),
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
     ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),

@@ -1,0 +1,72 @@
+"""``kvmesh bench peer``, tiny: real vLLM publishers into kvmesh's memory backend and into
+Dynamo's standalone indexer, every answer checked.
+
+The peer is included: its virtualenv (``ai-dynamo-runtime``, ``make peer-venvs``;
+``make setup`` and ``make test`` create it) installs in about 15 to 30 s, and
+the bench installs it itself on first use. The run takes 4 publishers in 2
+processes, 200 trace requests at 64-token blocks and 150 sequential query
+rounds; most of its time is the publishers importing vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lab.bench.peer import build_stream, expected_answer, main, ratios
+from lab.engines.vllm_publishers import engine_hashes, trace_tokens
+from lab.traces import load_mooncake
+
+#: Figures every side writes in this run.
+FIGURES = (
+    "ingest_blocks_per_s",
+    "ingest_blocks_per_cpu_s",
+    "rss_mb",
+    "floor_p50_us",
+    "match_tokens_p50_us",
+    "match_tokens_p99_us",
+    "match_keys_p50_us",
+    "match_keys_p99_us",
+    "ingest_probed_blocks_per_s",
+    "match_during_ingest_p99_ms",
+    "health_during_ingest_p99_ms",
+)
+WRONG = ("wrong_tokens", "wrong_keys", "wrong_during_ingest")
+
+
+@pytest.mark.timeout(900)
+def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "peer.json"
+    args = ["--publishers", "4", "--publisher-procs", "2", "--requests", "200"]
+    args += ["--queries", "150", "--prompts", "20", "--backend", "memory", "--block-size", "64"]
+    assert main([*args, "--json", str(out)]) == 0
+    printed = capfd.readouterr().out
+    assert "mem/dyn" in printed and "wrong answers, keys" in printed
+    doc = json.loads(out.read_text())
+    figures = doc["figures"]
+    for side in ("dynamo", "memory"):
+        for name in FIGURES:
+            assert figures[f"peer_{side}_{name}"] > 0, (side, name)
+        for name in WRONG:
+            assert figures[f"peer_{side}_{name}"] == 0, (side, name)
+        assert figures[f"peer_{side}_answers_checked"] >= 300
+    assert figures["ratio_memory_match_keys_p50_us"] > 0
+    assert doc["params"]["block_size"] == 64 and doc["params"]["publishers"] == 4
+
+
+def test_stream_and_reference_model() -> None:
+    trace = load_mooncake(limit=300)
+    stream = build_stream(trace, 4, 8, 16)
+    # Every instance holds block 0 (the shared system prompt), each block once.
+    assert all(trace[0].hash_ids[0] in held for held in stream.held)
+    assert stream.pairs == 32 * sum(len(h) for h in stream.held)
+    prompt = list(trace[0].hash_ids[:4])
+    want = expected_answer(stream.held, prompt, 32)
+    assert set(want) == {0, 1, 2, 3} and max(want.values()) == 32 * len(prompt)
+    # Tokens and engine hashes are deterministic and distinct per (id, position).
+    assert (trace_tokens([7]) == trace_tokens([7])).all()
+    assert len(set(engine_hashes(range(100), 32))) == 3200
+    figures = {"peer_dynamo_floor_p50_us": 100.0, "peer_memory_floor_p50_us": 250.0}
+    assert ratios(figures, ["memory"]) == {"ratio_memory_floor_p50_us": 2.5}

@@ -674,8 +674,9 @@ def _wait_registered(side: KvmeshSide, rounds: dict[int, str], n: int) -> None:
     time.sleep(0.3)  # the subscriptions reach the PUB sockets just after the connects
 
 
-def run_side(run: Run, kind: str, index: int) -> dict[str, float]:
-    """Every measurement of one side; its figures, without the ``peer_<side>_`` prefix."""
+def run_side(run: Run, kind: str, index: int, f: dict[str, float]) -> None:
+    """Every measurement of one side, into ``f`` (without the ``peer_<side>_`` prefix):
+    what was measured before a failure stays there."""
     p = run.params
     quiet, probed = 2 * index, 2 * index + 1
     rounds = {quiet: round_model(quiet)}
@@ -683,7 +684,6 @@ def run_side(run: Run, kind: str, index: int) -> dict[str, float]:
         rounds[probed] = round_model(probed)
     for r in rounds:
         run.fleet.command("open", r)
-    f: dict[str, float] = {}
     try:
         with _store(kind) as (url, store):
             side: KvmeshSide | DynamoSide
@@ -705,7 +705,6 @@ def run_side(run: Run, kind: str, index: int) -> dict[str, float]:
     finally:
         for r in rounds:
             run.fleet.command("close", r)
-    return f
 
 
 def _measure(
@@ -894,12 +893,12 @@ def run_bench(
             run.notes["vllm"] = fleet.ready[0]["vllm"]
             for index, kind in enumerate(params.sides):
                 print(f"kvmesh bench peer: {kind} ...", flush=True)
+                side_figures: dict[str, float] = {}
                 try:
-                    side_figures = run_side(run, kind, index)
+                    run_side(run, kind, index, side_figures)
                 except Exception as e:  # the other sides still run; the exit code says so
                     traceback.print_exc()
                     run.notes[f"failed_{kind}"] = f"{type(e).__name__}: {e}"[:600]
-                    continue
                 figures.update({f"peer_{kind}_{k}": v for k, v in side_figures.items()})
     figures.update(ratios(figures, params.backends))
     run_params: dict[str, Any] = {

@@ -70,9 +70,6 @@ end. Closing stdin stops the engine at its next read.
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
-import json
 import math
 import os
 import random
@@ -80,12 +77,22 @@ import sys
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch  # type: ignore[import-not-found]
+
+from lab.engines.lockstep import (
+    TOKEN_BASE,
+    TRACE,
+    TRACE_BLOCK_TOKENS,
+    VOCAB,
+    Protocol,
+    id_tokens,
+    trace_records,
+)
 
 
 def _declare_torchvision_ops() -> Any:
@@ -178,18 +185,11 @@ from sglang.srt.sampling.sampling_params import (  # type: ignore[import-not-fou
 )
 from sglang.srt.server_args import ServerArgs  # type: ignore[import-not-found]  # noqa: E402
 
-#: The bundled Mooncake trace (``lab/data``), read with the standard library.
-TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
-#: Tokens per block of the trace's ``hash_ids``.
-TRACE_BLOCK_TOKENS = 512
 #: Longest context a request row holds (prompts stay far below it).
 MAX_CONTEXT = 8192
 #: A conversation stops growing here (its next turn is a new conversation), so
 #: every prompt fits the smallest scenario pool with room to spare.
 MAX_PROMPT_TOKENS = 4096
-#: Token ids of prompts and outputs are drawn from [TOKEN_BASE, TOKEN_BASE + VOCAB).
-TOKEN_BASE = 100
-VOCAB = 50_000
 LORAS = (None, "sql-lora", "chat-lora")
 TENANTS = ("tenant-a", "tenant-b")
 TENANT_WEIGHTS = (0.7, 0.3)
@@ -258,29 +258,6 @@ class Plan:
     salt: str | None = None
 
 
-def _id_tokens(hash_id: int, n: int) -> list[int]:
-    """The tokens a trace block id stands for: equal ids, equal tokens."""
-    out: list[int] = []
-    counter = 0
-    while len(out) < n:
-        digest = hashlib.blake2b(f"{hash_id}:{counter}".encode(), digest_size=64).digest()
-        out += [
-            TOKEN_BASE + int.from_bytes(digest[i : i + 2], "little") % VOCAB
-            for i in range(0, 64, 2)
-        ]
-        counter += 1
-    return out[:n]
-
-
-def _trace(path: Path, instance: int, instances: int) -> Iterator[dict[str, Any]]:
-    """The trace's records this instance serves (every ``instances``-th), in order, forever."""
-    while True:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i % instances == instance and line.strip():
-                    yield json.loads(line)
-
-
 class Workload:
     """Requests shaped like the Mooncake conversation trace, plus follow-up turns.
 
@@ -315,7 +292,7 @@ class Workload:
         self.follow_up = follow_up
         self.instance = instance
         self.rng = random.Random(f"kvmesh-conformance-sglang:{seed}:{kind}:{instance}")
-        self._records = _trace(trace, instance, instances)
+        self._records = trace_records(trace, instance, instances)
         self._finished: deque[tuple[Plan, list[int]]] = deque(maxlen=8)
         self._count = 0
 
@@ -344,7 +321,7 @@ class Workload:
         u = self.unit_tokens
         length = math.ceil(int(rec["input_length"]) * u / TRACE_BLOCK_TOKENS)
         length = max(1, min(length, len(ids) * u))
-        prompt = [t for h in ids for t in _id_tokens(int(h), u)][:length]
+        prompt = [t for h in ids for t in id_tokens(int(h), u)][:length]
         out_len = max(1, min(48, round(int(rec["output_length"]) * u / TRACE_BLOCK_TOKENS)))
         lora = self.rng.choice(LORAS) if self.kind == "lora" else None
         salt = None
@@ -361,33 +338,10 @@ class Workload:
     def _document(doc: int) -> list[int]:
         """Shared document ``doc``: the same tokens for every tenant and every run."""
         length = random.Random(f"document:{doc}").randint(64, 192)
-        return _id_tokens(-1 - doc, length)
+        return id_tokens(-1 - doc, length)
 
 
 # -- the protocol --------------------------------------------------------------------
-
-
-class Protocol:
-    """The lockstep line protocol: JSON lines out on a private copy of stdout, ``go`` in."""
-
-    def __init__(self, out: IO[str]) -> None:
-        self.out = out
-
-    def send(self, obj: object) -> None:
-        self.out.write(json.dumps(obj, separators=(",", ":")) + "\n")
-        self.out.flush()
-
-    def ready(self, payload: object) -> None:
-        self.out.write("READY " + json.dumps(payload, separators=(",", ":")) + "\n")
-        self.out.flush()
-
-    def wait_go(self) -> None:
-        line = sys.stdin.readline()
-        if not line:
-            raise SystemExit(0)  # the harness closed stdin: stop
-        msg = json.loads(line)
-        if not isinstance(msg, dict) or msg.get("go") is not True:
-            raise SystemExit(f"expected {{'go': true}}, got {line.strip()!r}")
 
 
 @dataclass(slots=True)

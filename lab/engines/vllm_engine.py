@@ -49,9 +49,6 @@ Closing stdin stops the engine at its next read.
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
-import json
 import math
 import os
 import random
@@ -59,10 +56,10 @@ import sys
 import time
 import types
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch  # type: ignore[import-not-found]
 import vllm  # type: ignore[import-not-found]
@@ -96,10 +93,16 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
 )
 from vllm.v1.request import Request, RequestStatus  # type: ignore[import-not-found]
 
-#: The bundled Mooncake trace (``lab/data``), read with the standard library.
-TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
-#: Tokens per block of the trace's ``hash_ids``.
-TRACE_BLOCK_TOKENS = 512
+from lab.engines.lockstep import (
+    TOKEN_BASE,
+    TRACE,
+    TRACE_BLOCK_TOKENS,
+    VOCAB,
+    Protocol,
+    id_tokens,
+    trace_records,
+)
+
 #: Sliding window of the ``swa`` scenario's second group, in tokens.
 SLIDING_WINDOW = 128
 #: Longest context the manager is told about (prompts stay far below it).
@@ -107,9 +110,6 @@ MAX_MODEL_LEN = 8192
 #: A conversation stops growing here (its next turn is a new conversation), so
 #: every prompt fits the smallest scenario pool with room to spare.
 MAX_PROMPT_TOKENS = 4096
-#: Token ids of prompts and outputs are drawn from [TOKEN_BASE, TOKEN_BASE + VOCAB).
-TOKEN_BASE = 100
-VOCAB = 50_000
 #: The image placeholder token of the ``mm`` scenario: every image's
 #: placeholder run is the same ids, only its identifier differs (as in vLLM,
 #: where the processor expands an image into one repeated placeholder id).
@@ -178,29 +178,6 @@ class Plan:
     mm: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-def _id_tokens(hash_id: int, n: int) -> list[int]:
-    """The tokens a trace block id stands for: equal ids, equal tokens (ids chain by prefix)."""
-    out: list[int] = []
-    counter = 0
-    while len(out) < n:
-        digest = hashlib.blake2b(f"{hash_id}:{counter}".encode(), digest_size=64).digest()
-        out += [
-            TOKEN_BASE + int.from_bytes(digest[i : i + 2], "little") % VOCAB
-            for i in range(0, 64, 2)
-        ]
-        counter += 1
-    return out[:n]
-
-
-def _trace(path: Path, instance: int, instances: int) -> Iterator[dict[str, Any]]:
-    """The trace's records this instance serves (every ``instances``-th), in order, forever."""
-    while True:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i % instances == instance and line.strip():
-                    yield json.loads(line)
-
-
 class Workload:
     """Requests shaped like the Mooncake conversation trace, plus follow-up turns.
 
@@ -244,7 +221,7 @@ class Workload:
         self.follow_up = follow_up
         self.instance = instance
         self.rng = random.Random(f"kvmesh-conformance:{seed}:{kind}:{instance}")
-        self._records = _trace(trace, instance, instances)
+        self._records = trace_records(trace, instance, instances)
         self._finished: deque[tuple[Plan, list[int]]] = deque(maxlen=24)
         self._count = 0
 
@@ -284,7 +261,7 @@ class Workload:
         u = self.unit_tokens
         length = math.ceil(int(rec["input_length"]) * u / TRACE_BLOCK_TOKENS)
         length = max(1, min(length, len(ids) * u))
-        prompt = [t for h in ids for t in _id_tokens(int(h), u)][:length]
+        prompt = [t for h in ids for t in id_tokens(int(h), u)][:length]
         out_len = max(1, min(48, round(int(rec["output_length"]) * u / TRACE_BLOCK_TOKENS)))
         lora = self.rng.choice(LORAS) if self.kind == "lora" else None
         salt = None
@@ -307,7 +284,7 @@ class Workload:
     def _document(doc: int) -> list[int]:
         """Shared document ``doc``: the same tokens for every tenant and every run."""
         length = random.Random(f"document:{doc}").randint(64, 192)
-        return _id_tokens(-1 - doc, length)
+        return id_tokens(-1 - doc, length)
 
     def _group(
         self,
@@ -357,29 +334,6 @@ def kv_cache_config(scenario: Scenario, block_size: int, hash_block_size: int) -
         kv_cache_groups=groups,
         hash_block_size=hash_block_size,
     )
-
-
-class Protocol:
-    """The lockstep line protocol: JSON lines out on a private copy of stdout, ``go`` in."""
-
-    def __init__(self, out: IO[str]) -> None:
-        self.out = out
-
-    def send(self, obj: object) -> None:
-        self.out.write(json.dumps(obj, separators=(",", ":")) + "\n")
-        self.out.flush()
-
-    def ready(self, payload: object) -> None:
-        self.out.write("READY " + json.dumps(payload, separators=(",", ":")) + "\n")
-        self.out.flush()
-
-    def wait_go(self) -> None:
-        line = sys.stdin.readline()
-        if not line:
-            raise SystemExit(0)  # the harness closed stdin: stop
-        msg = json.loads(line)
-        if not isinstance(msg, dict) or msg.get("go") is not True:
-            raise SystemExit(f"expected {{'go': true}}, got {line.strip()!r}")
 
 
 @dataclass(slots=True)

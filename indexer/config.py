@@ -17,7 +17,7 @@ Example file (YAML)::
     model_block_sizes:
       deepseek-ai/DeepSeek-V3: 64
     limits:
-      max_match_blocks: 8192
+      max_match_blocks: 16384
 """
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ class RedisSettings(StrictModel):
         gt=0,
         description="Socket connect/read timeout. A Match is one round trip, so a short "
         "timeout turns a hung Redis into UNAVAILABLE quickly instead of stalling routers.",
+    )
+    max_connections: int = Field(
+        default=64,
+        ge=1,
+        le=10_000,
+        description="Most Redis calls in flight from this replica (per node in cluster mode, "
+        "at most this many connections each). A call beyond it waits for a free connection "
+        "within its deadline instead of failing: ingest and Match share the connections.",
     )
     instance_cache_ttl_s: float = Field(
         default=0.25,
@@ -184,16 +192,22 @@ class Limits(StrictModel):
     """Request size caps and the overload guard."""
 
     max_match_blocks: int = Field(
-        default=8192,
+        default=16384,
         ge=1,
         description="Most blocks one Match may look at (also the default when a request "
-        "sends max_blocks=0). A longer prompt without max_blocks is INVALID_ARGUMENT.",
+        "sends max_blocks=0). A longer prompt without max_blocks is INVALID_ARGUMENT. "
+        "Left unset, it is lowered to what one max_message_bytes message can carry at the "
+        "largest block size (e.g. 6,553 blocks of 512 tokens at 16 MiB).",
     )
     max_events_per_batch: int = Field(
         default=4096, ge=1, description="Most events in one EventBatch (INVALID_ARGUMENT beyond)."
     )
     max_blocks_per_event: int = Field(
-        default=4096, ge=1, description="Most block hashes in one BlockStored/BlockRemoved event."
+        default=16384,
+        ge=1,
+        description="Most block hashes in one BlockStored/BlockRemoved event. vLLM stores a "
+        "whole prompt's blocks in one event: 16,384 covers a 256k-token prompt at 16-token "
+        "blocks. A longer event on a ZMQ stream is skipped and counted.",
     )
     max_message_bytes: int = Field(
         default=16 * 1024 * 1024,
@@ -450,8 +464,14 @@ class IndexerConfig(StrictModel):
             )
         # A prompt at the block cap must fit in one message, else the cap's
         # INVALID_ARGUMENT could never be reached (grpc would refuse first).
-        need = lim.max_match_blocks * self.max_block_size * _WIRE_BYTES_PER_TOKEN + 1024
-        if need > lim.max_message_bytes:
+        per_block = self.max_block_size * _WIRE_BYTES_PER_TOKEN
+        need = lim.max_match_blocks * per_block + 1024
+        if need > lim.max_message_bytes and "max_match_blocks" not in lim.model_fields_set:
+            # The default cap: lowered to what a message carries, so that
+            # defaults load at every block size.
+            fits = max(1, (lim.max_message_bytes - 1024) // per_block)
+            object.__setattr__(self, "limits", lim.model_copy(update={"max_match_blocks": fits}))
+        elif need > lim.max_message_bytes:
             raise ValueError(
                 f"limits.max_message_bytes ({lim.max_message_bytes}) cannot carry a prompt of "
                 f"limits.max_match_blocks ({lim.max_match_blocks}) blocks of "

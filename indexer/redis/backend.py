@@ -65,6 +65,7 @@ from redis.exceptions import (
     AuthenticationWrongNumberOfArgsError,
     NoPermissionError,
     NoScriptError,
+    RedisClusterException,
     RedisError,
     ResponseError,
 )
@@ -255,6 +256,45 @@ async def _shielded(coro: Coroutine[Any, Any, _T]) -> _T:
     return await asyncio.shield(task)
 
 
+#: What redis-py's cluster client has been seen to raise from inside its own
+#: bookkeeping while its slot map is being rebuilt (a node gone, a failover).
+_CLUSTER_CLIENT_FAULTS = (RuntimeError, AttributeError, KeyError, IndexError, TypeError)
+
+
+def _client_faults_as_cluster_errors(
+    exec_: Callable[..., Awaitable[Any]],
+) -> Callable[..., Awaitable[Any]]:
+    """``exec_`` raising RedisClusterException for the client's internal faults.
+
+    The call did not get an answer from Redis either way: such a fault is a
+    moment of a topology change, and the caller sees it as Unavailable (and
+    retries), like any other failed round trip, instead of an internal error
+    that would end the subscriber or answer UNKNOWN.
+    """
+
+    async def call(*args: Any, **kw: Any) -> Any:
+        try:
+            return await exec_(*args, **kw)
+        except _CLUSTER_CLIENT_FAULTS as exc:
+            raise RedisClusterException(
+                f"cluster client fault: {exc.__class__.__name__}: {exc}"
+            ) from exc
+
+    return call
+
+
+def _gated(
+    exec_: Callable[..., Awaitable[Any]], gate: asyncio.Semaphore
+) -> Callable[..., Awaitable[Any]]:
+    """``exec_`` run while holding ``gate``: at most its size in flight."""
+
+    async def call(*args: Any, **kw: Any) -> Any:
+        async with gate:
+            return await exec_(*args, **kw)
+
+    return call
+
+
 def _slot_moved(exc: BaseException) -> bool:
     """Whether a cluster error says that a slot is not where the slot map put it
     (a script touched a name its node does not serve)."""
@@ -317,6 +357,7 @@ class RedisIndex(Index):
         clock: Callable[[], float] = time.time,
         instance_cache_ttl_s: float = 0.25,
         socket_timeout_s: float = 1.0,
+        max_connections: int = 64,
         parent_cache_size: int = 200_000,
         ns_cache_size: int = NS_CACHE_SIZE,
         cluster: bool = False,
@@ -381,6 +422,7 @@ class RedisIndex(Index):
                 socket_connect_timeout=socket_timeout_s,
                 retry=RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
+                max_connections=max_connections,
                 # A master may be down: the others keep serving their slots.
                 require_full_coverage=False,
                 **conn,
@@ -393,10 +435,17 @@ class RedisIndex(Index):
                 socket_connect_timeout=socket_timeout_s,
                 retry=RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
+                max_connections=max_connections,
                 **conn,
             )
         # redis.asyncio leaves execute_command untyped; every call goes through this.
         self._exec = cast(Callable[..., Awaitable[Any]], self._r.execute_command)
+        if cluster:
+            self._exec = _client_faults_as_cluster_errors(self._exec)
+        # The pools raise MaxConnectionsError at once when every connection is
+        # in use; calls beyond max_connections wait here instead (FIFO).
+        self._gate = asyncio.Semaphore(max_connections)
+        self._exec = _gated(self._exec, self._gate)
         self._scripts = load_scripts(cluster)
         self._tracer = trace.get_tracer(TRACER_NAME) if tracing_enabled() else None
         if self._tracer is not None:
@@ -638,6 +687,10 @@ class RedisIndex(Index):
                 await self._r.initialize()
         except CLIENT_ERRORS as exc:
             raise self._map_error(exc) from exc
+        except _CLUSTER_CLIENT_FAULTS as exc:
+            raise Unavailable(
+                f"redis cluster client fault: {exc.__class__.__name__}: {exc}"
+            ) from exc
         self._topo_loaded = True
         await self._load_tags()
 
@@ -943,12 +996,18 @@ class RedisIndex(Index):
     async def _pipe_call(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         self.round_trips += 1
         try:
-            async with self._r.pipeline(transaction=False) as p:
+            async with self._gate, self._r.pipeline(transaction=False) as p:
                 for c in commands:
                     cast(Any, p).execute_command(*c)
                 return list(await p.execute())
         except CLIENT_ERRORS as exc:
             raise self._map_error(exc) from exc
+        except _CLUSTER_CLIENT_FAULTS as exc:
+            if not self.cluster:
+                raise
+            raise Unavailable(
+                f"redis cluster client fault: {exc.__class__.__name__}: {exc}"
+            ) from exc
 
     def _ns(self, model: str, lora: str) -> tuple[bytes, bytes, bytes]:
         """(ns id, block name prefix, ns registry value) of a namespace being

@@ -20,7 +20,8 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 def test_defaults_are_documented_values() -> None:
     c = load_config(environ={})
     assert (c.host, c.port, c.metrics_port, c.backend) == ("127.0.0.1", 50051, 9464, "memory")
-    assert c.block_size == 16 and c.limits.max_match_blocks == 8192
+    assert c.block_size == 16 and c.limits.max_match_blocks == 16384
+    assert c.limits.max_blocks_per_event == 16384
     assert c.limits.max_message_bytes == 16 * 1024 * 1024
     assert c.default_lease_ttl_s == 30
 
@@ -96,13 +97,34 @@ def test_cross_field_checks() -> None:
     with pytest.raises(ConfigError, match="metrics_port and port"):
         load_config(environ={}, cli={"port": 9000, "metrics_port": 9000})
     with pytest.raises(ConfigError, match="max_message_bytes"):
-        load_config(environ={}, cli={"limits": {"max_message_bytes": 8192}})
+        load_config(
+            environ={}, cli={"limits": {"max_message_bytes": 8192, "max_match_blocks": 100}}
+        )
     with pytest.raises(ConfigError, match="max_lease_ttl_s"):
         load_config(environ={}, cli={"default_lease_ttl_s": 7200})
     with pytest.raises(ConfigError, match="model_block_sizes"):
         load_config(environ={}, cli={"model_block_sizes": {"m": 0}})
     with pytest.raises(ValueError, match="model_block_sizes"):
         IndexerConfig.model_validate({"model_block_sizes": {"m": 0}})
+
+
+def test_default_match_cap_fits_a_message_at_every_block_size() -> None:
+    """Defaults load with any model block size: the unset cap is lowered to what
+    one message carries; a cap given explicitly is checked, never changed."""
+    for bs in (1, 16, 64, 512, 4096):
+        c = load_config(environ={}, cli={"model_block_sizes": {"m": bs}})
+        cap = c.limits.max_match_blocks
+        assert cap * bs * 5 + 1024 <= c.limits.max_message_bytes
+        assert cap == min(16384, (c.limits.max_message_bytes - 1024) // (max(16, bs) * 5))
+    c = load_config(environ={}, cli={"model_block_sizes": {"m": 512}})
+    assert c.limits.max_match_blocks == 6553
+    small = load_config(environ={}, cli={"limits": {"max_message_bytes": 8192}})
+    assert small.limits.max_match_blocks == (8192 - 1024) // (16 * 5)
+    with pytest.raises(ConfigError, match="max_match_blocks"):
+        load_config(
+            environ={},
+            cli={"model_block_sizes": {"m": 512}, "limits": {"max_match_blocks": 16384}},
+        )
 
 
 def test_cli_print_config_applies_flags_over_env(

@@ -34,9 +34,7 @@ async def test_a_burst_beyond_the_pool_waits_and_succeeds(
 ) -> None:
     url = request.getfixturevalue("redis_cluster" if cluster else "redis_server").url
     before = _clients(url) if not cluster else 0
-    idx = RedisIndex(
-        url, prefix=f"pool{uuid.uuid4().hex[:8]}", cluster=cluster, max_connections=4
-    )
+    idx = RedisIndex(url, prefix=f"pool{uuid.uuid4().hex[:8]}", cluster=cluster, max_connections=4)
     try:
         specs = [
             InstanceSpec(InstanceId(f"w{i}", 0), model="m", address="a", incarnation="i")

@@ -263,15 +263,26 @@ def test_memory_backend_matches_reference(case: Any) -> None:
     run_case(lambda clock: MemoryIndex(clock=clock), case)
 
 
+@pytest.fixture(scope="module")
+def private_redis() -> Any:
+    """A Redis of this module's own: every example dumps the index, and a dump
+    SCANs the whole keyspace, which the session's Redis fills with what earlier
+    tests left (the conformance runs' indexes made 200 examples take 117 s)."""
+    from lab.redisproc import RedisProcess
+
+    with RedisProcess() as proc:
+        yield proc
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=case_st)
-def test_redis_backend_matches_reference(case: Any, redis_server: Any) -> None:
+def test_redis_backend_matches_reference(case: Any, private_redis: Any) -> None:
     import uuid
 
     from indexer.redis.backend import RedisIndex
 
     run_case(
-        lambda clock: RedisIndex(redis_server.url, prefix=f"p{uuid.uuid4().hex[:8]}", clock=clock),
+        lambda clock: RedisIndex(private_redis.url, prefix=f"p{uuid.uuid4().hex[:8]}", clock=clock),
         case,
     )
 

@@ -133,6 +133,9 @@ class DecodedBatch:
     malformed_events: int = 0
 
 
+_ONLY_INT = {int}
+
+
 def decode_seq(frame: bytes) -> int:
     """The sequence number of a live message: 8 bytes, big-endian, unsigned."""
     if len(frame) != 8:
@@ -178,6 +181,9 @@ def _fields(raw: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
 def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise MalformedEvent("block_hashes is not a list")
+    # vLLM's usual case, checked at C speed: every hash an int in [0, 2^64).
+    if value and set(map(type, value)) == _ONLY_INT and min(value) >= 0 and max(value) <= _U64:
+        return tuple(value)
     return tuple(engine_hash(h) for h in value)
 
 

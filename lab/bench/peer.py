@@ -57,6 +57,12 @@ Per side, in order:
    and with every fifth a health check (kvmesh ``grpc.health.v1``, Dynamo
    ``/health``).
 
+5. **Redis's own limit** (standalone Redis only): the same number of
+   (block, instance) pairs (at most 2 M) written as plain pipelined HSETs by
+   ``redis-cli --pipe`` into the same server (:mod:`lab.bench.rawwrite`):
+   pairs per second and ``used_memory`` per pair, and kvmesh's ingest as a
+   share of that rate.
+
 One table prints both sides and ``kvmesh / Dynamo`` ratios; ``--json FILE``
 writes ``peer_<side>_<figure>`` and ``ratio_<backend>_<figure>`` figures
 with the run's params. Dynamo's indexer binds 0.0.0.0, so a run with it
@@ -102,6 +108,7 @@ from lab.bench.peer_procs import (
     wait_until,
     worker_id,
 )
+from lab.bench.rawwrite import raw_pipelined_write
 from lab.bench.report import fmt, table, write_report
 from lab.conformance import vllm_python
 from lab.engines.vllm_publishers import (
@@ -780,6 +787,13 @@ def _measure(
             run.notes[f"probe_errors_{side.name}"] = probes.error_kinds
     if examples:
         run.notes[f"wrong_examples_{side.name}"] = examples
+    if isinstance(store, redis.Redis):
+        # The physical limit: the same pairs as plain pipelined HSETs (lab/bench/rawwrite.py).
+        kw = store.connection_pool.connection_kwargs
+        raw = raw_pipelined_write(kw["host"], int(kw["port"]), s.pairs, s.instances)
+        f["raw_write_pairs_per_s"] = raw.pairs_per_s
+        f["raw_write_bytes_per_pair"] = raw.bytes_per_pair
+        f["ingest_vs_raw_write"] = f["ingest_blocks_per_s"] / raw.pairs_per_s
 
 
 # -- report ----------------------------------------------------------------------------
@@ -814,6 +828,9 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("indexer RSS after ingest", "rss_mb", "MB"),
     ("RSS growth / (block, inst)", "rss_bytes_per_block_instance", "B"),
     ("Redis bytes / (block, inst)", "store_bytes_per_block_instance", "B"),
+    ("Redis raw pipelined HSETs", "raw_write_pairs_per_s", "pairs/s"),
+    ("  ingest ÷ raw write", "ingest_vs_raw_write", ""),
+    ("  raw write bytes / pair", "raw_write_bytes_per_pair", "B"),
 )
 
 #: Figures that get a ``ratio_`` (kvmesh ÷ Dynamo): rates, latencies, memory.

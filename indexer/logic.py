@@ -535,6 +535,9 @@ class IndexerLogic:
             await self._check_owner(batch.instance)
             batch, skipped = await self._validate_batch(batch, skip_invalid)
             batch, counted = await self._filter_groups(batch)
+            if counted:
+                # What the group tracker left out is skipped too (counted by reason).
+                skipped += sum(counted.skipped.values())
             result = await self.index.apply(batch)
         except KvmeshError as e:
             self.counters.batches_rejected += 1

@@ -143,6 +143,34 @@ async def test_a_unit_whose_parent_was_never_published_is_skipped_not_guessed() 
     assert logic.counters.events_skipped == {"partial_unplaced": 2}
 
 
+async def test_the_ack_counts_the_blocks_the_group_tracker_left_out() -> None:
+    """A publisher reads what was left out of its batch from the ack: the tracker's
+    skips (here two unkeyable units) are in blocks_skipped like validation's."""
+    a = PROMPT_A + tuple(range(5000, 5045))
+    logic = IndexerLogic(MemoryIndex(), config(block_size=B))
+    await logic.register(InstanceSpec(W, "m", "http://w", 30.0, "x"))
+    ack = await logic.publish(
+        EventBatch(
+            W,
+            0,
+            (
+                BlockStored(
+                    tuple(_h(4 * j) for j in range(1, 11)),
+                    None,
+                    a[:640],
+                    B,
+                    group=0,
+                    group_kind=FULL,
+                ),
+                BlockStored((_h(42),), _h(41), a[656:672], U, group=0, group_kind=FULL),
+                BlockStored((_h(40),), _h(36), a[576:640], B, group=1, group_kind=MAMBA),
+                BlockStored((_h(42),), _h(41), a[656:672], U, group=1, group_kind=MAMBA),
+            ),
+        )
+    )
+    assert ack.blocks_skipped == sum(logic.counters.events_skipped.values()) == 2
+
+
 async def test_a_hit_inside_the_first_block_is_listed_with_depth_0() -> None:
     a = PROMPT_A
     events = (

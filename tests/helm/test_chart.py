@@ -1321,3 +1321,20 @@ def test_engine_event_ports_are_open_to_the_indexer_only(engine_chart: Path) -> 
     assert pol["spec"]["ingress"][0]["from"][0]["namespaceSelector"] == {
         "matchLabels": {"kubernetes.io/metadata.name": "kvmesh"}
     }
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 512])
+def test_the_indexer_env_loads_at_every_model_block_size(block_size: int) -> None:
+    """The chart's defaults start an indexer whatever block size the model has (an
+    explicit Match cap of 8,192 blocks of 512 tokens could not fit a message, and
+    the config refused to load); a cap given in values still reaches the config."""
+    from indexer.config import load_config
+
+    docs = manifests(render({"indexer": {"modelBlockSizes": {"m": block_size}}}))
+    (c,) = containers(by_kind(docs, "Deployment")["rel-kvmesh-indexer"])
+    cfg = load_config(environ=env_for_loader(c))
+    assert cfg.model_block_sizes == {"m": block_size}
+    assert cfg.limits.max_match_blocks * block_size * 5 < cfg.limits.max_message_bytes
+    docs = manifests(render({"indexer": {"maxMatchBlocks": 1000}}))
+    (c,) = containers(by_kind(docs, "Deployment")["rel-kvmesh-indexer"])
+    assert load_config(environ=env_for_loader(c)).limits.max_match_blocks == 1000

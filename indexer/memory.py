@@ -496,7 +496,9 @@ class MemoryIndex(Index):
                     counts[_FASTEST[cand[n]]] += 1
                     counts[_FASTEST[holders[n]]] += 1
                     active[n] = counts
-        shallow = sorted(cand.keys() - active.keys()) if active else sorted(cand)
+        # Ordered by instance id, as every answer is (numbers follow registration).
+        shallow = cand.keys() - active.keys() if active else cand.keys()
+        shallow_order = sorted(shallow, key=lambda n: by_no[n].key)
         done: list[tuple[int, list[int]]] = []
         depth = 2
         n_keys = len(keys)
@@ -547,7 +549,7 @@ class MemoryIndex(Index):
                 InstanceMatch(inst.spec.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
             )
         out.sort(key=_match_order)
-        for n in shallow:
+        for n in shallow_order:
             mask = cand[n]
             inst = by_no[n]
             cache = inst.depth1

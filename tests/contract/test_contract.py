@@ -65,6 +65,25 @@ async def test_match_returns_longest_prefix_per_instance_sorted(index: Any) -> N
     assert await index.match(NS, KEYS[:3]) and (await index.match(NS, KEYS[:3]))[0].depth == 3
 
 
+async def test_equal_depths_are_ordered_by_instance_whatever_the_registration_order(
+    index: Any,
+) -> None:
+    """Ties (deepest first) go by instance id, not by when instances registered, at
+    every depth: the one-block holders of a shared first block too."""
+    for inst in (B, A1, A):
+        await reg(index, inst)
+    for inst in (B, A1, A):
+        await index.apply(EventBatch(inst, 0, (stored(0, 1),)))
+    assert [m.instance for m in await index.match(NS, KEYS)] == sorted([A, A1, B])
+    for inst in (B, A1, A):
+        await index.apply(EventBatch(inst, 1, (stored(1, 3),)))
+    assert [(m.instance, m.depth) for m in await index.match(NS, KEYS)] == [
+        (A, 3),
+        (A1, 3),
+        (B, 3),
+    ]
+
+
 async def test_match_stops_at_first_gap(index: Any) -> None:
     await reg(index, A)
     await index.apply(EventBatch(A, 0, (stored(0, 8),)))

@@ -14,6 +14,15 @@ by the service's :class:`~indexer.rpc.IndexerCalls`, which
 - records per-method latency and status counts, and a server span when
   tracing is on.
 
+``MatchStream`` serves many Matches over one stream, many to a message each
+way (:meth:`IndexerServicer.MatchStream`): the stream is admitted like any
+call (identity, role, per-client ``max_in_flight``, where it counts as one,
+and ``max_concurrent_rpcs``); each Match on it then takes a token of the
+caller's ``match`` rate and counts as one more call against
+``max_concurrent_rpcs`` while it runs, and is answered in band, an error
+included, without ending the stream. Replies are written coalesced: every
+reply ready when the writer wakes goes into one message.
+
 Message size: a request larger than ``limits.max_message_bytes`` is refused by
 grpc itself with RESOURCE_EXHAUSTED before any handler runs (the caps on
 blocks per Match and events per batch, checked by the logic, answer
@@ -32,26 +41,40 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from opentelemetry import trace
 
 from indexer import convert
 from indexer.config import IndexerConfig
 from indexer.factory import build_index
 from indexer.index import Index
-from indexer.instrumented import InstrumentedIndex, Metrics, configure_tracing
+from indexer.instrumented import (
+    TRACER_NAME,
+    InstrumentedIndex,
+    Metrics,
+    configure_tracing,
+)
 from indexer.logic import IndexerLogic
+from indexer.memory import MemoryIndex
 from indexer.rpc import IndexerCalls
 from indexer.sglang.compat import SglangCompat
 from indexer.sglang.server import SGLANG_SERVICE_NAME, SglangServicer, add_sglang_servicer
 from kvmesh import runtime
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from kvmesh.auth import Authorizer, current_client
-from kvmesh.errors import KvmeshError, PermissionDenied, Unauthenticated
+from kvmesh.auth import Authorizer, Client, current_client
+from kvmesh.errors import (
+    InvalidArgument,
+    KvmeshError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from kvmesh.grpcsvc import (
     HANDLER_FACTORIES,
     Guard,
@@ -60,6 +83,7 @@ from kvmesh.grpcsvc import (
     add_guarded,
     add_health_and_reflection,
     observed,
+    status_code,
 )
 from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import setup_logging as _setup_logging
@@ -72,6 +96,110 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
 
 
 _PING_RESPONSE = pb.PingResponse()
+
+
+#: Matches one MatchStream runs at once (computing or waiting to be written),
+#: whatever the number of messages they came in; the stream's next message is
+#: not read (nor the rest of a message started) until one ends, so a client
+#: that sends faster than the server answers is held back by HTTP/2 flow
+#: control instead of growing a task set. 64 is the router client's default
+#: ``max_in_flight``: one router's whole window fits on its stream.
+MATCH_STREAM_WINDOW = 64
+
+#: Replies one MatchStreamResponse carries at most: the writer takes every
+#: reply ready, up to this many (the window bounds them first unless it is
+#: set larger), so that one send carries the replies of a whole window.
+MATCH_STREAM_MAX_REPLIES = 256
+
+#: Bytes past which a MatchStreamResponse takes no more replies (it always
+#: takes one, however large). A quarter of grpc's default 4 MiB receive limit,
+#: so that a client with default channel options reads any batch; replies are
+#: a few hundred bytes each, so the count above binds first in practice.
+MATCH_STREAM_MAX_REPLY_BYTES = 1 << 20
+
+#: Method label of the per-Match metrics and spans of MatchStream (the stream
+#: itself is recorded under "MatchStream", as every stream is: whole stream).
+MATCH_STREAM_MATCH = "MatchStream.Match"
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative int."""
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# Field tags (proto/kvmesh/indexer/v1/indexer.proto): MatchStreamResponse
+# replies = 1 (length-delimited); MatchStreamReply request_id = 1 (varint),
+# match = 2 (length-delimited). The match bytes are those of
+# convert.MatchResponseEncoder, as unary Match sends them.
+_TAG_REPLIES = b"\x0a"
+_TAG_REQUEST_ID = b"\x08"
+_TAG_MATCH = b"\x12"
+
+
+def match_stream_reply(request_id: int, match: bytes) -> bytes:
+    """One entry of ``MatchStreamResponse.replies``: a MatchStreamReply carrying
+    serialized MatchResponse ``match``, with its tag and length.
+
+    Entries concatenated are a serialized MatchStreamResponse (a repeated
+    field's entries simply follow one another), so the writer joins them
+    without building a message. ``match`` is always written, even empty, so
+    that the reply has it set (what tells an answer from an error to a reader
+    of the message).
+    """
+    head = _TAG_REQUEST_ID + _varint(request_id) if request_id else b""
+    body = b"".join((head, _TAG_MATCH, _varint(len(match)), match))
+    return b"".join((_TAG_REPLIES, _varint(len(body)), body))
+
+
+def match_stream_error(request_id: int, err: KvmeshError) -> bytes:
+    """The ``MatchStreamResponse.replies`` entry of ``err``: the status unary
+    Match would end with."""
+    code = status_code(err.code)
+    body = pb.MatchStreamReply(
+        request_id=request_id, code=code.value[0], message=str(err), field=err.field
+    ).SerializeToString()
+    return _TAG_REPLIES + _varint(len(body)) + body
+
+
+def _answers_without_io(index: Index) -> bool:
+    """Whether ``index``'s Match completes without awaiting anything (the
+    memory backend's, as built by :func:`~indexer.factory.build_index`).
+
+    A subclass that overrides ``match`` (it may await) does not count.
+    """
+    inner = index.inner if isinstance(index, InstrumentedIndex) else index
+    return isinstance(inner, MemoryIndex) and type(inner).match is MemoryIndex.match
+
+
+class _Undecodable:
+    """A MatchStream frame that did not decode (see :func:`_decode_match_stream_request`)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _decode_match_stream_request(raw: bytes) -> pb.MatchStreamRequest | _Undecodable:
+    """Decode a MatchStream frame; an undecodable one is handed to the handler, not raised.
+
+    The call scope would abort the call from the task reading the stream,
+    which may be while the handler writes a reply (grpc allows one send at a
+    time: the abort would fail); :meth:`IndexerServicer.MatchStream` ends the
+    stream itself instead, from the writing task, once the replies in flight
+    are written.
+    """
+    try:
+        return pb.MatchStreamRequest.FromString(raw)
+    except Exception as e:
+        return _Undecodable(e)
 
 
 def _serialize(message: Any) -> bytes:
@@ -92,6 +220,8 @@ INDEXER_RULES: dict[str, MethodRule] = {
     "RemoveInstance": MethodRule(("admin",)),
     "ListInstances": MethodRule(("router", "engine")),
     "Match": MethodRule(("router",), rate="match"),
+    # The stream is admitted once; each of its Matches takes a "match" token.
+    "MatchStream": MethodRule(("router",)),
     "GetStats": MethodRule(("router",)),
     "DumpIndex": MethodRule(("admin",)),
     "Ping": MethodRule(("*",)),
@@ -113,7 +243,11 @@ def add_servicer(
         factory = HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            request_deserializer=(
+                _decode_match_stream_request
+                if method.name == "MatchStream"
+                else getattr(pb, method.input_type.name).FromString
+            ),
             response_serializer=_serialize,
         )
     add_guarded(
@@ -129,13 +263,34 @@ def add_servicer(
 class IndexerServicer(pb_grpc.IndexerServiceServicer):
     """grpc.aio servicer: converts messages and calls :class:`IndexerLogic`."""
 
-    def __init__(self, logic: IndexerLogic, metrics: Metrics, guard: Guard | None = None) -> None:
+    def __init__(
+        self,
+        logic: IndexerLogic,
+        metrics: Metrics,
+        guard: Guard | None = None,
+        *,
+        match_stream_window: int = MATCH_STREAM_WINDOW,
+        match_stream_inline: bool | None = None,
+    ) -> None:
+        if match_stream_window < 1:
+            raise ValueError("match_stream_window must be at least 1")
         self.logic = logic
         self.guard = guard if guard is not None else Guard("indexer")
         self.metrics = metrics
         #: In-flight cap, metrics and spans of the observed methods.
         self.calls = IndexerCalls(metrics, logic.config.limits.max_concurrent_rpcs)
         self._match_encoder = convert.MatchResponseEncoder()
+        #: Matches in flight per MatchStream at most (:data:`MATCH_STREAM_WINDOW`).
+        self.match_stream_window = match_stream_window
+        #: Whether MatchStream runs a message's Matches one after the other in
+        #: the task reading the stream (no task per Match), which costs no
+        #: concurrency when the backend answers without awaiting I/O; else one
+        #: task per Match. None: decided by the backend (:func:`_answers_without_io`).
+        self.match_stream_inline = (
+            _answers_without_io(logic.index) if match_stream_inline is None else match_stream_inline
+        )
+        self._stream_seconds = metrics.rpc_seconds.labels(MATCH_STREAM_MATCH)
+        self._stream_ok = metrics.rpcs.labels(MATCH_STREAM_MATCH, "OK")
 
     @observed
     async def RegisterInstance(
@@ -214,6 +369,199 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         """
         result = await self.logic.match(convert.match_query_from_pb(request))
         return self._match_encoder.encode(result)
+
+    @observed
+    async def MatchStream(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[pb.MatchStreamRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[bytes]:
+        """Many Matches over one stream, many to a message; replies (serialized)
+        coalesced, in any order.
+
+        A reader task takes messages and runs their Matches, at most
+        :attr:`match_stream_window` of them unanswered whatever the messages
+        they came in (the reader waits for a slot, part way through a message
+        if need be: backpressure). With :attr:`match_stream_inline` it runs
+        them itself one after the other, else it starts one task per Match.
+        Each Match runs :meth:`_stream_match`, the unary path
+        (:meth:`IndexerLogic.match` and the same encoder), and any error
+        becomes that Match's error reply. This generator writes the replies:
+        each time it wakes, every reply ready (up to
+        :data:`MATCH_STREAM_MAX_REPLIES` and
+        :data:`MATCH_STREAM_MAX_REPLY_BYTES`) goes into one response, so the
+        replies of one message may span several responses and one response may
+        answer several messages. Client half-close: the in-flight replies are
+        written, then the stream ends OK. Cancellation (or the client going
+        away) cancels the reader and every Match in flight. Undecodable request
+        bytes cannot be answered by request id: nothing more is read, the
+        replies in flight are written, and the stream ends INVALID_ARGUMENT
+        naming "request", as any stream does.
+        """
+        window = self.match_stream_window
+        inline = self.match_stream_inline
+        run = self._traced_stream_match if self.calls.tracing else self._stream_match
+        ready: list[bytes] = []  # replies.entries not yet written
+        tasks: set[asyncio.Task[None]] = set()
+        failure: list[BaseException] = []
+        client = current_client()
+        loop = asyncio.get_running_loop()
+        # Matches started and not yet written; the future the writer waits on
+        # for a reply (or the end), and the one the reader waits on for a slot.
+        in_flight = 0
+        ended = False
+        writer_wait: asyncio.Future[None] | None = None
+        reader_wait: asyncio.Future[None] | None = None
+
+        def put(reply: bytes) -> None:
+            ready.append(reply)
+            if writer_wait is not None and not writer_wait.done():
+                writer_wait.set_result(None)
+
+        async def answer(item: pb.MatchStreamItem) -> None:
+            put(await run(item, client))
+
+        async def read() -> None:
+            nonlocal in_flight, ended, reader_wait
+            try:
+                async for request in request_iterator:
+                    if isinstance(request, _Undecodable):
+                        failure.append(self._undecodable(request.error))
+                        break
+                    items = request.matches
+                    i, n = 0, len(items)
+                    while i < n:
+                        free = window - in_flight
+                        if free <= 0:
+                            reader_wait = loop.create_future()
+                            await reader_wait
+                            continue
+                        chunk = items[i : i + free]
+                        i += len(chunk)
+                        in_flight += len(chunk)
+                        if inline:
+                            for item in chunk:
+                                put(await run(item, client))
+                        else:
+                            for item in chunk:
+                                task = loop.create_task(answer(item))
+                                tasks.add(task)
+                                task.add_done_callback(tasks.discard)
+                while tasks:
+                    await asyncio.wait(tuple(tasks))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # a bug: end the stream once the replies are out
+                failure.append(e)
+            ended = True
+            if writer_wait is not None and not writer_wait.done():
+                writer_wait.set_result(None)
+
+        reader = loop.create_task(read())
+        try:
+            while True:
+                if not ready:
+                    if ended:
+                        break
+                    writer_wait = loop.create_future()
+                    await writer_wait
+                    continue
+                count = size = 0
+                for reply in ready:
+                    count += 1
+                    size += len(reply)
+                    if count >= MATCH_STREAM_MAX_REPLIES or size >= MATCH_STREAM_MAX_REPLY_BYTES:
+                        break
+                if count == len(ready):
+                    batch = b"".join(ready)
+                    ready.clear()
+                else:
+                    batch = b"".join(ready[:count])
+                    del ready[:count]
+                yield batch
+                in_flight -= count
+                if reader_wait is not None and not reader_wait.done():
+                    reader_wait.set_result(None)
+            if failure:
+                raise failure[0]
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def _traced_stream_match(self, item: pb.MatchStreamItem, client: Client | None) -> bytes:
+        """:meth:`_stream_match` under a span of :data:`MATCH_STREAM_MATCH`, inside the stream's."""
+        with trace.get_tracer(TRACER_NAME).start_as_current_span(
+            f"{SERVICE_NAME}/{MATCH_STREAM_MATCH}",
+            kind=trace.SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.method": MATCH_STREAM_MATCH},
+        ) as span:
+            return await self._stream_match(item, client, span)
+
+    async def _stream_match(
+        self, item: pb.MatchStreamItem, client: Client | None, span: Any = None
+    ) -> bytes:
+        """One Match of a stream: its reply entry, an error reply for any error.
+
+        The per-Match share of the call scope: the caller's ``match`` rate,
+        ``max_concurrent_rpcs`` (this Match counts as one call while it runs),
+        latency and status counts under :data:`MATCH_STREAM_MATCH`, and the
+        status on ``span`` (:meth:`_traced_stream_match`).
+        """
+        rid = item.request_id
+        calls = self.calls
+        start = time.perf_counter()
+        try:
+            if client is not None:
+                self.guard.take(client, "match", "MatchStream")
+            limit = calls.max_concurrent_rpcs
+            if limit and calls.in_flight >= limit:
+                raise ResourceExhausted(
+                    f"server overloaded: {limit} calls in flight "
+                    "(limits.max_concurrent_rpcs); retry",
+                    field="limits.max_concurrent_rpcs",
+                )
+            calls.in_flight += 1
+            try:
+                result = await self.logic.match(convert.match_query_from_pb(item.match))
+            finally:
+                calls.in_flight -= 1
+            reply = match_stream_reply(rid, self._match_encoder.encode(result))
+        except KvmeshError as e:
+            reply = self._stream_error(rid, e, span)
+        except Exception as e:
+            log.exception("internal error in a Match of a stream (request id %d)", rid)
+            reply = self._stream_error(
+                rid, KvmeshError(f"internal error: {type(e).__name__}"), span
+            )
+        else:
+            self._stream_ok.inc()
+            if span is not None:
+                span.set_attribute("rpc.grpc.status_code", "OK")
+        self._stream_seconds.observe(time.perf_counter() - start)
+        return reply
+
+    def _undecodable(self, err: Exception) -> InvalidArgument:
+        """The error of an undecodable MatchStream frame, counted as the call scope counts one."""
+        guard = self.guard
+        guard.decode_errors["MatchStream"] = guard.decode_errors.get("MatchStream", 0) + 1
+        self.metrics.refusals.labels("MatchStream", "INVALID_ARGUMENT").inc()
+        return InvalidArgument(
+            f"cannot decode the request as {pb.MatchStreamRequest.DESCRIPTOR.full_name}: "
+            f"{type(err).__name__}: {err}",
+            field="request",
+        )
+
+    def _stream_error(self, rid: int, err: KvmeshError, span: Any) -> bytes:
+        """Count ``err`` as unary Match's call scope would, and make its reply."""
+        if isinstance(err, PermissionDenied | Unauthenticated):
+            self.guard.refused("MatchStream", err)
+        code = status_code(err.code).name
+        self.metrics.rpcs.labels(MATCH_STREAM_MATCH, code).inc()
+        if span is not None:
+            span.set_attribute("rpc.grpc.status_code", code)
+            span.set_status(trace.StatusCode.ERROR, code)
+        return match_stream_error(rid, err)
 
     @observed
     async def GetStats(

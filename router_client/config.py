@@ -102,6 +102,12 @@ class IndexerClientSettings(StrictModel):
     # Consecutive failures that open the circuit; how long it stays open.
     breaker_failures: int = Field(default=5, ge=1)
     breaker_cooldown_s: float = Field(default=1.0, gt=0)
+    match_stream: bool = Field(
+        default=True,
+        description="Send Matches over one long-lived MatchStream per client (many in flight, "
+        "one HTTP/2 stream), falling back to unary Match while the stream is down or the "
+        "indexer lacks it; false: unary Match only.",
+    )
     tls: ClientTLS = Field(
         default=ClientTLS(),
         description="TLS, client certificate and bearer token of the channel to the indexer "

@@ -11,6 +11,29 @@ router routes on load alone. It never raises for indexer trouble.
 The client sends block keys (computed by the router with
 :mod:`kvmesh.blockkeys`), never token ids.
 
+Transport of a Match (``settings.match_stream``, on by default): every Match
+goes over one long-lived ``MatchStream`` call of the client, opened at the
+first Match, each request tagged with an id and its reply matched by it (so
+many are in flight on one HTTP/2 stream, and the indexer spends far less per
+Match than on a call of its own). Matches issued while the stream's previous
+message was being sent, or in the same event-loop turn, go out together in
+one message, and each message of replies may answer many Matches: the
+per-message cost, most of the indexer's cost per Match, is shared. The
+deadline, the in-flight bound, the breaker and the outcomes are those of
+unary Match: a reply that has not come within ``deadline_ms`` is
+DEADLINE_EXCEEDED and dropped when it comes; an error reply maps its status
+code as a call's status would. When the stream
+fails (the indexer restarts, the connection drops, an indexer without
+MatchStream answers UNIMPLEMENTED) the Matches waiting on it are re-sent as
+unary calls within what is left of their deadline, and Matches go unary until
+a new stream is opened: after :data:`_STREAM_RETRY_MIN_S`, doubling up to
+:data:`_STREAM_RETRY_MAX_S` while streams keep failing before any reply, and
+:data:`_STREAM_UNIMPLEMENTED_RETRY_S` after UNIMPLEMENTED. Opening a stream
+never waits: the call object is made at once and the first request is written
+behind it. With tracing on, Matches stay unary: the trace context travels in a
+call's metadata, which a stream carries once, when it opens, and a
+MatchStreamRequest has no field for it.
+
 Transport security: with ``settings.tls`` (:class:`kvmesh.tls.ClientTLS`) the
 channel uses TLS, a client certificate (mutual TLS) and a bearer token, built
 by :class:`kvmesh.tls.ChannelFactory`. A TLS handshake the server refuses ends
@@ -47,6 +70,8 @@ from router_client.metrics import tracer
 _SERVICE: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
 #: Name of the Match client span (the server span has the same name).
 _MATCH_METHOD = f"{_SERVICE}/Match"
+#: Path of the MatchStream method.
+_MATCH_STREAM_PATH = f"/{_SERVICE}/MatchStream"
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +82,25 @@ _CONNECT_TIMEOUT_S = 10.0
 #: Added to the Match deadline before a retired channel is closed: every call
 #: on it ends by its deadline, the margin covers the event loop's scheduling.
 _CLOSE_MARGIN_S = 1.0
+#: Wait before opening a new MatchStream after one failed, doubled for each
+#: stream in a row that fails before answering anything, up to the max. Short
+#: first: a stream broken by one dropped connection should come back at once
+#: (unary covers the gap); capped so that an indexer that stays down costs one
+#: stream attempt every few seconds, not one per Match.
+_STREAM_RETRY_MIN_S = 0.1
+_STREAM_RETRY_MAX_S = 5.0
+#: Wait after an indexer answered MatchStream UNIMPLEMENTED (an older replica):
+#: it will not learn the method until it is upgraded, so ask again only
+#: rarely; a rolling upgrade is picked up within this time.
+_STREAM_UNIMPLEMENTED_RETRY_S = 60.0
+#: Matches one MatchStreamRequest carries at most, and the bytes past which it
+#: takes no more (it always takes one): every Match issued while the previous
+#: send was pending goes out in the next message, up to these bounds. 256 is
+#: four default windows (more than ``max_in_flight`` rarely waits at once);
+#: 1 MiB stays far below the indexer's 16 MiB message limit however long the
+#: prompts (8,192 block keys are about 80 KB).
+_STREAM_MAX_BATCH = 256
+_STREAM_MAX_BATCH_BYTES = 1 << 20
 
 
 class MatchStatus(enum.Enum):
@@ -79,6 +123,216 @@ _FAILURE_CODES = {
     grpc.StatusCode.UNAVAILABLE: MatchStatus.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED: MatchStatus.RESOURCE_EXHAUSTED,
 }
+
+
+#: grpc.StatusCode by its number (a MatchStreamResponse carries the number).
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class _StreamBroken(Exception):
+    """The MatchStream a request waited on ended before its reply came."""
+
+
+class _StatusReply(Exception):
+    """An error reply on the stream: the status unary Match would have ended with."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(code.name)
+        self.status_code = code
+
+
+def _expire(fut: asyncio.Future[pb.MatchStreamReply]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative int."""
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# Field tags (proto/kvmesh/indexer/v1/indexer.proto): MatchStreamRequest
+# matches = 1; MatchStreamItem request_id = 1 (varint), match = 2.
+_TAG_MATCHES = b"\x0a"
+_TAG_REQUEST_ID = b"\x08"
+_TAG_MATCH = b"\x12"
+
+
+def _stream_item(request_id: int, match: bytes) -> bytes:
+    """One entry of ``MatchStreamRequest.matches`` (tag, length, MatchStreamItem) for
+    serialized MatchRequest ``match``; entries joined are a serialized MatchStreamRequest."""
+    body = b"".join((_TAG_REQUEST_ID, _varint(request_id), _TAG_MATCH, _varint(len(match)), match))
+    return b"".join((_TAG_MATCHES, _varint(len(body)), body))
+
+
+def _as_bytes(message: bytes) -> bytes:
+    """Request serializer of the stream: its messages are built serialized."""
+    return message
+
+
+class _MatchStream:
+    """One MatchStream call: request ids, a writer task batching the Matches, a
+    reader task handing out replies.
+
+    :meth:`ask` queues a Match; the writer sends every Match queued since its
+    last send (or within the event-loop turn that woke it) as one message, up
+    to :data:`_STREAM_MAX_BATCH` and :data:`_STREAM_MAX_BATCH_BYTES`. The
+    reader hands each reply of a message to its Match by request id.
+    ``on_end(stream, code)`` is called once when the call ends (``code`` None:
+    the server ended it OK); every request still waiting then fails with
+    :class:`_StreamBroken`. ``on_reply(stream)`` is called for the first reply.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        on_end: Callable[[_MatchStream, grpc.StatusCode | None], None],
+        on_reply: Callable[[_MatchStream], None],
+    ) -> None:
+        method = channel.stream_stream(
+            _MATCH_STREAM_PATH,
+            request_serializer=_as_bytes,
+            response_deserializer=pb.MatchStreamResponse.FromString,
+        )
+        self.call: grpc.aio.StreamStreamCall[bytes, pb.MatchStreamResponse] = method()
+        self._on_end = on_end
+        self._on_reply = on_reply
+        self.answered = False
+        self.ended = False
+        self.finishing = False
+        self._pending: dict[int, asyncio.Future[pb.MatchStreamReply]] = {}
+        self._next_id = 0
+        # Serialized MatchStreamRequest.matches entries not yet sent, and the
+        # future the writer waits on while there are none.
+        self._outbox: list[bytes] = []
+        self._wake: asyncio.Future[None] | None = None
+        #: Messages written (each carrying one Match or more) and read (each
+        #: carrying one reply or more).
+        self.messages_sent = 0
+        self.messages_received = 0
+        self.late_replies = 0
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._writer = loop.create_task(self._write())
+        self._reader = loop.create_task(self._read())
+
+    async def ask(self, match: pb.MatchRequest, deadline_s: float) -> pb.MatchStreamReply:
+        """Send ``match`` with the next request id and wait for its reply, at most
+        ``deadline_s`` seconds.
+
+        Raises TimeoutError past it (a reply that comes later is dropped) and
+        :class:`_StreamBroken` when the stream ends first.
+        """
+        if self.ended or self.finishing:
+            raise _StreamBroken()
+        self._next_id += 1
+        rid = self._next_id
+        fut: asyncio.Future[pb.MatchStreamReply] = self._loop.create_future()
+        self._pending[rid] = fut
+        self._outbox.append(_stream_item(rid, match.SerializeToString()))
+        self._kick()
+        timer = self._loop.call_later(deadline_s, _expire, fut)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+            self._pending.pop(rid, None)
+
+    def _kick(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _write(self) -> None:
+        call = self.call
+        outbox = self._outbox
+        try:
+            while True:
+                if not outbox:
+                    if self.finishing:
+                        break
+                    self._wake = self._loop.create_future()
+                    await self._wake
+                    continue
+                count = size = 0
+                for entry in outbox:
+                    count += 1
+                    size += len(entry)
+                    if count >= _STREAM_MAX_BATCH or size >= _STREAM_MAX_BATCH_BYTES:
+                        break
+                if count == len(outbox):
+                    message = b"".join(outbox)
+                    outbox.clear()
+                else:
+                    message = b"".join(outbox[:count])
+                    del outbox[:count]
+                self.messages_sent += 1
+                await call.write(message)
+            await call.done_writing()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # The call ended (the reader sees its status) or was cancelled.
+            self.call.cancel()
+
+    async def _read(self) -> None:
+        code: grpc.StatusCode | None = None
+        pending = self._pending
+        try:
+            while True:
+                resp = await self.call.read()
+                if not isinstance(resp, pb.MatchStreamResponse):
+                    break  # EOF: the server ended the stream OK
+                self.messages_received += 1
+                if not self.answered:
+                    self.answered = True
+                    self._on_reply(self)
+                for reply in resp.replies:
+                    fut = pending.pop(reply.request_id, None)
+                    if fut is None or fut.done():
+                        self.late_replies += 1
+                    else:
+                        fut.set_result(reply)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("indexer client: reading the MatchStream failed")
+        self._end(code)
+
+    def _end(self, code: grpc.StatusCode | None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(_StreamBroken())
+        self._pending.clear()
+        self._writer.cancel()
+        self._on_end(self, code)
+
+    def finish(self) -> None:
+        """Half-close: no new requests; those queued are sent and still get their replies."""
+        self.finishing = True
+        self._kick()
+
+    async def close(self) -> None:
+        """Cancel the call and wait for its tasks."""
+        self.call.cancel()
+        self._writer.cancel()
+        for t in (self._writer, self._reader):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._end(grpc.StatusCode.CANCELLED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +437,12 @@ class IndexerClient:
     the channel is never replaced). Use from one asyncio event loop.
 
     ``channels_opened`` / ``channels_closed`` count this client's channels
-    (a certificate rotation opens one and, once calls moved, closes one).
+    (a certificate rotation opens one and, once calls moved, closes one);
+    ``streams_opened``, ``unary_calls`` (Matches sent as unary calls: stream
+    off, down or broken, or tracing on), ``late_replies`` (stream replies
+    that came after their deadline, dropped) and ``stream_messages_sent`` /
+    ``stream_messages_received`` (MatchStream messages, each carrying one
+    Match or reply or more) tell how Matches travel.
     """
 
     def __init__(
@@ -228,6 +487,19 @@ class IndexerClient:
         self.calls: dict[MatchStatus, int] = dict.fromkeys(MatchStatus, 0)
         # Decided once: tracing off leaves the call path as it was.
         self._tracing = tracing_enabled()
+        # The MatchStream in use (None: none open), when the next may open, and
+        # the wait after the next failure.
+        self._use_stream = self.settings.match_stream and not self._tracing
+        self._stream: _MatchStream | None = None
+        self._streams: set[_MatchStream] = set()
+        self._stream_retry_at = 0.0
+        self._stream_backoff = _STREAM_RETRY_MIN_S
+        self._closed = False
+        self.streams_opened = 0
+        self.unary_calls = 0
+        self._late_replies = 0
+        self._messages_sent = 0
+        self._messages_received = 0
 
     async def match(self, keys: Sequence[int]) -> MatchOutcome:
         """Match ``keys``; never raises for indexer trouble (see the module docstring)."""
@@ -239,26 +511,117 @@ class IndexerClient:
             return self._count(MatchOutcome(MatchStatus.BUSY))
         if not self.breaker.allow():
             return self._count(MatchOutcome(MatchStatus.CIRCUIT_OPEN))
+        timeout = self.settings.deadline_ms / 1000.0
+        stream = self._open_stream() if self._use_stream else None
         req = pb.MatchRequest(
             model=self._model, lora_name=self._lora, block_keys=keys, max_blocks=len(keys)
         )
         self.in_flight += 1
         try:
-            if self._tracing:
-                resp = await self._traced_match(req)
+            if stream is not None:
+                resp = await self._stream_match(stream, req, timeout)
             else:
-                resp = await self._stub.Match(req, timeout=self.settings.deadline_ms / 1000.0)
+                self.unary_calls += 1
+                if self._tracing:
+                    resp = await self._traced_match(req)
+                else:
+                    resp = await self._stub.Match(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            status = _FAILURE_CODES.get(e.code())
-            if status is None:
-                self.breaker.release()
-                return self._count(MatchOutcome(MatchStatus.ERROR))
-            self.breaker.failure()
-            return self._count(MatchOutcome(status))
+            return self._failed(e.code())
+        except _StatusReply as e:
+            return self._failed(e.status_code)
         finally:
             self.in_flight -= 1
         self.breaker.success()
         return self._count(outcome_from_response(resp))
+
+    def _failed(self, code: grpc.StatusCode) -> MatchOutcome:
+        """The outcome of a Match that ended with status ``code``, told to the breaker."""
+        status = _FAILURE_CODES.get(code)
+        if status is None:
+            self.breaker.release()
+            return self._count(MatchOutcome(MatchStatus.ERROR))
+        self.breaker.failure()
+        return self._count(MatchOutcome(status))
+
+    async def _stream_match(
+        self, stream: _MatchStream, req: pb.MatchRequest, deadline_s: float
+    ) -> pb.MatchResponse:
+        """Match over ``stream``; unary within the deadline left if the stream breaks.
+
+        Raises what the unary call would: an AioRpcError, or a
+        :class:`_StatusReply` carrying an error reply's status.
+        """
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            reply = await stream.ask(req, deadline_s)
+        except TimeoutError:
+            raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        except _StreamBroken:
+            left = deadline_s - (loop.time() - t0)
+            if left <= 0:
+                raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED) from None
+            self.unary_calls += 1
+            resp: pb.MatchResponse = await self._stub.Match(req, timeout=left)
+            return resp
+        if reply.code:
+            raise _StatusReply(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN))
+        return reply.match
+
+    # -- the MatchStream ---------------------------------------------------------------
+
+    def _open_stream(self) -> _MatchStream | None:
+        """The stream to send a Match on: the open one, a new one, or None (go unary)."""
+        stream = self._stream
+        if stream is not None:
+            return stream
+        if self._closed or time.monotonic() < self._stream_retry_at:
+            return None
+        stream = _MatchStream(self._channel, self._stream_ended, self._stream_answered)
+        self._stream = stream
+        self._streams.add(stream)
+        self.streams_opened += 1
+        return stream
+
+    def _stream_answered(self, stream: _MatchStream) -> None:
+        self._stream_backoff = _STREAM_RETRY_MIN_S
+
+    def _stream_ended(self, stream: _MatchStream, code: grpc.StatusCode | None) -> None:
+        """A stream ended: Matches go unary until the next may open (module docstring)."""
+        self._streams.discard(stream)
+        self._late_replies += stream.late_replies
+        self._messages_sent += stream.messages_sent
+        self._messages_received += stream.messages_received
+        if stream is not self._stream:
+            return  # a retired stream (channel replaced) ending: nothing to decide
+        self._stream = None
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            wait = _STREAM_UNIMPLEMENTED_RETRY_S
+            log.info(
+                "indexer client: the indexer does not serve MatchStream; unary Match for %.0f s",
+                wait,
+            )
+        else:
+            wait = self._stream_backoff
+            self._stream_backoff = min(_STREAM_RETRY_MAX_S, wait * 2)
+            log.debug("indexer client: MatchStream ended (%s); unary for %.1f s", code, wait)
+        self._stream_retry_at = time.monotonic() + wait
+
+    @property
+    def late_replies(self) -> int:
+        """Stream replies that came after their Match's deadline (dropped)."""
+        return self._late_replies + sum(s.late_replies for s in self._streams)
+
+    @property
+    def stream_messages_sent(self) -> int:
+        """MatchStream messages written, each carrying one Match or more."""
+        return self._messages_sent + sum(s.messages_sent for s in self._streams)
+
+    @property
+    def stream_messages_received(self) -> int:
+        """MatchStream messages read, each carrying one reply or more."""
+        return self._messages_received + sum(s.messages_received for s in self._streams)
 
     async def _traced_match(self, req: pb.MatchRequest) -> pb.MatchResponse:
         """Match under a CLIENT span whose context travels in the call's metadata
@@ -332,6 +695,11 @@ class IndexerClient:
                 return
             old, self._channel = self._channel, new
             self._stub = pb_grpc.IndexerServiceStub(new)
+            if self._stream is not None:
+                # Its Matches in flight are answered on the old channel; new ones
+                # open a stream on the new channel.
+                stream, self._stream = self._stream, None
+                stream.finish()
             log.info("indexer client: new certificates in use for %s", self._factory.target)
             self._retire(old, self.settings.deadline_ms / 1000.0 + _CLOSE_MARGIN_S)
         finally:
@@ -348,7 +716,15 @@ class IndexerClient:
         self.channels_closed += 1
 
     async def close(self) -> None:
-        """Close the channel if this client opened it (and any being replaced or retired)."""
+        """Close the channel if this client opened it (and any being replaced or retired).
+
+        Any open MatchStream is cancelled first (a Match waiting on it is
+        re-sent unary, within its deadline, on a channel still open or fails).
+        """
+        self._closed = True
+        self._stream = None
+        for stream in list(self._streams):
+            await stream.close()
         if self._replacing is not None:
             self._replacing.cancel()
             with contextlib.suppress(asyncio.CancelledError):

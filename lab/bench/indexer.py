@@ -31,6 +31,9 @@ the last was answered (``memory_ingest_during_probe_blocks_per_s``,
 ``memory_health_during_ingest_p99_ms``): what a router and a kubelet see while
 engines flood the replica.
 
+``--matchstream`` runs instead :mod:`lab.bench.matchstream`: Matches per
+server CPU-second over one MatchStream against unary Match.
+
 Every latency figure has its floor measured in the same run: ``Ping`` on the
 same server, which does no work. Figures are printed as one table with
 targets, and written with ``--json FILE`` as ``{"figures": ..., "params": ...}``.
@@ -50,6 +53,7 @@ from redis.crc import key_slot
 
 from indexer.redis.keys import anchor_tag
 from lab.bench import floor as bench_floor
+from lab.bench import matchstream as bench_matchstream
 from lab.bench import tls as bench_tls
 from lab.bench.indexer_common import (
     DEFAULT_PARAMS,
@@ -285,9 +289,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--tls", action="store_true", help="instead: plaintext vs mTLS vs mTLS + client limits"
     )
+    p.add_argument(
+        "--matchstream",
+        action="store_true",
+        help="instead: Matches per server CPU-second, one MatchStream vs unary Match",
+    )
     args, rest = p.parse_known_args(argv)
     if args.floor:
         return bench_floor.main(rest + (["--json", args.json_path] if args.json_path else []))
+    if args.matchstream:
+        flags = (["--quick"] if args.quick else []) + (
+            ["--requests", str(args.requests)] if args.requests is not None else []
+        )
+        return bench_matchstream.main(
+            rest + flags + (["--json", args.json_path] if args.json_path else [])
+        )
     if args.tls:
         flags = (["--quick"] if args.quick else []) + (
             ["--requests", str(args.requests)] if args.requests is not None else []

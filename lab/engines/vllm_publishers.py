@@ -127,7 +127,7 @@ def _stored(ids: Sequence[int], parent: int | None, block_size: int, only_first:
 
 
 def _msgspec() -> Any:
-    import msgspec  # type: ignore[import-not-found]
+    import msgspec
 
     return msgspec
 

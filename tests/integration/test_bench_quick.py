@@ -71,6 +71,32 @@ def test_quick_bench_writes_every_figure(
     assert "Match p99 during ZMQ ingest" in printed
 
 
+@pytest.mark.timeout(60)
+def test_quick_matchstream_bench_writes_its_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "matchstream.json"
+    assert bench.main(["--matchstream", "--quick", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    figures = doc["figures"]
+    for mode in ("unary", "stream"):
+        for name in ("matches_per_server_cpu_s", "server_cpu_us_per_match", "matches_per_s"):
+            v = figures[f"{mode}_{name}"]
+            assert math.isfinite(v) and v > 0, (mode, name, v)
+        assert figures[f"{mode}_ok_fraction"] == 1.0  # every Match answered, none timed out
+    # Stream messages carry one Match (reply) or more: at most the 16 in flight.
+    for name in ("matches_per_request_message", "replies_per_response_message"):
+        assert 1.0 <= figures[f"stream_{name}"] <= 16.0, (name, figures[f"stream_{name}"])
+    ratio = figures["stream_over_unary_matches_per_server_cpu_s"]
+    assert ratio == pytest.approx(
+        figures["stream_matches_per_server_cpu_s"] / figures["unary_matches_per_server_cpu_s"]
+    )
+    assert doc["params"]["concurrency"] == 16 and doc["params"]["instances"] == 64
+    printed = capsys.readouterr().out
+    assert "Matches / server CPU-second" in printed and "stream / unary" in printed
+    assert "Matches / request message" in printed
+
+
 def test_quickstart_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert quickstart.main(["--instances", "3", "--requests", "400", "--prompts", "2"]) == 0
     printed = capsys.readouterr().out

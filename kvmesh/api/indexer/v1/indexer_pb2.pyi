@@ -327,6 +327,40 @@ class MatchResponse(_message.Message):
     block_size: int
     def __init__(self, matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
+class MatchStreamRequest(_message.Message):
+    __slots__ = ("matches",)
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    matches: _containers.RepeatedCompositeFieldContainer[MatchStreamItem]
+    def __init__(self, matches: _Optional[_Iterable[_Union[MatchStreamItem, _Mapping]]] = ...) -> None: ...
+
+class MatchStreamItem(_message.Message):
+    __slots__ = ("request_id", "match")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    match: MatchRequest
+    def __init__(self, request_id: _Optional[int] = ..., match: _Optional[_Union[MatchRequest, _Mapping]] = ...) -> None: ...
+
+class MatchStreamResponse(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[MatchStreamReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[MatchStreamReply, _Mapping]]] = ...) -> None: ...
+
+class MatchStreamReply(_message.Message):
+    __slots__ = ("request_id", "match", "code", "message", "field")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    match: MatchResponse
+    code: int
+    message: str
+    field: str
+    def __init__(self, request_id: _Optional[int] = ..., match: _Optional[_Union[MatchResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -70,6 +70,11 @@ class IndexerServiceStub:
                 request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchResponse.FromString,
                 _registered_method=True)
+        self.MatchStream = channel.stream_stream(
+                '/kvmesh.indexer.v1.IndexerService/MatchStream',
+                request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchStreamRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchStreamResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvmesh.indexer.v1.IndexerService/GetStats',
                 request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.GetStatsRequest.SerializeToString,
@@ -140,6 +145,18 @@ class IndexerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MatchStream(self, request_iterator, context):
+        """Many Matches over one long-lived stream (one per router and replica):
+        each message carries one Match or many, each tagged with a request_id;
+        replies come as they complete, several to a message, in any order, each
+        tagged with its Match's request_id. A bad Match gets an error reply
+        (code, message, field) and does not end the stream; the server ends it OK
+        once the client half-closes and every reply is written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -198,6 +215,11 @@ def add_IndexerServiceServicer_to_server(servicer, server):
                     servicer.Match,
                     request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchRequest.FromString,
                     response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchResponse.SerializeToString,
+            ),
+            'MatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.MatchStream,
+                    request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchStreamRequest.FromString,
+                    response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchStreamResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -405,6 +427,33 @@ class IndexerService:
             '/kvmesh.indexer.v1.IndexerService/Match',
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchRequest.SerializeToString,
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.indexer.v1.IndexerService/MatchStream',
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchStreamRequest.SerializeToString,
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.MatchStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

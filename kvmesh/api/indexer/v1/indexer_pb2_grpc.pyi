@@ -54,6 +54,14 @@ class IndexerServiceStub:
     """
     Match: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.MatchRequest, _indexer_pb2.MatchResponse]
     """Which live instances hold the longest prefix of a prompt."""
+    MatchStream: _grpc.StreamStreamMultiCallable[_indexer_pb2.MatchStreamRequest, _indexer_pb2.MatchStreamResponse]
+    """Many Matches over one long-lived stream (one per router and replica):
+    each message carries one Match or many, each tagged with a request_id;
+    replies come as they complete, several to a message, in any order, each
+    tagged with its Match's request_id. A bad Match gets an error reply
+    (code, message, field) and does not end the stream; the server ends it OK
+    once the client half-closes and every reply is written.
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.GetStatsRequest, _indexer_pb2.GetStatsResponse]
     DumpIndex: _grpc.UnaryStreamMultiCallable[_indexer_pb2.DumpIndexRequest, _indexer_pb2.DumpIndexResponse]
     """The index's content, for debugging: admin only. Reads the whole index
@@ -82,6 +90,14 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     """
     Match: _aio.UnaryUnaryMultiCallable[_indexer_pb2.MatchRequest, _indexer_pb2.MatchResponse]  # type: ignore[assignment]
     """Which live instances hold the longest prefix of a prompt."""
+    MatchStream: _aio.StreamStreamMultiCallable[_indexer_pb2.MatchStreamRequest, _indexer_pb2.MatchStreamResponse]  # type: ignore[assignment]
+    """Many Matches over one long-lived stream (one per router and replica):
+    each message carries one Match or many, each tagged with a request_id;
+    replies come as they complete, several to a message, in any order, each
+    tagged with its Match's request_id. A bad Match gets an error reply
+    (code, message, field) and does not end the stream; the server ends it OK
+    once the client half-closes and every reply is written.
+    """
     GetStats: _aio.UnaryUnaryMultiCallable[_indexer_pb2.GetStatsRequest, _indexer_pb2.GetStatsResponse]  # type: ignore[assignment]
     DumpIndex: _aio.UnaryStreamMultiCallable[_indexer_pb2.DumpIndexRequest, _indexer_pb2.DumpIndexResponse]  # type: ignore[assignment]
     """The index's content, for debugging: admin only. Reads the whole index
@@ -149,6 +165,20 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_indexer_pb2.MatchResponse, _abc.Awaitable[_indexer_pb2.MatchResponse]]:
         """Which live instances hold the longest prefix of a prompt."""
+
+    @_abc_1.abstractmethod
+    def MatchStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_indexer_pb2.MatchStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_indexer_pb2.MatchStreamResponse], _abc.AsyncIterator[_indexer_pb2.MatchStreamResponse]]:
+        """Many Matches over one long-lived stream (one per router and replica):
+        each message carries one Match or many, each tagged with a request_id;
+        replies come as they complete, several to a message, in any order, each
+        tagged with its Match's request_id. A bad Match gets an error reply
+        (code, message, field) and does not end the stream; the server ends it OK
+        once the client half-closes and every reply is written.
+        """
 
     @_abc_1.abstractmethod
     def GetStats(

@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 
 from indexer.index import Index
 from indexer.model import (
@@ -505,8 +506,14 @@ class MemoryIndex(Index):
         if len(active) == 1:
             # One instance walks on (a conversation's own blocks): no dict to narrow.
             ((n, counts),) = active.items()
-            while depth < n_keys:
-                h = table.get(keys[depth])
+            get = table.get
+            gpu_only = n << 3 | 1  # the usual entry: this instance alone, on the GPU
+            gpu = 0
+            for key in islice(keys, 2, None):
+                h = get(key)
+                if h == gpu_only:
+                    gpu += 1
+                    continue
                 if h is None:
                     break
                 if type(h) is int:
@@ -518,29 +525,45 @@ class MemoryIndex(Index):
                     if held is None:
                         break
                     counts[_FASTEST[held]] += 1
-                depth += 1
+            counts[0] += gpu
         else:
+            # A shared prefix: while the block's holders are exactly the walkers,
+            # each on the GPU alone (C-level checks), one counter stands for
+            # everyone's GPU count; a walker takes it when it stops.
+            common = 0
+            get = table.get
             while active and depth < n_keys:
-                h = table.get(keys[depth])
+                h = get(keys[depth])
                 if h is None:
                     break
                 if type(h) is int:
                     n1 = h >> 3
                     counts1 = active.pop(n1, None)
-                    done.extend(active.items())
+                    for n, counts in active.items():
+                        counts[0] += common
+                        done.append((n, counts))
                     active = {}
                     if counts1 is not None:
                         counts1[_FASTEST[h & 7]] += 1
                         active[n1] = counts1
+                elif (
+                    len(h) == len(active)  # type: ignore[arg-type]
+                    and h.keys() == active.keys()  # type: ignore[union-attr]
+                    and max(h.values()) == 1  # type: ignore[union-attr]
+                ):
+                    common += 1
                 else:
                     for n, counts in list(active.items()):
                         held = h.get(n)  # type: ignore[union-attr]
                         if held is None:
+                            counts[0] += common
                             done.append((n, counts))
                             del active[n]
                         else:
                             counts[_FASTEST[held]] += 1
                 depth += 1
+            for counts in active.values():
+                counts[0] += common
         done.extend(active.items())
         out = []
         for n, (g, c, d) in done:

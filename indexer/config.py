@@ -59,8 +59,18 @@ class RedisSettings(StrictModel):
     socket_timeout_s: float = Field(
         default=1.0,
         gt=0,
-        description="Socket connect/read timeout. A Match is one round trip, so a short "
-        "timeout turns a hung Redis into UNAVAILABLE quickly instead of stalling routers.",
+        description="Connect timeout, and the longest wait for the reply to what a router "
+        "waits on (Match, the instance table, PING). A Match is one round trip, so a short "
+        "timeout turns a hung Redis into UNAVAILABLE quickly instead of stalling routers; "
+        "writes wait up to write_timeout_s.",
+    )
+    write_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest wait for the reply to a write (an apply, a registration, a purge). "
+        "One apply of a long engine event (a whole prompt: thousands of blocks at 16-token "
+        "blocks) can hold a loaded Redis for most of a second; a write given up on still "
+        "completes, and its retries pile up. Reads a router waits on keep socket_timeout_s.",
     )
     max_connections: int = Field(
         default=64,

@@ -27,6 +27,7 @@ def build_index(config: IndexerConfig) -> Index:
         r.url,
         prefix=r.prefix,
         socket_timeout_s=r.socket_timeout_s,
+        write_timeout_s=r.write_timeout_s,
         max_connections=r.max_connections,
         instance_cache_ttl_s=r.instance_cache_ttl_s,
         parent_cache_size=r.parent_cache_size,

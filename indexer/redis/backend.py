@@ -36,8 +36,15 @@ failure cut off are finished by the retry, the instance's next batch or
 move.
 
 Every method raises :class:`~kvmesh.errors.Unavailable` when Redis cannot be
-reached (after at most ``socket_timeout_s`` per round trip) and recovers by
-itself once Redis is back, reloading scripts after NOSCRIPT.
+reached and recovers by itself once Redis is back, reloading scripts after
+NOSCRIPT. How long a round trip may take: ``socket_timeout_s`` for what a
+router waits on (Match, the instance table it reads, PING), ``write_timeout_s``
+for the rest. One apply of a long engine event (vLLM stores a whole prompt in
+one: thousands of blocks at 16 tokens) can hold a loaded Redis for most of a
+second; a write given up on then still completes, its retry finds a
+duplicate and re-drives it, and on a Cluster those retries piled up until
+ingest stopped (1,893 blocks/s at 16-token blocks with 1 s for everything,
+11,845 with 10 s for writes).
 
 Security (SECURITY.md, "Redis"): credentials, TLS and the ACL rights the
 backend needs are in :mod:`indexer.redis.connection`; refused credentials, a
@@ -295,6 +302,10 @@ def _gated(
     return call
 
 
+#: Scripts that only read, which a router waits on: ``socket_timeout_s`` bounds them.
+_READ_SCRIPTS = frozenset({"match", "snapshot"})
+
+
 def _slot_moved(exc: BaseException) -> bool:
     """Whether a cluster error says that a slot is not where the slot map put it
     (a script touched a name its node does not serve)."""
@@ -357,6 +368,7 @@ class RedisIndex(Index):
         clock: Callable[[], float] = time.time,
         instance_cache_ttl_s: float = 0.25,
         socket_timeout_s: float = 1.0,
+        write_timeout_s: float = 10.0,
         max_connections: int = 64,
         parent_cache_size: int = 200_000,
         ns_cache_size: int = NS_CACHE_SIZE,
@@ -418,7 +430,7 @@ class RedisIndex(Index):
             self._r = RedisCluster.from_url(
                 url,
                 decode_responses=False,
-                socket_timeout=socket_timeout_s,
+                socket_timeout=max(socket_timeout_s, write_timeout_s),
                 socket_connect_timeout=socket_timeout_s,
                 retry=RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
@@ -431,7 +443,7 @@ class RedisIndex(Index):
             self._r = aioredis.Redis.from_url(
                 url,
                 decode_responses=False,
-                socket_timeout=socket_timeout_s,
+                socket_timeout=max(socket_timeout_s, write_timeout_s),
                 socket_connect_timeout=socket_timeout_s,
                 retry=RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
@@ -445,6 +457,8 @@ class RedisIndex(Index):
         # The pools raise MaxConnectionsError at once when every connection is
         # in use; calls beyond max_connections wait here instead (FIFO).
         self._gate = asyncio.Semaphore(max_connections)
+        #: Reads a router waits on give up after this (the sockets wait for writes).
+        self._read_timeout = socket_timeout_s if write_timeout_s > socket_timeout_s else None
         self._exec = _gated(self._exec, self._gate)
         self._scripts = load_scripts(cluster)
         self._tracer = trace.get_tracer(TRACER_NAME) if tracing_enabled() else None
@@ -598,7 +612,10 @@ class RedisIndex(Index):
         self.round_trips += 1
         try:
             try:
-                res = await self._exec("EVALSHA", script.sha, numkeys, *args)
+                if script.name in _READ_SCRIPTS and self._read_timeout is not None:
+                    res = await self._read("EVALSHA", script.sha, numkeys, *args)
+                else:
+                    res = await self._exec("EVALSHA", script.sha, numkeys, *args)
             except NoScriptError:
                 # Redis restarted or SCRIPT FLUSH: load and run again.
                 self.round_trips += 2
@@ -1767,8 +1784,25 @@ class RedisIndex(Index):
         )
 
     async def ping(self) -> None:
-        """Raise Unavailable when Redis does not answer."""
-        await self._cmd("PING")
+        """Raise Unavailable when Redis does not answer within ``socket_timeout_s``."""
+        self.round_trips += 1
+        try:
+            await self._read("PING")
+        except CLIENT_ERRORS as exc:
+            raise self._map_error(exc) from exc
+
+    async def _read(self, *args: Any) -> Any:
+        """A command a router waits on: TimeoutError past ``socket_timeout_s`` (the
+        connection is then dropped: its reply would come later)."""
+        if self._read_timeout is None:
+            return await self._exec(*args)
+        try:
+            async with asyncio.timeout(self._read_timeout):
+                return await self._exec(*args)
+        except TimeoutError:
+            raise TimeoutError(
+                f"no reply within {self._read_timeout:g} s (redis.socket_timeout_s)"
+            ) from None
 
     async def close(self) -> None:
         """Close the connection pool (the index can not be used afterwards)."""

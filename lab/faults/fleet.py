@@ -47,8 +47,9 @@ from lab.faults.ops import BLOCK_SIZE, SG_MODEL, SG_TTL_S
 #: "within the bound" cases are exercised too.
 CACHE_TTL_S = 0.05
 
-#: ``redis.socket_timeout_s`` of the harness replicas: shorter than the long
-#: Redis pauses the harness injects, so those make calls fail and run later.
+#: ``redis.socket_timeout_s`` and ``redis.write_timeout_s`` of the harness
+#: replicas: shorter than the long Redis pauses the harness injects, so those
+#: make calls (writes too) fail and run later.
 SOCKET_TIMEOUT_S = 0.25
 
 #: Client channel options: reconnect to a restarted replica within 100 ms
@@ -130,6 +131,7 @@ class Replica:
                     "cluster": f.target.cluster,
                     "instance_cache_ttl_s": f.cache_ttl_s or CACHE_TTL_S,
                     "socket_timeout_s": SOCKET_TIMEOUT_S,
+                    "write_timeout_s": SOCKET_TIMEOUT_S,
                 },
                 "block_size": BLOCK_SIZE,
                 # Reaping is an operation of the harness, never a background surprise.
@@ -159,6 +161,7 @@ class Replica:
                 cluster=r.cluster,
                 instance_cache_ttl_s=r.instance_cache_ttl_s,
                 socket_timeout_s=r.socket_timeout_s,
+                write_timeout_s=r.write_timeout_s,
             )
         return f.wrap(index, self.n) if f.wrap is not None else index
 

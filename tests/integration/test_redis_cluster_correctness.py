@@ -69,7 +69,9 @@ def prefix() -> str:
 
 
 def make(cluster: RedisClusterProcess, prefix: str, clock: FakeClock, **kw: Any) -> RedisIndex:
+    # Short enough that a paused master cuts writes off: what these tests are about.
     kw.setdefault("socket_timeout_s", 0.3)
+    kw.setdefault("write_timeout_s", 0.3)
     return RedisIndex(cluster.url, prefix=prefix, clock=clock, cluster=True, **kw)
 
 

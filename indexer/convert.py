@@ -30,6 +30,7 @@ from indexer.model import (
 )
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.protowire import varint as _varint
 
 #: gRPC status code numbers (google.rpc.Code) by name, for BatchError.code.
 STATUS_CODE_NUMBERS: dict[str, int] = {
@@ -224,20 +225,6 @@ def instance_match_to_pb(m: InstanceMatch) -> pb.InstanceMatch:
         tokens=m.tokens,
     )
 
-
-def _varint(value: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative int."""
-    if value < 0x80:
-        return _SMALL_VARINTS[value]
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_SMALL_VARINTS = tuple(bytes((i,)) for i in range(0x80))
 
 # Field tags (field number << 3 | wire type) of MatchResponse and InstanceMatch,
 # from proto/kvmesh/indexer/v1/indexer.proto; tests/unit/test_match_encoding.py

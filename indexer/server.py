@@ -85,6 +85,7 @@ from kvmesh.grpcsvc import (
     observed,
     status_code,
 )
+from kvmesh.protowire import varint as _varint
 from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import setup_logging as _setup_logging
 from kvmesh.tls import add_port
@@ -120,18 +121,6 @@ MATCH_STREAM_MAX_REPLY_BYTES = 1 << 20
 #: Method label of the per-Match metrics and spans of MatchStream (the stream
 #: itself is recorded under "MatchStream", as every stream is: whole stream).
 MATCH_STREAM_MATCH = "MatchStream.Match"
-
-
-def _varint(value: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative int."""
-    if value < 0x80:
-        return bytes((value,))
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 # Field tags (proto/kvmesh/indexer/v1/indexer.proto): MatchStreamResponse

@@ -62,6 +62,7 @@ from opentelemetry import trace
 
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.protowire import varint as _varint
 from kvmesh.tls import ChannelFactory, TLSFileError
 from kvmesh.tracing import inject_context, tracing_enabled
 from router_client.config import IndexerClientSettings
@@ -144,18 +145,6 @@ class _StatusReply(Exception):
 def _expire(fut: asyncio.Future[pb.MatchStreamReply]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
-
-
-def _varint(value: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative int."""
-    if value < 0x80:
-        return bytes((value,))
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 # Field tags (proto/kvmesh/indexer/v1/indexer.proto): MatchStreamRequest

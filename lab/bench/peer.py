@@ -91,7 +91,7 @@ from typing import Any
 
 import redis
 
-from indexer.config import Limits
+from indexer.config import IndexerConfig, Limits
 from kvmesh.stats import percentile
 from lab.bench.indexer import ClusterClient
 from lab.bench.peer_procs import (
@@ -591,13 +591,11 @@ def kvmesh_config(run: Run, backend: str, url: str, rounds: Sequence[int]) -> di
     limits: dict[str, Any] = {}
     if s.longest_event_blocks > KVMESH_LIMITS.max_blocks_per_event:
         limits["max_blocks_per_event"] = s.longest_event_blocks
-    # The config refuses a block cap whose prompts would not fit a message.
-    fits = (KVMESH_LIMITS.max_message_bytes - 1024) // (max(16, bs) * 5)
-    if fits < KVMESH_LIMITS.max_match_blocks:
-        limits["max_match_blocks"] = fits
+    # The default Match cap is what one message carries at this block size.
+    cap = IndexerConfig(model_block_sizes={"m": bs}).limits.max_match_blocks
     query_blocks = p.prompt_blocks * p.sub_blocks
-    if query_blocks > min(fits, KVMESH_LIMITS.max_match_blocks):
-        raise ValueError(f"{query_blocks}-block queries exceed what kvmesh's config allows")
+    if query_blocks > cap:
+        raise ValueError(f"{query_blocks}-block queries exceed kvmesh's Match cap ({cap})")
     endpoints = [
         {
             "worker_id": worker_id(r, i),

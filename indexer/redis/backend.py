@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ssl
 import struct
 import time
@@ -1465,6 +1466,11 @@ class RedisIndex(Index):
                 inst.exp = float(exp)
                 inst.bits = int(bits)
                 inst.seq = batch.sequence
+                if batch.address and batch.address != inst.spec.address:
+                    # The address fence held: Redis has this address, which
+                    # another replica registered since our read. This replica's
+                    # own write shows it at once, not after the next reread.
+                    inst.spec = dataclasses.replace(inst.spec, address=batch.address)
                 if bool(stale) != inst.stale:
                     inst.stale = bool(stale)
                     self._excl_dirty = True

@@ -76,9 +76,10 @@ class RedisSettings(StrictModel):
         default=64,
         ge=1,
         le=10_000,
-        description="Most Redis calls in flight from this replica (per node in cluster mode, "
-        "at most this many connections each). A call beyond it waits for a free connection "
-        "within its deadline instead of failing: ingest and Match share the connections.",
+        description="Most Redis calls in flight from this replica (its pool, per node in "
+        "cluster mode, may hold up to twice as many connections while some reconnect). A "
+        "call beyond it waits for a free connection within its deadline instead of failing: "
+        "ingest and Match share the connections.",
     )
     instance_cache_ttl_s: float = Field(
         default=0.25,

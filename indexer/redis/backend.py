@@ -435,7 +435,7 @@ class RedisIndex(Index):
                 socket_connect_timeout=socket_timeout_s,
                 retry=RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
-                max_connections=max_connections,
+                max_connections=2 * max_connections,
                 # A master may be down: the others keep serving their slots.
                 require_full_coverage=False,
                 **conn,
@@ -448,7 +448,7 @@ class RedisIndex(Index):
                 socket_connect_timeout=socket_timeout_s,
                 retry=RETRY_ONCE_ON_CONNECTION_ERROR,
                 health_check_interval=0,
-                max_connections=max_connections,
+                max_connections=2 * max_connections,
                 **conn,
             )
         # redis.asyncio leaves execute_command untyped; every call goes through this.
@@ -456,7 +456,10 @@ class RedisIndex(Index):
         if cluster:
             self._exec = _client_faults_as_cluster_errors(self._exec)
         # The pools raise MaxConnectionsError at once when every connection is
-        # in use; calls beyond max_connections wait here instead (FIFO).
+        # in use; calls beyond max_connections wait here instead (FIFO). The
+        # pools may hold twice as many: the cluster client releases a connection
+        # it reconnects (after a topology change) only once that is done, and
+        # meanwhile it counts against the pool.
         self._gate = asyncio.Semaphore(max_connections)
         #: Reads a router waits on give up after this (the sockets wait for writes).
         self._read_timeout = socket_timeout_s if write_timeout_s > socket_timeout_s else None

@@ -85,6 +85,7 @@ from kvmesh.grpcsvc import (
     observed,
     status_code,
 )
+from kvmesh.protowire import take
 from kvmesh.protowire import varint as _varint
 from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import setup_logging as _setup_logging
@@ -455,18 +456,9 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                     writer_wait = loop.create_future()
                     await writer_wait
                     continue
-                count = size = 0
-                for reply in ready:
-                    count += 1
-                    size += len(reply)
-                    if count >= MATCH_STREAM_MAX_REPLIES or size >= MATCH_STREAM_MAX_REPLY_BYTES:
-                        break
-                if count == len(ready):
-                    batch = b"".join(ready)
-                    ready.clear()
-                else:
-                    batch = b"".join(ready[:count])
-                    del ready[:count]
+                before = len(ready)
+                batch = take(ready, MATCH_STREAM_MAX_REPLIES, MATCH_STREAM_MAX_REPLY_BYTES)
+                count = before - len(ready)
                 yield batch
                 in_flight -= count
                 if reader_wait is not None and not reader_wait.done():

@@ -62,6 +62,7 @@ from opentelemetry import trace
 
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.protowire import take
 from kvmesh.protowire import varint as _varint
 from kvmesh.tls import ChannelFactory, TLSFileError
 from kvmesh.tracing import inject_context, tracing_enabled
@@ -250,18 +251,7 @@ class _MatchStream:
                     self._wake = self._loop.create_future()
                     await self._wake
                     continue
-                count = size = 0
-                for entry in outbox:
-                    count += 1
-                    size += len(entry)
-                    if count >= _STREAM_MAX_BATCH or size >= _STREAM_MAX_BATCH_BYTES:
-                        break
-                if count == len(outbox):
-                    message = b"".join(outbox)
-                    outbox.clear()
-                else:
-                    message = b"".join(outbox[:count])
-                    del outbox[:count]
+                message = take(outbox, _STREAM_MAX_BATCH, _STREAM_MAX_BATCH_BYTES)
                 self.messages_sent += 1
                 await call.write(message)
             await call.done_writing()

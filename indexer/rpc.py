@@ -43,16 +43,25 @@ class IndexerCalls(CallObserver):
         #: Whether server spans are recorded (decided at construction).
         self.tracing = tracing_enabled()
 
-    def begin(self, service: str, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        """Admit the call under the in-flight cap; start its clock and, with tracing, its span."""
+    def admit(self, field: str = "") -> None:
+        """Count one more call in flight, or raise RESOURCE_EXHAUSTED (naming ``field``)
+        at the cap; the caller takes it off ``in_flight`` when the call ends."""
         limit = self.max_concurrent_rpcs
-        m = self.metrics
         if limit and self.in_flight >= limit:
-            m.rpcs.labels(method, "RESOURCE_EXHAUSTED").inc()
             raise ResourceExhausted(
-                f"server overloaded: {limit} calls in flight (limits.max_concurrent_rpcs); retry"
+                f"server overloaded: {limit} calls in flight (limits.max_concurrent_rpcs); retry",
+                field=field,
             )
         self.in_flight += 1
+
+    def begin(self, service: str, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """Admit the call under the in-flight cap; start its clock and, with tracing, its span."""
+        m = self.metrics
+        try:
+            self.admit()
+        except ResourceExhausted:
+            m.rpcs.labels(method, "RESOURCE_EXHAUSTED").inc()
+            raise
         m.rpcs_in_flight.inc()
         start = time.perf_counter()
         span_cm: contextlib.AbstractContextManager[Any] | None = None

@@ -72,7 +72,6 @@ from kvmesh.errors import (
     InvalidArgument,
     KvmeshError,
     PermissionDenied,
-    ResourceExhausted,
     Unauthenticated,
 )
 from kvmesh.grpcsvc import (
@@ -495,14 +494,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         try:
             if client is not None:
                 self.guard.take(client, "match", "MatchStream")
-            limit = calls.max_concurrent_rpcs
-            if limit and calls.in_flight >= limit:
-                raise ResourceExhausted(
-                    f"server overloaded: {limit} calls in flight "
-                    "(limits.max_concurrent_rpcs); retry",
-                    field="limits.max_concurrent_rpcs",
-                )
-            calls.in_flight += 1
+            calls.admit(field="limits.max_concurrent_rpcs")
             try:
                 result = await self.logic.match(convert.match_query_from_pb(item.match))
             finally:

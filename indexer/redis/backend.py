@@ -616,10 +616,8 @@ class RedisIndex(Index):
         self.round_trips += 1
         try:
             try:
-                if script.name in _READ_SCRIPTS and self._read_timeout is not None:
-                    res = await self._read("EVALSHA", script.sha, numkeys, *args)
-                else:
-                    res = await self._exec("EVALSHA", script.sha, numkeys, *args)
+                run = self._read if script.name in _READ_SCRIPTS else self._exec
+                res = await run("EVALSHA", script.sha, numkeys, *args)
             except NoScriptError:
                 # Redis restarted or SCRIPT FLUSH: load and run again.
                 self.round_trips += 2
@@ -993,10 +991,11 @@ class RedisIndex(Index):
         await self._topology()
         return await self._run_groups(self._group(ops), epoch)
 
-    async def _cmd(self, *args: Any) -> Any:
+    async def _cmd(self, *args: Any, read: bool = False) -> Any:
+        """One command; ``read``: one a router waits on (``socket_timeout_s``)."""
         self.round_trips += 1
         try:
-            return await self._exec(*args)
+            return await (self._read(*args) if read else self._exec(*args))
         except CLIENT_ERRORS as exc:
             raise self._map_error(exc) from exc
 
@@ -1794,11 +1793,7 @@ class RedisIndex(Index):
 
     async def ping(self) -> None:
         """Raise Unavailable when Redis does not answer within ``socket_timeout_s``."""
-        self.round_trips += 1
-        try:
-            await self._read("PING")
-        except CLIENT_ERRORS as exc:
-            raise self._map_error(exc) from exc
+        await self._cmd("PING", read=True)
 
     async def _read(self, *args: Any) -> Any:
         """A command a router waits on: TimeoutError past ``socket_timeout_s`` (the

@@ -17,7 +17,9 @@ Events (``apply``)
   ``last is None``) is APPLIED; ``seq > last + 1`` is APPLIED_AFTER_GAP and
   marks the instance stale. A batch containing ``AllBlocksCleared`` leaves the
   instance fresh (what follows the clear is a full replay). Events apply in
-  order, atomically per batch:
+  order; the outcome and counts are the whole batch's, and once it is
+  acknowledged all of it is there (a read while it is in flight may see it
+  applied up to some point: indexer/CONSISTENCY.md):
 
   - ``BlockStored``: namespace ``(instance model, lora_name)``. Content keys
     are ``block_keys`` if given, else the chain of ``token_ids`` after the
@@ -47,7 +49,9 @@ replicas answers, what a replica may lag by, and what must never happen.
 
 Thread-safety: backends are used from one asyncio event loop; all methods are
 coroutines and each is atomic with respect to the others (redis: one script or
-one transaction; memory: no await inside a mutation).
+one transaction; memory: no await inside a mutation), except that the memory
+backend applies a long batch a slice at a time (reads run between slices;
+writes of that instance wait for it).
 """
 
 from __future__ import annotations

@@ -23,14 +23,18 @@ untracked is not tracked either), and an engine-hash entry is one int,
 per namespace, one visit per block key.
 
 Semantics are those of :mod:`indexer.index`. Every method runs to completion
-without awaiting, so each is atomic on the event loop.
+without awaiting, so each is atomic on the event loop, except the apply of a
+long batch: it goes a slice at a time and lets the loop run between slices
+(:meth:`MemoryIndex._apply_sliced`), so that a burst of engine events does not
+hold every Match and health probe until it is applied.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 
@@ -42,6 +46,7 @@ from indexer.model import (
     BatchOutcome,
     BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     IndexDump,
     IndexStats,
@@ -54,6 +59,7 @@ from indexer.model import (
     encoded_extras,
     fenced_out,
 )
+from indexer.pacing import loop_pacer
 from kvmesh.blockkeys import chain_keys, namespace_seed
 from kvmesh.errors import FailedPrecondition, NotFound
 
@@ -128,6 +134,48 @@ class _Instance:
     #: Batches that count copies (EventBatch.counts_copies): engine hash << 2 |
     #: tier index -> copies beyond the first, for (block, tier)s held twice or more.
     copies: dict[int, int] = field(default_factory=dict)
+    #: Resets so far (a new incarnation or model): a long apply that paused
+    #: stops if the instance was reset meanwhile.
+    resets: int = 0
+    #: The long batch being applied a slice at a time (MemoryIndex._apply_sliced):
+    #: later applies of the instance wait for it.
+    applying: asyncio.Future[ApplyResult] | None = None
+
+
+#: Work of one slice of a long batch (MemoryIndex._apply_sliced), in entries:
+#: a block stored or removed, or an entry cleared, is one; a stored block
+#: costs one more for each TOKENS_PER_WORK of its tokens (its key is chained
+#: from them). About a millisecond here at 16- and at 512-token blocks. A
+#: batch of more is applied in slices; most batches are far below it.
+SLICE_WORK = 2048
+TOKENS_PER_WORK = 8
+
+
+def _work(events: Sequence[Event], inst: _Instance) -> int:
+    """Slice work of applying ``events`` to ``inst`` (see :data:`SLICE_WORK`)."""
+    work = 0
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            per_block = 1 if ev.block_keys is not None else 1 + ev.block_size // TOKENS_PER_WORK
+            work += len(ev.block_hashes) * per_block
+        elif isinstance(ev, BlockRemoved):
+            work += len(ev.block_hashes)
+        elif isinstance(ev, AllBlocksCleared):
+            work += len(inst.engine_hashes)
+    return work
+
+
+@dataclass(frozen=True, slots=True)
+class _ClearSlice:
+    """A run of an instance's engine-hash entries to drop, one slice of a clear."""
+
+    entries: list[int]
+
+
+def _retrieve(task: asyncio.Future[ApplyResult]) -> None:
+    """Done callback of a long apply: its error is retrieved (its caller may be gone)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class MemoryIndex(Index):
@@ -183,6 +231,7 @@ class MemoryIndex(Index):
         else:
             if inst.spec.incarnation != spec.incarnation or inst.spec.model != spec.model:
                 self._clear(inst)
+                inst.resets += 1
                 inst.stale = False
                 inst.applied_sequence = None
                 reset = True
@@ -262,8 +311,13 @@ class MemoryIndex(Index):
     # -- events --------------------------------------------------------------
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
-        """Apply one batch (see :mod:`indexer.index`)."""
+        """Apply one batch (see :mod:`indexer.index`; a long one in slices, see below)."""
         inst = self._get(batch.instance, FailedPrecondition)
+        while inst.applying is not None:
+            # A long batch of this instance is still being applied: this one
+            # comes after it (it may be a duplicate of it, or find it reset).
+            await asyncio.shield(inst.applying)
+            inst = self._get(batch.instance, FailedPrecondition)
         if batch.incarnation and batch.incarnation != inst.spec.incarnation:
             raise fenced_out(batch)
         if batch.address and batch.address != inst.spec.address:
@@ -276,24 +330,46 @@ class MemoryIndex(Index):
         if last is not None and seq <= last:
             return ApplyResult(BatchOutcome.DUPLICATE, last, stale=inst.stale)
         gap = last is not None and seq > last + 1
-        stored = removed = orphaned = 0
+        if _work(batch.events, inst) > SLICE_WORK:
+            task = asyncio.ensure_future(self._apply_sliced(inst, batch, gap))
+            inst.applying = task
+            task.add_done_callback(_retrieve)
+            # Shielded: a caller that gives up (a deadline, a closed stream)
+            # does not stop the batch midway; it completes as a whole.
+            return await asyncio.shield(task)
+        counts = [0, 0, 0]
         cleared = False
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                s, r, o = self._store(inst, ev, batch.counts_copies)
-                stored += s
-                removed += r
-                orphaned += o
-            elif isinstance(ev, BlockRemoved):
-                mask = ALL_TIERS_MASK if ev.tier is None else ev.tier.bit
-                copies = inst.copies if batch.counts_copies else None
-                for h in ev.block_hashes:
-                    m = mask if not copies else _uncopied(copies, h, mask)
-                    if m:
-                        removed += self._remove_hash(inst, h, m)
-            elif isinstance(ev, AllBlocksCleared):
-                removed += self._clear(inst)
-                cleared = True
+            cleared |= self._apply_event(inst, ev, batch.counts_copies, counts)
+        return self._applied(inst, seq, gap, cleared, counts)
+
+    def _apply_event(
+        self, inst: _Instance, ev: Event, counts_copies: bool, counts: list[int]
+    ) -> bool:
+        """Apply one event, adding to ``counts`` (stored, removed, orphaned); True for a clear."""
+        if isinstance(ev, BlockStored):
+            s, r, o = self._store(inst, ev, counts_copies)
+            counts[0] += s
+            counts[1] += r
+            counts[2] += o
+        elif isinstance(ev, BlockRemoved):
+            mask = ALL_TIERS_MASK if ev.tier is None else ev.tier.bit
+            copies = inst.copies if counts_copies else None
+            removed = 0
+            for h in ev.block_hashes:
+                m = mask if not copies else _uncopied(copies, h, mask)
+                if m:
+                    removed += self._remove_hash(inst, h, m)
+            counts[1] += removed
+        elif isinstance(ev, AllBlocksCleared):
+            counts[1] += self._clear(inst)
+            return True
+        return False
+
+    def _applied(
+        self, inst: _Instance, seq: int, gap: bool, cleared: bool, counts: list[int]
+    ) -> ApplyResult:
+        """Record batch ``seq`` as applied to ``inst``: its sequence and staleness."""
         inst.applied_sequence = seq
         stale = (inst.stale or gap) and not cleared
         if stale != inst.stale:
@@ -304,7 +380,97 @@ class MemoryIndex(Index):
             else:
                 self._dirty = True
         outcome = BatchOutcome.APPLIED_AFTER_GAP if gap else BatchOutcome.APPLIED
-        return ApplyResult(outcome, seq, stored, removed, orphaned, inst.stale)
+        return ApplyResult(outcome, seq, counts[0], counts[1], counts[2], inst.stale)
+
+    async def _apply_sliced(self, inst: _Instance, batch: EventBatch, gap: bool) -> ApplyResult:
+        """Apply a long batch a slice at a time, giving the loop its turn between slices.
+
+        Each event is cut into slices of about :data:`SLICE_WORK` (a stored
+        chain into consecutive pieces, each chained after the last block of
+        the one before; a removal into runs of hashes; a clear into runs of
+        the instance's entries), and the loop's budget
+        (:func:`indexer.pacing.loop_pacer`, shared with the ZMQ subscribers)
+        is checked between slices: a Match or a health probe waits a budget,
+        not the batch. A read meanwhile may see the batch applied up to some
+        slice: blocks of a chain not yet stored, removals not yet made (what
+        a replica lagging by part of a batch answers). The batch's outcome,
+        counts and sequence are the whole batch's. Should the instance be
+        removed, reaped or reset while the batch waits for its turn, the rest
+        is not applied (the batch was applied before the instance went, which
+        drops it): the outcome is as if it had been, without a sequence.
+        """
+        try:
+            return await self._apply_slices(inst, batch, gap)
+        finally:
+            inst.applying = None  # later applies of the instance may go on
+
+    async def _apply_slices(self, inst: _Instance, batch: EventBatch, gap: bool) -> ApplyResult:
+        pacer = loop_pacer()
+        resets = inst.resets
+        counts = [0, 0, 0]
+        cleared = False
+        outcome = BatchOutcome.APPLIED_AFTER_GAP if gap else BatchOutcome.APPLIED
+        for ev in batch.events:
+            done = 0  # blocks of a stored chain applied so far
+            for piece in self._slices(inst, ev):
+                await pacer.pace()
+                if self._instances.get(inst.key) is not inst or inst.resets != resets:
+                    return ApplyResult(
+                        outcome, batch.sequence, counts[0], counts[1], counts[2], inst.stale
+                    )
+                if isinstance(piece, _ClearSlice):
+                    counts[1] += self._clear_entries(inst, piece.entries)
+                    continue
+                if isinstance(piece, AllBlocksCleared):
+                    inst.engine_hashes.clear()
+                    inst.copies.clear()
+                    inst.bits = 0
+                    cleared = True
+                    continue
+                before = counts[2]
+                self._apply_event(inst, piece, batch.counts_copies, counts)
+                if isinstance(piece, BlockStored):
+                    done += len(piece.block_hashes)
+                    if counts[2] > before:  # an unknown parent: every block is an orphan
+                        assert isinstance(ev, BlockStored)
+                        counts[2] += len(ev.block_hashes) - done
+                        break
+        return self._applied(inst, batch.sequence, gap, cleared, counts)
+
+    def _slices(self, inst: _Instance, ev: Event) -> Iterator[Event | _ClearSlice]:
+        """``ev`` as consecutive pieces of about :data:`SLICE_WORK` (see _apply_sliced)."""
+        if isinstance(ev, BlockStored):
+            n = len(ev.block_hashes)
+            bs = ev.block_size if ev.block_keys is None else 0
+            step = max(1, SLICE_WORK // (1 + bs // TOKENS_PER_WORK))
+            for i in range(0, n, step):
+                j = min(n, i + step)
+                if i == 0 and j == n:
+                    yield ev
+                    return
+                yield replace(
+                    ev,
+                    block_hashes=ev.block_hashes[i:j],
+                    parent_block_hash=ev.block_hashes[i - 1] if i else ev.parent_block_hash,
+                    token_ids=ev.token_ids[i * bs : (j * bs if j < n else None)] if bs else (),
+                    block_keys=None if ev.block_keys is None else ev.block_keys[i:j],
+                    extras=None if ev.extras is None else ev.extras[i:j],
+                )
+        elif isinstance(ev, BlockRemoved):
+            n = len(ev.block_hashes)
+            for i in range(0, n, SLICE_WORK):
+                yield (
+                    ev
+                    if n <= SLICE_WORK
+                    else replace(ev, block_hashes=ev.block_hashes[i : i + SLICE_WORK])
+                )
+        elif isinstance(ev, AllBlocksCleared):
+            entries = list(inst.engine_hashes.values())
+            for i in range(0, len(entries), SLICE_WORK):
+                yield _ClearSlice(entries[i : i + SLICE_WORK])
+            yield ev
+        else:
+            yield ev
 
     def _ns_id(self, ns: Namespace) -> int:
         nid = self._ns_ids.get(ns)
@@ -434,11 +600,19 @@ class MemoryIndex(Index):
         return old, new
 
     def _clear(self, inst: _Instance) -> int:
+        removed = self._clear_entries(inst, inst.engine_hashes.values())
+        inst.engine_hashes.clear()
+        inst.copies.clear()
+        inst.bits = 0
+        return removed
+
+    def _clear_entries(self, inst: _Instance, entries: Iterable[int]) -> int:
+        """Drop ``inst``'s holder bits of the engine-hash ``entries`` (its maps stay)."""
         removed = 0
         no = inst.no
         ns_list = self._ns_list
         blocks = self._blocks
-        for entry in inst.engine_hashes.values():
+        for entry in entries:
             ns = ns_list[entry >> 64]
             table = blocks.get(ns)
             if table is None:
@@ -449,9 +623,6 @@ class MemoryIndex(Index):
                 continue
             old, _ = self._drop(ns, table, key, holders, no, ALL_TIERS_MASK)
             removed += _POPCOUNT[old]
-        inst.engine_hashes.clear()
-        inst.copies.clear()
-        inst.bits = 0
         return removed
 
     # -- reads ---------------------------------------------------------------

@@ -58,9 +58,11 @@ next one counted as an unrecoverable gap.
 Sharing the event loop: an awaited receive that is ready at once does not
 yield, and neither does the memory backend's apply, so a subscriber draining
 a backlog would hold the loop (and every gRPC call and health probe) until
-the backlog is gone. The subscribers of one process therefore share a
-:class:`Pacer` that makes them give way every :data:`YIELD_EVERY_S` of their
-work, and queued messages are received in a batch without a future each.
+the backlog is gone. The subscribers of one event loop therefore share a
+budget (:func:`indexer.pacing.loop_pacer`, with the memory backend's applies
+of long batches) that makes them give way every
+:data:`indexer.pacing.YIELD_EVERY_S` of their work, and queued messages are
+received in a batch without a future each.
 
 Liveness: the subscriber registers its instance when the engine's socket
 connects and heartbeats while it stays connected (ZMQ socket monitor). When
@@ -77,7 +79,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
@@ -91,6 +92,7 @@ from indexer.config import EngineEventSettings, ZmqEndpointSettings
 from indexer.kvevents.decode import MalformedFrame, decode_batch, decode_seq
 from indexer.logic import IndexerLogic
 from indexer.model import BatchOutcome, EventBatch, InstanceId, InstanceSpec
+from indexer.pacing import Pacer, loop_pacer
 from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -103,17 +105,6 @@ REPLAY_END_SEQ = -1
 #: in the ZMQ receive queue meanwhile, and overflow is replayed.
 _BACKOFF_START_S = 0.05
 _BACKOFF_CAP_S = 1.0
-
-#: Longest stretch of event work (decoding and applying batches, every
-#: subscriber of the process together) before the event loop gets a turn of
-#: its own for gRPC calls and health probes. A gRPC call needs a few loop
-#: turns, so it waits a few budgets instead of the whole backlog: with 64
-#: engines flooding the memory backend (``kvmesh bench indexer``), Match p50
-#: about 8 ms and p99 about 35 ms, against 0.3 to 0.6 s with no budget. A free
-#: turn costs tens of microseconds, so the ingest rate does not measurably
-#: change; a smaller budget lowers the p50 further but wakes every waiting
-#: subscriber that much more often.
-YIELD_EVERY_S = 0.002
 
 #: Queued live messages received in one go, without an awaited future each
 #: (the asyncio socket's per-message cost: about 8 % of the ingest time, gone).
@@ -180,44 +171,6 @@ def _new_incarnation() -> str:
     return f"zmq-{uuid.uuid4().hex[:12]}"
 
 
-class Pacer:
-    """Makes the subscribers of one event loop give way every ``budget_s`` of their work.
-
-    The budget is shared: once it is spent, every subscriber that calls
-    :meth:`pace` waits at a gate that opens one whole loop turn later, so
-    that turn (an I/O poll and every callback it readied: gRPC calls, health
-    probes) runs without event work, whatever the number of subscribers. The
-    gate opening starts a new budget.
-    """
-
-    def __init__(self, budget_s: float = YIELD_EVERY_S) -> None:
-        self.budget_s = budget_s
-        self._start = time.perf_counter()
-        self._gate: asyncio.Future[None] | None = None
-
-    async def pace(self) -> None:
-        """Wait for the next budget when the current one is spent."""
-        while True:
-            gate = self._gate
-            if gate is None:
-                if time.perf_counter() - self._start < self.budget_s:
-                    return
-                loop = asyncio.get_running_loop()
-                gate = self._gate = loop.create_future()
-                # Waiting on a future, not in the ready queue: the next turn is
-                # the loop's alone. (Yielding with sleep(0) instead keeps every
-                # waiting subscriber ready, and gRPC then barely moves.)
-                loop.call_soon(self._open)
-            # Shielded: a subscriber cancelled while waiting leaves the gate to the rest.
-            await asyncio.shield(gate)
-
-    def _open(self) -> None:
-        gate, self._gate = self._gate, None
-        self._start = time.perf_counter()
-        if gate is not None and not gate.done():
-            gate.set_result(None)
-
-
 class EndpointSubscriber:
     """The SUB socket of one engine endpoint, feeding one instance."""
 
@@ -230,7 +183,7 @@ class EndpointSubscriber:
         pacer: Pacer | None = None,
     ) -> None:
         self.logic = logic
-        self.pacer = pacer or Pacer()
+        self._pacer = pacer
         self.endpoint = endpoint
         self.settings = settings
         self.instance = InstanceId(endpoint.worker_id, endpoint.dp_rank)
@@ -254,6 +207,11 @@ class EndpointSubscriber:
         self._stopping = False
         # Set when the index reset the instance this subscriber fed: rebuild it.
         self._needs_rebuild = False
+
+    @property
+    def pacer(self) -> Pacer:
+        """The budget this subscriber's work draws on (the loop's unless given)."""
+        return self._pacer or loop_pacer()
 
     def _secure(self, sock: zmq.asyncio.Socket) -> None:
         """CURVE client keys on ``sock`` when the endpoint names the engine's public key.
@@ -681,11 +639,10 @@ class EngineEventSubscribers:
     def __init__(self, logic: IndexerLogic, settings: EngineEventSettings) -> None:
         self.settings = settings
         self._ctx = zmq.asyncio.Context()
-        #: One budget for every subscriber: together they give way to the loop.
-        self.pacer = Pacer()
+        # The subscribers share the loop's budget (indexer.pacing.loop_pacer):
+        # together, and with the memory backend's long applies, they give way to the loop.
         self.subscribers = [
-            EndpointSubscriber(logic, ep, settings, self._ctx, self.pacer)
-            for ep in settings.endpoints
+            EndpointSubscriber(logic, ep, settings, self._ctx) for ep in settings.endpoints
         ]
         self._tasks: list[asyncio.Task[None]] = []
 

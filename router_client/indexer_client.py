@@ -208,6 +208,8 @@ class _MatchStream:
         self.messages_sent = 0
         self.messages_received = 0
         self.late_replies = 0
+        #: Matches whose deadline passed (or whose caller gave up) before they were sent.
+        self.unsent_expired = 0
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._writer = loop.create_task(self._write())
@@ -226,14 +228,30 @@ class _MatchStream:
         rid = self._next_id
         fut: asyncio.Future[pb.MatchStreamReply] = self._loop.create_future()
         self._pending[rid] = fut
-        self._outbox.append(_stream_item(rid, match.SerializeToString()))
+        item = _stream_item(rid, match.SerializeToString())
+        self._outbox.append(item)
         self._kick()
         timer = self._loop.call_later(deadline_s, _expire, fut)
         try:
             return await fut
+        except BaseException:
+            # Still queued (the writer is held back by flow control): a Match
+            # past its deadline, or whose caller gave up, is never sent, to be
+            # run for nobody.
+            if self._outbox and self._drop_unsent(item):
+                self.unsent_expired += 1
+            raise
         finally:
             timer.cancel()
             self._pending.pop(rid, None)
+
+    def _drop_unsent(self, item: bytes) -> bool:
+        outbox = self._outbox
+        for i in range(len(outbox) - 1, -1, -1):
+            if outbox[i] is item:
+                del outbox[i]
+                return True
+        return False
 
     def _kick(self) -> None:
         wake = self._wake
@@ -419,7 +437,9 @@ class IndexerClient:
     (a certificate rotation opens one and, once calls moved, closes one);
     ``streams_opened``, ``unary_calls`` (Matches sent as unary calls: stream
     off, down or broken, or tracing on), ``late_replies`` (stream replies
-    that came after their deadline, dropped) and ``stream_messages_sent`` /
+    that came after their deadline, dropped), ``unsent_expired`` (stream
+    Matches whose deadline passed while they waited to be written: never
+    sent) and ``stream_messages_sent`` /
     ``stream_messages_received`` (MatchStream messages, each carrying one
     Match or reply or more) tell how Matches travel.
     """
@@ -477,6 +497,7 @@ class IndexerClient:
         self.streams_opened = 0
         self.unary_calls = 0
         self._late_replies = 0
+        self._unsent_expired = 0
         self._messages_sent = 0
         self._messages_received = 0
 
@@ -570,6 +591,7 @@ class IndexerClient:
         """A stream ended: Matches go unary until the next may open (module docstring)."""
         self._streams.discard(stream)
         self._late_replies += stream.late_replies
+        self._unsent_expired += stream.unsent_expired
         self._messages_sent += stream.messages_sent
         self._messages_received += stream.messages_received
         if stream is not self._stream:
@@ -591,6 +613,11 @@ class IndexerClient:
     def late_replies(self) -> int:
         """Stream replies that came after their Match's deadline (dropped)."""
         return self._late_replies + sum(s.late_replies for s in self._streams)
+
+    @property
+    def unsent_expired(self) -> int:
+        """Stream Matches whose deadline passed while they waited to be sent (never sent)."""
+        return self._unsent_expired + sum(s.unsent_expired for s in self._streams)
 
     @property
     def stream_messages_sent(self) -> int:

@@ -681,3 +681,41 @@ async def test_router_client_stream_in_flight_bound(gated: tuple[Harness, GatedI
     statuses = sorted(o.status.value for o in await asyncio.gather(*tasks))
     assert statuses == ["busy", "ok", "ok"]
     await client.close()
+
+
+async def test_router_client_does_not_send_a_match_whose_deadline_passed_in_its_queue(
+    gated: tuple[Harness, GatedIndex],
+) -> None:
+    """A Match still queued behind a blocked stream when its deadline passes is never sent.
+
+    The server runs one Match at a time and it waits: the server stops reading,
+    flow control stops the client's writes, and Matches queue in the client.
+    Each is answered DEADLINE_EXCEEDED; those that had not been written by
+    then must not reach the server later, to be run for nobody.
+    """
+    h, index = gated
+    h.server.servicer.match_stream_window = 1
+    index.gate = asyncio.Event()
+    s = IndexerClientSettings(
+        deadline_ms=200, breaker_failures=100_000, max_in_flight=100_000, match_stream=True
+    )
+    client = IndexerClient(channel=h.channel, model=MODEL, settings=s)
+    n = 400
+    # About 40 kB each (4,000 64-bit keys): far more than the transport buffers.
+    prompts = [[(i << 40) + j + (1 << 63) for j in range(4000)] for i in range(n)]
+    outcomes = await asyncio.gather(*(client.match(p) for p in prompts))
+    assert {o.status for o in outcomes} == {MatchStatus.DEADLINE_EXCEEDED}
+    assert client.unsent_expired > 0
+    index.gate.set()
+    # Let the server take whatever was written, until nothing more comes.
+    seen, stable = -1.0, 0
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        now = _streamed(h)
+        stable = stable + 1 if now == seen else 0
+        seen = now
+        if stable >= 10:
+            break
+    assert seen + client.unsent_expired == n  # each Match was sent, or dropped unsent
+    assert seen < n / 2
+    await client.close()

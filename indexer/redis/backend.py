@@ -1506,6 +1506,11 @@ class RedisIndex(Index):
                 if inst.exp <= now:
                     self._excl_dirty = True
                 inst.exp = float(exp)
+                if bool(stale) != inst.stale:
+                    # Acknowledged with the stale flag Redis holds (another
+                    # replica's gap or resync): this replica's Matches show it at once.
+                    inst.stale = bool(stale)
+                    self._excl_dirty = True
                 if pending:
                     # Cluster: writes the instance left pending (a retry of a batch
                     # cut off after its control half) are written before the ack.

@@ -228,12 +228,10 @@ class SglangCompat:
         }
         self.hit_counts: dict[int, int] = {}
         self._specs: dict[str, tuple[InstanceSpec, float]] = {}
-        # The reread of the namespace in flight, shared by concurrent callers.
+        # The reread of the namespace in flight, shared by concurrent callers,
+        # and when it started (monotonic).
         self._reload: asyncio.Task[None] | None = None
-        # worker id -> monotonic time of its last reread for a disagreement.
-        # worker id -> (monotonic time, epoch, address) of its last reread for a
-        # request that disagreed with the cache.
-        self._disputed: dict[str, tuple[float, str, str]] = {}
+        self._reload_started = float("-inf")
         # Monotonic time of the last reread of every worker (-inf: never).
         self._read_at = float("-inf")
 
@@ -252,29 +250,23 @@ class SglangCompat:
         for wid, (spec, at) in self._specs.items():
             if at > started:
                 specs[wid] = (spec, at)
-        self._specs = specs
-        self._disputed = {w: d for w, d in self._disputed.items() if w in specs}
-        self._read_at = started
+        if started >= self._read_at:  # an older reread that ends later changes nothing
+            self._specs = specs
+            self._read_at = started
 
-    async def _spec(
-        self, worker_id: str, *, reread: bool = False, about: tuple[str, str] = ("", "")
-    ) -> InstanceSpec | None:
+    async def _spec(self, worker_id: str, *, reread: bool = False) -> InstanceSpec | None:
         """The worker's registration: cached when younger than the TTL, else read.
 
-        ``reread``: the caller's request (``about``: its epoch and address)
-        disagrees with the cache: read the index now, unless the index was
-        read for this same disagreement within the TTL and nothing was
-        registered here since (then the request is what disagrees).
+        ``reread``: the caller's request disagrees with the cache: what the
+        index holds now decides, so it is read by a reread that starts after
+        this call (concurrent callers share it). Never by what an earlier
+        reread for the same disagreement found: another replica may have
+        moved the worker since (a new epoch), and judging by the older answer
+        would reset the worker again and drop what it reported since.
         """
         entry = self._specs.get(worker_id)
-        if reread and entry is not None:
-            now = time.monotonic()
-            last = self._disputed.get(worker_id)
-            if last is not None and now - last[0] < SPEC_CACHE_TTL_S and last[1:] == about:
-                return entry[0]  # the index was just asked: the request is what disagrees
-            self._disputed[worker_id] = (now, *about)
         if reread:
-            await self._read_workers()
+            await self._reread_shared(fresh=True)
         elif entry is None or time.monotonic() - entry[1] >= SPEC_CACHE_TTL_S:
             await self._reread_shared()
         else:
@@ -282,10 +274,13 @@ class SglangCompat:
         entry = self._specs.get(worker_id)
         return None if entry is None else entry[0]
 
-    async def _reread_shared(self) -> None:
-        """Reread every worker, joining a reread already in flight."""
+    async def _reread_shared(self, *, fresh: bool = False) -> None:
+        """Reread every worker, joining a reread already in flight (``fresh``:
+        only one that started after this call)."""
         task = self._reload
-        if task is None or task.done():
+        now = time.monotonic()
+        if task is None or task.done() or (fresh and self._reload_started < now):
+            self._reload_started = now
             task = self._reload = asyncio.ensure_future(self._read_workers())
             # Its error reaches every caller still waiting; none may be left.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -314,8 +309,6 @@ class SglangCompat:
             # Name the field the way this API does (register's paths are kvmesh's).
             raise InvalidArgument(e.message, field=_field_name(e.field)) from None
         self._specs[worker_id] = (result[0].spec, time.monotonic())
-        # What the index was asked for a disagreement is superseded by this.
-        self._disputed.pop(worker_id, None)
         return result
 
     def _events(
@@ -448,9 +441,7 @@ class SglangCompat:
         spec = await self._spec(req.worker_id)
         if spec is not None and _disagrees(spec, req):
             # Another replica may have installed a snapshot or moved the worker.
-            spec = await self._spec(
-                req.worker_id, reread=True, about=(req.worker_epoch, req.worker_address)
-            )
+            spec = await self._spec(req.worker_id, reread=True)
         epoch = None if spec is None else epoch_of(spec.incarnation)
         have = None if spec is None else spec_of(spec.incarnation)
         want = req.cache_spec

@@ -214,6 +214,11 @@ local ek = B .. 'e:' .. id
 local kk = B .. 'k:' .. id
 local p = parents_hold(ek, 9)
 if not p then
+  -- The lease above was renewed: a revival moves the generation even though
+  -- the batch is retried (the retry finds the lease running, not revived).
+  if revived then
+    bump_gen()
+  end
   return {'retry'}
 end
 p = register_namespaces(p)

@@ -1213,6 +1213,11 @@ class RedisIndex(Index):
         call = self._remove(instance, b"remove", self._clock())
         dropped = await (_shielded(call) if self.cluster else call)
         if dropped is None:
+            # Perhaps the retry of a removal whose caller gave up while its
+            # purge ran: that removal is acknowledged by this answer, so the
+            # purges left unfinished are done first (no blocks of it reported after).
+            for dead in await self._cmd("SMEMBERS", K.key(self._ctl_prefix, K.DEAD)):
+                await self._purge(dead)
             raise NotFound(f"instance {instance} is not registered", field="instance")
         return dropped
 

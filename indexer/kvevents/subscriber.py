@@ -209,6 +209,11 @@ class EndpointSubscriber:
         self._needs_rebuild = False
 
     @property
+    def idle(self) -> bool:
+        """Whether nothing is being handled now (a batch, a rebuild, a heartbeat's repair)."""
+        return not self._lock.locked()
+
+    @property
     def pacer(self) -> Pacer:
         """The budget this subscriber's work draws on (the loop's unless given)."""
         return self._pacer or loop_pacer()

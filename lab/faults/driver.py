@@ -1508,7 +1508,10 @@ class Driver:
             sub = self.fleet.replicas[0].subscriber(e)
             if sub is None:
                 return
-            if sub.next_seq == engine.seq:
+            # Idle too: the subscriber moves next_seq past a batch before it
+            # applies it, and a batch that finds the instance gone registers
+            # it and rebuilds before the index holds the engine's cache again.
+            if sub.next_seq == engine.seq and sub.idle:
                 return
             if time.monotonic() > deadline:
                 self.violate(

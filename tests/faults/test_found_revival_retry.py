@@ -1,4 +1,4 @@
-"""A batch that revives a lapsed lease through the apply script's 'retry' never moves the generation.
+"""A batch reviving a lapsed lease through the apply script's 'retry' never moved the generation.
 
 Found by the fault harness (``kvmesh bench faults --target cluster --profile
 migrate --replicas 3 --seed 325``, shrunk to ``--keep

@@ -843,7 +843,11 @@ class Driver:
             )
         hi = min(spec.hi, CHAIN_BLOCKS)
         c, lo, lora = spec.chain, spec.lo, spec.lora
-        hashes = tuple(ehash("g", c, j, lora) for j in range(lo, hi))
+        # Blocks that start a prompt mid-chain are another prompt's blocks: an
+        # engine's hash covers the whole prefix, so theirs differ from the
+        # chain's (one engine hash never names blocks at two chain positions).
+        family = f"p{lo}" if lo and spec.parent == "none" else "g"
+        hashes = tuple(ehash(family, c, j, lora) for j in range(lo, hi))
         parent: int | None = None
         if spec.parent == "chain" and lo > 0:
             parent = ehash("g", c, lo - 1, lora)

@@ -2,10 +2,11 @@
 
 Layout: per namespace a dict ``block key -> holders``, where holders is one
 int ``instance number << 3 | tier mask`` while a single instance holds the
-block (most blocks of a fleet: a conversation lives on one worker) and a dict
-``{instance number: tier mask}`` once several do; per instance its engine-hash
-map ``engine hash -> (namespace, key)``, which is also the reverse index used
-to clear or remove the instance. Instance numbers are small ints given at
+block (most blocks of a fleet: a conversation lives on one worker) and
+SHARED (0) once several do, their ``{instance number: tier mask}`` then in
+the namespace's table of shared blocks; per instance its engine-hash map
+``engine hash -> (namespace, key)``, which is also the reverse index used to
+clear or remove the instance. Instance numbers are small ints given at
 registration and never reused. Match walks the keys in order and narrows the
 set of instances still holding the prefix, so its cost is the number of
 (block, instance) pairs visited, never the size of the index.
@@ -13,14 +14,16 @@ set of instances still holding the prefix, so its cost is the number of
 Memory: a dict per block cost about 230 of the 470 bytes a (block, instance)
 pair took at 16-token blocks; the single-holder int is 28.
 
-Garbage collection: a full collection walks every container the collector
+Garbage collection: a collection walks every container the collector
 tracks. With a tracked dict per block key and a tuple per engine hash, that
 paused the process (every Match and health check with it) for 20 to 100 ms
-at a time while the conversation trace was ingested. So neither is tracked:
-holders are ints or dicts of ints (a dict whose keys and values are all
-untracked is not tracked either), and an engine-hash entry is one int,
-``namespace number << 64 | content key``. What is left to walk is one table
-per namespace, one visit per block key.
+at a time while the conversation trace was ingested. So none is tracked: the
+block tables and the engine-hash maps hold only ints (a dict of ints is not
+tracked), an engine-hash entry being ``namespace number << 64 | content
+key``. A dict among a table's values would make the table tracked, and each
+collection that reached it would walk every block (60 ms at 721 k blocks):
+that is why shared blocks' holders live apart. What is left to walk is the
+tables of shared blocks, one visit per block several instances hold.
 
 Semantics are those of :mod:`indexer.index`. Every method runs to completion
 without awaiting, so each is atomic on the event loop, except the apply of a
@@ -93,16 +96,18 @@ _POPCOUNT = (0, 1, 1, 2, 1, 2, 2, 3)
 _U64 = (1 << 64) - 1
 
 
-#: A table's holders of one block: ``number << 3 | mask`` (one instance) or
-#: ``{number: mask}`` (several).
-Holders = int | dict[int, int]
+#: A block table's entry: ``number << 3 | mask`` (one instance holds the
+#: block), or SHARED (several do: ``{number: mask}`` in the namespace's table
+#: of shared blocks).
+Holders = int
+SHARED = 0
 
 
-def _holders_dict(holders: Holders) -> dict[int, int]:
-    """``holders`` as ``{number: mask}`` (a new dict for the one-holder form)."""
-    if type(holders) is int:
+def _holders_dict(holders: int, key: int, shared: dict[int, dict[int, int]]) -> dict[int, int]:
+    """Block ``key``'s holders as ``{number: mask}`` (a new dict for one holder)."""
+    if holders:
         return {holders >> 3: holders & 7}
-    return holders  # type: ignore[return-value]
+    return shared[key]
 
 
 def _match_order(m: InstanceMatch) -> tuple[int, InstanceId]:
@@ -191,6 +196,11 @@ class MemoryIndex(Index):
         self._by_no: dict[int, _Instance] = {}
         self._next_no = 1
         self._blocks: dict[Namespace, dict[int, Holders]] = {}
+        #: Per namespace, the holders of each block several instances hold.
+        #: Apart so that the block table holds only ints: the garbage collector
+        #: then never walks it (a dict value would make it tracked: 60 ms for
+        #: a full walk of 721 k blocks, whenever a collection reached it).
+        self._shared: dict[Namespace, dict[int, dict[int, int]]] = {}
         self._ns_pairs: dict[Namespace, int] = {}
         # Namespace numbers of engine-hash entries, and back (never reused).
         self._ns_ids: dict[Namespace, int] = {}
@@ -497,6 +507,7 @@ class MemoryIndex(Index):
                 parent = mapped & _U64
             keys = chain_keys(parent, ev.token_ids, ev.block_size, encoded_extras(ev.extras))
         table = self._blocks.setdefault(ns, {})
+        shared = self._shared.setdefault(ns, {})
         bit = ev.tier.bit
         base = nid << 64
         no = inst.no
@@ -516,9 +527,10 @@ class MemoryIndex(Index):
                 table[key] = mine
                 pairs += 1
                 stored += 1
-            elif type(cur) is int:
+            elif cur:
                 if cur >> 3 != no:
-                    table[key] = {cur >> 3: cur & 7, no: bit}
+                    table[key] = SHARED
+                    shared[key] = {cur >> 3: cur & 7, no: bit}
                     pairs += 1
                     stored += 1
                 elif not cur & bit:
@@ -528,11 +540,12 @@ class MemoryIndex(Index):
                     k = h << 2 | (ev.tier.value - 1)
                     inst.copies[k] = inst.copies.get(k, 0) + 1
             else:
-                old = cur.get(no, 0)  # type: ignore[union-attr]
+                held = shared[key]
+                old = held.get(no, 0)
                 if not old & bit:
                     if not old:
                         pairs += 1
-                    cur[no] = old | bit  # type: ignore[index]
+                    held[no] = old | bit
                     stored += 1
                 elif counts_copies:
                     k = h << 2 | (ev.tier.value - 1)
@@ -573,7 +586,7 @@ class MemoryIndex(Index):
         mask: int,
     ) -> tuple[int, int]:
         """Clear ``mask`` of instance ``no`` on block ``key``: (old mask, new mask)."""
-        if type(holders) is int:
+        if holders:
             if holders >> 3 != no:
                 return 0, 0
             old = holders & 7
@@ -584,19 +597,21 @@ class MemoryIndex(Index):
                 del table[key]
                 self._ns_pairs[ns] -= 1
             return old, new
-        assert isinstance(holders, dict)
-        old = holders.get(no, 0)
+        shared = self._shared[ns]
+        held = shared[key]
+        old = held.get(no, 0)
         if not old:
             return 0, 0
         new = old & ~mask
         if new:
-            holders[no] = new
+            held[no] = new
         else:
-            del holders[no]
+            del held[no]
             self._ns_pairs[ns] -= 1
-            if len(holders) == 1:
-                ((n, m),) = holders.items()
+            if len(held) == 1:
+                ((n, m),) = held.items()
                 table[key] = n << 3 | m
+                del shared[key]
         return old, new
 
     def _clear(self, inst: _Instance) -> int:
@@ -643,10 +658,11 @@ class MemoryIndex(Index):
         first = table.get(keys[0])
         if first is None:
             return []
+        shared = self._shared[namespace]
         by_no = self._by_no
         now = self._clock()
         # candidates: visible holders of block 0 -> their tier mask there
-        cand = _holders_dict(first)
+        cand = _holders_dict(first, keys[0], shared)
         if not self._all_visible(now):
             cand = {
                 n: mask
@@ -660,7 +676,7 @@ class MemoryIndex(Index):
         active: dict[int, list[int]] = {}
         nxt = table.get(keys[1]) if len(keys) > 1 else None
         if nxt is not None:
-            holders = _holders_dict(nxt)
+            holders = _holders_dict(nxt, keys[1], shared)
             small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
             for n in small:
                 if n in big:
@@ -687,12 +703,12 @@ class MemoryIndex(Index):
                     continue
                 if h is None:
                     break
-                if type(h) is int:
+                if h:
                     if h >> 3 != n:
                         break
                     counts[_FASTEST[h & 7]] += 1
                 else:
-                    held = h.get(n)  # type: ignore[union-attr]
+                    held = shared[key].get(n)
                     if held is None:
                         break
                     counts[_FASTEST[held]] += 1
@@ -704,10 +720,11 @@ class MemoryIndex(Index):
             common = 0
             get = table.get
             while active and depth < n_keys:
-                h = get(keys[depth])
+                key = keys[depth]
+                h = get(key)
                 if h is None:
                     break
-                if type(h) is int:
+                if h:
                     n1 = h >> 3
                     counts1 = active.pop(n1, None)
                     for n, counts in active.items():
@@ -718,14 +735,14 @@ class MemoryIndex(Index):
                         counts1[_FASTEST[h & 7]] += 1
                         active[n1] = counts1
                 elif (
-                    len(h) == len(active)  # type: ignore[arg-type]
-                    and h.keys() == active.keys()  # type: ignore[union-attr]
-                    and max(h.values()) == 1  # type: ignore[union-attr]
+                    len(hs := shared[key]) == len(active)
+                    and hs.keys() == active.keys()
+                    and max(hs.values()) == 1
                 ):
                     common += 1
                 else:
                     for n, counts in list(active.items()):
-                        held = h.get(n)  # type: ignore[union-attr]
+                        held = hs.get(n)
                         if held is None:
                             counts[0] += common
                             done.append((n, counts))
@@ -778,7 +795,10 @@ class MemoryIndex(Index):
         ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
         ns_list = self._ns_list
         blocks = {
-            ns: {k: {ids[i]: m for i, m in _holders_dict(h).items()} for k, h in table.items()}
+            ns: {
+                k: {ids[i]: m for i, m in _holders_dict(h, k, self._shared[ns]).items()}
+                for k, h in table.items()
+            }
             for ns, table in self._blocks.items()
             if table
         }

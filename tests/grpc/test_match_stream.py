@@ -700,8 +700,9 @@ async def test_router_client_does_not_send_a_match_whose_deadline_passed_in_its_
         deadline_ms=200, breaker_failures=100_000, max_in_flight=100_000, match_stream=True
     )
     client = IndexerClient(channel=h.channel, model=MODEL, settings=s)
-    n = 400
-    # About 40 kB each (4,000 64-bit keys): far more than the transport buffers.
+    n = 1000
+    # About 40 kB each (4,000 64-bit keys): 40 MB, far more than the transport
+    # buffers (grpc grows its flow-control window to several MB).
     prompts = [[(i << 40) + j + (1 << 63) for j in range(4000)] for i in range(n)]
     outcomes = await asyncio.gather(*(client.match(p) for p in prompts))
     assert {o.status for o in outcomes} == {MatchStatus.DEADLINE_EXCEEDED}

@@ -153,3 +153,25 @@ async def test_stored_blocks_add_nothing_for_the_garbage_collector_to_walk() -> 
     # A tracked container per block (its holder dict, its engine-hash entry)
     # would add tens of thousands here.
     assert added < 100, f"{added} more objects tracked after storing {n} blocks twice"
+
+
+async def test_blocks_several_instances_hold_leave_no_large_container_to_walk() -> None:
+    """A full collection walks every tracked container: none may grow with the index."""
+    index = MemoryIndex()
+    await reg(index, A, "http://a:1")
+    await reg(index, B, "http://b:1")
+    n = 20_000
+    tokens = tuple(range(BS * n))
+    ev = BlockStored(block_hashes=tuple(range(1, n + 1)), token_ids=tokens, block_size=BS)
+    await index.apply(EventBatch(A, 0, (ev,)))
+    # B holds the first ten blocks too: those have two holders.
+    shared = BlockStored(
+        block_hashes=tuple(range(1, 11)), token_ids=tokens[: 10 * BS], block_size=BS
+    )
+    await index.apply(EventBatch(B, 0, (shared,)))
+    gc.collect()
+    largest = max((len(o) for o in gc.get_objects() if isinstance(o, dict | list | set)), default=0)
+    # A block table with a dict of holders among its values is tracked, and
+    # every collection of the oldest generation walks all n of its entries.
+    assert largest < n, f"a tracked container of {largest} entries"
+    assert (await index.stats()).block_instances == n + 10

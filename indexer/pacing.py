@@ -77,6 +77,9 @@ class Pacer:
 
 
 _PACERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer] = weakref.WeakKeyDictionary()
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def loop_pacer() -> Pacer:
@@ -86,3 +89,13 @@ def loop_pacer() -> Pacer:
     if pacer is None:
         pacer = _PACERS[loop] = Pacer()
     return pacer
+
+
+def loop_turns() -> asyncio.Lock:
+    """The lock the running loop's event work takes turns by, one batch at a
+    time (FIFO), where the work is all CPU (the memory backend)."""
+    loop = asyncio.get_running_loop()
+    lock = _TURNS.get(loop)
+    if lock is None:
+        lock = _TURNS[loop] = asyncio.Lock()
+    return lock

@@ -89,10 +89,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from indexer.config import EngineEventSettings, ZmqEndpointSettings
+from indexer.instrumented import InstrumentedIndex
 from indexer.kvevents.decode import MalformedFrame, decode_batch, decode_seq
 from indexer.logic import IndexerLogic
+from indexer.memory import MemoryIndex
 from indexer.model import BatchOutcome, EventBatch, InstanceId, InstanceSpec
-from indexer.pacing import Pacer, loop_pacer
+from indexer.pacing import Pacer, loop_pacer, loop_turns
 from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -203,6 +205,9 @@ class EndpointSubscriber:
         self._replayed: dict[int, bytes] = {}
         self._last_live: int | None = None
         self._engine_hash_keys = endpoint.keys == "engine_hashes"
+        index = logic.index
+        inner = index.inner if isinstance(index, InstrumentedIndex) else index
+        self._cpu_bound = isinstance(inner, MemoryIndex)
         self._warned_rank = False
         self._stopping = False
         # Set when the index reset the instance this subscriber fed: rebuild it.
@@ -586,7 +591,23 @@ class EndpointSubscriber:
         self.next_seq = 1
 
     async def _apply(self, seq: int, payload: bytes) -> None:
-        """Decode and publish one batch; ``next_seq`` moves past it whatever happens."""
+        """Decode and publish one batch; ``next_seq`` moves past it whatever happens.
+
+        On a backend that applies without I/O (memory), the subscribers of
+        the loop take turns (:func:`indexer.pacing.loop_turns`): a long batch
+        gives way to the loop between its slices, and the others would
+        otherwise each decode theirs meanwhile and hold it, tens of millions
+        of token ids for the collector to walk at its next collection (a 60 ms
+        pause with 64 engines); one at a time, only one batch is decoded.
+        """
+        turns = loop_turns() if self._cpu_bound else None
+        if turns is None:
+            await self._decode_and_publish(seq, payload)
+            return
+        async with turns:
+            await self._decode_and_publish(seq, payload)
+
+    async def _decode_and_publish(self, seq: int, payload: bytes) -> None:
         self.next_seq = seq + 1
         try:
             decoded = decode_batch(payload, engine_hash_keys=self._engine_hash_keys)

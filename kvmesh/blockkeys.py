@@ -49,6 +49,12 @@ def namespace_seed(model: str, lora_name: str = "") -> int:
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    if type(token_ids) is array and token_ids.typecode == "I":
+        # Already checked and converted (indexer.logic.token_array): no copy per id.
+        arr = token_ids if _LITTLE else array("I", token_ids)
+        if not _LITTLE:  # pragma: no cover - big-endian hosts
+            arr.byteswap()
+        return arr.tobytes()
     try:
         arr = array("I", token_ids)
     except (OverflowError, TypeError):

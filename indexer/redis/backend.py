@@ -1180,6 +1180,9 @@ class RedisIndex(Index):
         if dead:
             self._dead.add(dead)
             await self._purge(dead)
+        else:
+            # Perhaps the retry of a reset whose caller gave up while its purge ran.
+            await self._purge_leftovers()
         return inst.state(now), bool(reset)
 
     async def heartbeat(self, instance: InstanceId) -> InstanceState:
@@ -1216,8 +1219,7 @@ class RedisIndex(Index):
             # Perhaps the retry of a removal whose caller gave up while its
             # purge ran: that removal is acknowledged by this answer, so the
             # purges left unfinished are done first (no blocks of it reported after).
-            for dead in await self._cmd("SMEMBERS", K.key(self._ctl_prefix, K.DEAD)):
-                await self._purge(dead)
+            await self._purge_leftovers()
             raise NotFound(f"instance {instance} is not registered", field="instance")
         return dropped
 
@@ -1254,6 +1256,16 @@ class RedisIndex(Index):
             if await self._remove(instance, b"reap", now) is not None:
                 reaped.append(instance)
         return sorted(reaped)
+
+    async def _purge_leftovers(self) -> None:
+        """Finish every purge left unfinished (``P:dead``).
+
+        The retry of a write cut after it retired an id (a removal, a reset, a
+        clear) acknowledges that write, so the old id's entries go first; a
+        purge is idempotent. One SMEMBERS when nothing is left.
+        """
+        for dead in await self._cmd("SMEMBERS", K.key(self._ctl_prefix, K.DEAD)):
+            await self._purge(dead)
 
     async def _purge(self, int_id: bytes) -> None:
         if self.cluster:
@@ -1520,6 +1532,8 @@ class RedisIndex(Index):
                     # Cluster: writes the instance left pending (a retry of a batch
                     # cut off after its control half) are written before the ack.
                     await self._drive(pending[0])
+                # Perhaps the retry of a clear whose caller gave up while its purge ran.
+                await self._purge_leftovers()
                 return ApplyResult(BatchOutcome.DUPLICATE, int(seq), stale=bool(stale))
             # Our view of the instance is outdated: reread and retry from Redis.
             await self._refresh()

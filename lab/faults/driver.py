@@ -1225,7 +1225,11 @@ class Driver:
                     f"DumpIndex: {key[2]} lacks {key[0]}/{key[1]:#x} tiers {w:03b} (has {g:03b})",
                 )
         if self.engines and (not model or model == ZMQ_MODEL):
-            listed = await self.rep(replica).logic.list_instances(ZMQ_MODEL)
+            reply = await self.call(
+                replica, "logic", self._no_grpc, lambda r: r.logic.list_instances(ZMQ_MODEL)
+            )
+            self.expect_ok(reply)
+            listed = reply.value
             flags = {st.spec.instance: st.stale for st in listed}
             for e in self.engines:
                 self._check_engine(e, got, flags.get(e.instance))

@@ -122,5 +122,13 @@ class Index(abc.ABC):
     async def ping(self) -> None:  # noqa: B027 - optional hook
         """Raise Unavailable when the backend cannot serve."""
 
+    async def generation(self) -> int | None:
+        """A number that moves whenever an instance's registration may have
+        changed (registered, reset, removed, reaped; every replica's writes),
+        read from the shared index; None when the backend has none. Cheaper
+        than :meth:`list_instances`: a caller that read the table may ask it
+        whether reading again could tell it anything new."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -252,6 +252,10 @@ class InstrumentedIndex(Index):
         with self._observe("dump"):
             return await self.inner.dump()
 
+    async def generation(self) -> int | None:
+        """See :meth:`Index.generation`."""
+        return await self.inner.generation()
+
     async def ping(self) -> None:
         """See :meth:`Index.ping`; also sets ``kvmesh_indexer_backend_up``."""
         try:

@@ -72,9 +72,12 @@ MODEL_CACHE_SIZE = 65_536
 #: once, and this bounds how long a stale model can be believed where nothing
 #: disagrees (an ownership check that should now refuse). One reread (one
 #: list_instances) renews every entry, so a steady fleet costs one a second.
-#: It is also the least time between two rereads for a disagreement about one
-#: instance: a caller that keeps sending what the backend's answer refuses
-#: (a wrong block size, an instance it does not own) costs one a second.
+#: It is also the longest a reread for a disagreement about one instance is
+#: believed, while the instance table's generation (Index.generation) stays
+#: where it was: a caller that keeps sending what the backend's answer refuses
+#: (a wrong block size, an instance it does not own) costs one generation
+#: read a batch and one reread a second, and another replica's change of the
+#: instance is read at once.
 MODEL_CACHE_TTL_S = 1.0
 #: LoRA name of the namespace where each hybrid instance (full attention plus
 #: sliding-window or Mamba groups) holds one marker block, :data:`HYBRID_MARKER`.
@@ -233,8 +236,9 @@ class IndexerLogic:
         self._models: dict[InstanceId, tuple[str, float]] = {}
         # The reread of every instance in flight, shared by concurrent callers.
         self._reload: asyncio.Task[list[InstanceState]] | None = None
-        # instance -> monotonic time of its last reread for a disagreement.
-        self._disputed: dict[InstanceId, float] = {}
+        # instance -> (monotonic time, instance-table generation) of its last reread
+        # for a disagreement.
+        self._disputed: dict[InstanceId, tuple[float, int | None]] = {}
         #: KV-cache groups of the instances this replica ingests (indexer/groups.py).
         self.groups = GroupTracker()
         # instance -> last sequence whose events the group tracker counted.
@@ -502,13 +506,22 @@ class IndexerLogic:
         entry = self._models.get(instance)
         now = time.monotonic()
         if reread and entry is not None:
+            # The backend was just asked for this disagreement: unless the
+            # instance table changed since (another replica may have given the
+            # instance another model), the caller is what disagrees.
+            gen = await self.index.generation()
             last = self._disputed.get(instance)
-            if last is not None and now - last < MODEL_CACHE_TTL_S:
-                return entry[0], True  # the backend was just asked: the caller is wrong
+            if (
+                last is not None
+                and now - last[0] < MODEL_CACHE_TTL_S
+                and gen is not None
+                and gen == last[1]
+            ):
+                return entry[0], True
             if len(self._disputed) >= MODEL_CACHE_SIZE:
                 del self._disputed[next(iter(self._disputed))]
             self._disputed.pop(instance, None)
-            self._disputed[instance] = now
+            self._disputed[instance] = (now, gen)
         if reread or entry is None:
             await self.list_instances()  # newer than the miss or the disagreement
         elif now - entry[1] >= MODEL_CACHE_TTL_S:

@@ -211,6 +211,8 @@ class MemoryIndex(Index):
         # anything that can make an instance visible again sets _dirty.
         self._visible_until = -math.inf
         self._dirty = True
+        #: Moves with every registration, reset, removal and reap (Index.generation).
+        self._gen = 0
 
     # -- instances -----------------------------------------------------------
 
@@ -250,6 +252,7 @@ class MemoryIndex(Index):
             inst.spec = spec
             inst.lease_expires_at = now + spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)
+        self._gen += 1
         if reset:
             self._dirty = True
         return self._state(inst, now), reset
@@ -269,7 +272,12 @@ class MemoryIndex(Index):
         del self._instances[inst.key]
         del self._by_no[inst.no]
         self._dirty = True
+        self._gen += 1
         return removed
+
+    async def generation(self) -> int | None:
+        """See :meth:`Index.generation`."""
+        return self._gen
 
     async def list_instances(self, model: str = "") -> list[InstanceState]:
         """Registered instances, sorted by id."""
@@ -292,6 +300,7 @@ class MemoryIndex(Index):
             gone.append(inst.spec.instance)
         if dead:
             self._dirty = True
+            self._gen += 1
         return sorted(gone)
 
     def _renewed(self, expires_at: float) -> None:

@@ -1819,6 +1819,11 @@ class RedisIndex(Index):
         """Raise Unavailable when Redis does not answer within ``socket_timeout_s``."""
         await self._cmd("PING", read=True)
 
+    async def generation(self) -> int | None:
+        """``P:gen``, which every script that changes the instance table bumps (one GET)."""
+        raw = await self._cmd("GET", self._gen_key, read=True)
+        return int(raw) if raw is not None else 0
+
     async def _read(self, *args: Any) -> Any:
         """A command a router waits on: TimeoutError past ``socket_timeout_s`` (the
         connection is then dropped: its reply would come later)."""

@@ -294,3 +294,31 @@ async def test_unknown_namespace_and_empty_query(index: Any) -> None:
     await reg(index, A)
     await index.apply(EventBatch(A, 0, (stored(0, 2),)))
     assert await index.match(NS, []) == []
+
+
+async def test_generation_moves_with_every_change_of_the_instance_table(
+    index: Any, clock: FakeClock
+) -> None:
+    """What a replica compares before rereading the table (IndexerLogic's model cache)."""
+    seen = [await index.generation()]
+
+    async def moved() -> bool:
+        seen.append(await index.generation())
+        return seen[-1] != seen[-2]
+
+    await reg(index, A)
+    assert await moved()
+    await index.apply(EventBatch(A, 0, (stored(0, 2),)))
+    await index.match(NS, KEYS)
+    assert not await moved()  # blocks and reads are not the table
+    await index.register(InstanceSpec(A, "other", "http://a:0", 30.0, "x"))  # a new model
+    assert await moved()
+    await index.register(InstanceSpec(A, "other", "http://a:0", 30.0, "y"))  # restarted
+    assert await moved()
+    await index.remove_instance(A)
+    assert await moved()
+    await reg(index, B, ttl=5.0)
+    assert await moved()
+    clock.advance(10.0)
+    await index.reap_expired()
+    assert await moved()

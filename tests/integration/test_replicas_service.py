@@ -140,6 +140,23 @@ async def test_a_former_owner_is_refused_once_the_model_is_read_again(
     assert [s.spec.model for s in await two.list_instances()] == ["new"]
 
 
+async def test_a_disagreement_remembered_before_another_replica_changed_the_model(
+    indexes: tuple[RedisIndex, RedisIndex],
+) -> None:
+    """A replica that just reread the model for a wrong batch still rereads it once
+    another replica has changed it: a valid batch is never judged by the old model."""
+    cfg = config(model_block_sizes={"m4": 4, "m8": 8})
+    one, two = IndexerLogic(indexes[0], cfg), IndexerLogic(indexes[1], cfg)
+    await one.register(InstanceSpec(W, "m4", "http://w0:1", 30.0, "first"))
+    # Keyed with the wrong block size: replica one rereads, still m4, and skips it.
+    wrong = await one.publish(EventBatch(W, 0, (stored(1, 8, block_size=8),)))
+    assert wrong.blocks_skipped == 1
+    # Within the second after that reread, the engine restarts serving m8.
+    await two.register(InstanceSpec(W, "m8", "http://w0:1", 30.0, "second"))
+    result = await one.publish(EventBatch(W, 0, (stored(1, 8, block_size=8),)))
+    assert (result.blocks_stored, result.blocks_skipped) == (1, 0)
+
+
 class CountingIndex(MemoryIndex):
     """The memory backend, counting how often the instance table is read."""
 

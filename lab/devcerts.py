@@ -14,6 +14,7 @@ P-256, certificates are valid for ``days`` (default 365) from an hour ago.
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import ipaddress
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +36,7 @@ __all__ = [
     "default_identities",
     "policy_for",
     "san_entry",
+    "worker_of",
     "write_bundle",
 ]
 
@@ -217,6 +219,17 @@ class DevIdentity:
     instances: tuple[str, ...] = ("*",)
 
 
+def worker_of(name: str, sans: Sequence[str]) -> str:
+    """The one worker id an engine identity may act for: the last path segment
+    of its URI SAN (``spiffe://kvmesh/engine/<worker id>``), else its name."""
+    for san in sans:
+        if "://" in san:
+            tail = san.rstrip("/").rsplit("/", 1)[-1]
+            if tail and "://" not in tail:
+                return tail
+    return name
+
+
 def policy_for(identities: Mapping[str, DevIdentity]) -> dict[str, object]:
     """The policy granting each identity with roles those roles, matched on its URI SANs
     (or all its SANs when it has no URI)."""
@@ -322,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name: DevIdentity(
                 tuple(sans),
                 tuple(r for prefix, r in _DEFAULT_ROLES.items() if name.startswith(prefix))[:1],
-                instances=("engine-0*",),
+                instances=(glob.escape(worker_of(name, sans)),),
             )
             for name, sans in identities.items()
         },

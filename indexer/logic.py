@@ -388,13 +388,16 @@ class IndexerLogic:
         c = current_client()
         if c is None or c.principal.via == "open" or "admin" in c.principal.roles:
             return
-        model, fresh = "", False
-        with contextlib.suppress(KvmeshError):
+        # None: the index does not hold the instance (never registered, reaped,
+        # removed): its owner by worker id is told so by the call (NOT_FOUND).
+        model: str | None = None
+        fresh = False
+        with contextlib.suppress(FailedPrecondition):
             model, fresh = await self._model_of(instance)
         if not fresh and not c.principal.owns(model, instance.worker_id):
             # Refused on a remembered model: another replica may have changed it.
-            model = ""
-            with contextlib.suppress(KvmeshError):
+            model = None
+            with contextlib.suppress(FailedPrecondition):
                 model, _ = await self._model_of(instance, reread=True)
         require_owner(model, instance.worker_id)
 

@@ -131,12 +131,13 @@ class Principal:
         """Whether any of ``roles`` is granted (admin is granted everything)."""
         return "admin" in self.roles or any(r in self.roles for r in roles)
 
-    def owns(self, model: str, worker_id: str) -> bool:
-        """Whether this caller may act for ``worker_id`` serving ``model``."""
+    def owns(self, model: str | None, worker_id: str) -> bool:
+        """Whether this caller may act for ``worker_id`` serving ``model`` (None:
+        for ``worker_id`` whatever its model: an instance the index does not hold)."""
         if "admin" in self.roles or self.via == "open":
             return True
-        return any(fnmatch.fnmatchcase(worker_id, p) for p in self.instances) and any(
-            fnmatch.fnmatchcase(model, p) for p in self.models
+        return any(fnmatch.fnmatchcase(worker_id, p) for p in self.instances) and (
+            model is None or any(fnmatch.fnmatchcase(model, p) for p in self.models)
         )
 
 
@@ -180,14 +181,16 @@ def reset_current_client(token: contextvars.Token[Client | None]) -> None:
         _client.set(None)
 
 
-def require_owner(model: str, worker_id: str, field_name: str = "instance") -> None:
-    """Raise PERMISSION_DENIED unless the current caller owns ``worker_id`` of ``model``."""
+def require_owner(model: str | None, worker_id: str, field_name: str = "instance") -> None:
+    """Raise PERMISSION_DENIED unless the current caller owns ``worker_id`` of ``model``
+    (None: of any model, for an instance the index does not hold)."""
     c = _client.get()
     if c is None or c.principal.owns(model, worker_id):
         return
+    of_model = "" if model is None else f" of model {model!r}"
     raise PermissionDenied(
-        f"identity {c.principal.name!r} may not act for instance {worker_id!r} of model "
-        f"{model!r} (policy: instances {list(c.principal.instances)}, models "
+        f"identity {c.principal.name!r} may not act for instance {worker_id!r}{of_model} "
+        f"(policy: instances {list(c.principal.instances)}, models "
         f"{list(c.principal.models)})",
         field=field_name,
     )

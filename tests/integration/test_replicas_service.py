@@ -39,7 +39,7 @@ from indexer.model import (
 from indexer.redis.backend import RedisIndex
 from indexer.sglang.compat import Action, ActionKind, ApplyRequest, SglangCompat
 from kvmesh.auth import Client, Principal, reset_current_client, set_current_client
-from kvmesh.errors import FailedPrecondition, PermissionDenied
+from kvmesh.errors import FailedPrecondition, NotFound, PermissionDenied
 
 W = InstanceId("w0", 0)
 #: Block hashes as SGLang reports them (unsigned here, as the compat layer takes them).
@@ -155,6 +155,22 @@ async def test_a_disagreement_remembered_before_another_replica_changed_the_mode
     await two.register(InstanceSpec(W, "m8", "http://w0:1", 30.0, "second"))
     result = await one.publish(EventBatch(W, 0, (stored(1, 8, block_size=8),)))
     assert (result.blocks_stored, result.blocks_skipped) == (1, 0)
+
+
+async def test_the_owner_of_a_gone_instance_is_told_it_is_gone() -> None:
+    """A heartbeat or removal for an instance the index no longer holds (reaped,
+    removed) answers NOT_FOUND to its owner, and PERMISSION_DENIED to others."""
+    logic = IndexerLogic(MemoryIndex(), config())
+    await logic.register(InstanceSpec(W, "m1", "http://w0:1", 30.0, "x"))
+    await logic.remove_instance(W)
+    with caller("engine-0", instances=("w0",), models=("m1",)):
+        with pytest.raises(NotFound):
+            await logic.heartbeat(W)
+        with pytest.raises(NotFound):
+            await logic.remove_instance(W)
+    with caller("engine-1", instances=("w1",), models=("m1",)):
+        with pytest.raises(PermissionDenied):
+            await logic.heartbeat(W)
 
 
 class CountingIndex(MemoryIndex):

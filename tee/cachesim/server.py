@@ -65,6 +65,11 @@ from tee.events import REQUEST_ID_HEADER, WORKER_HEADER, EventKind, from_body
 from tee.httpsec import HTTP_STATUS, HttpCall, ServerSSL
 from tee.metrics import refusal_counter
 
+#: Longest a client may take to send a request body: a client that announces a
+#: body and sends it slowly (or never) is answered 408 instead of holding a
+#: connection and its buffer.
+BODY_READ_TIMEOUT_S = 30.0
+
 log = logging.getLogger(__name__)
 
 TEE_SERVICE = pb.DESCRIPTOR.services_by_name["TeeService"].full_name
@@ -247,8 +252,9 @@ class CacheSimServer:
 
     def _app(self) -> web.Application:
         # JSON of max_input_ids ids of up to 10 digits each, plus slack; larger is 413.
+        self._max_body = self.config.max_input_ids * 11 + 65536
         app = web.Application(
-            client_max_size=self.config.max_input_ids * 11 + 65536,
+            client_max_size=self._max_body,
             middlewares=[self._authorize],
         )
         app.router.add_post("/ingest_ids", self._ingest)
@@ -287,14 +293,32 @@ class CacheSimServer:
 
     async def _event(self, kind: EventKind, request: web.Request) -> web.Response:
         try:
+            announced = request.content_length
+            if announced is not None and announced > self._max_body:
+                # Refused before a byte of it is read.
+                raise TooLarge(
+                    f"request body of {announced} bytes, more than {self._max_body}", field="body"
+                )
             try:
-                raw = await request.read()
+                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                    raw = await request.read()
             except web.HTTPRequestEntityTooLarge as e:
                 raise TooLarge("request body too large", field="body") from e
+            except TimeoutError:
+                self.events_total.labels("http", "rejected").inc()
+                return web.json_response(
+                    {
+                        "error": f"request body not sent within {BODY_READ_TIMEOUT_S:g} s",
+                        "field": "body",
+                    },
+                    status=408,
+                )
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise InvalidEvent(f"not JSON: {e}", field="body") from e
+            except RecursionError:
+                raise InvalidEvent("JSON nested too deep", field="body") from None
             event = from_body(
                 kind,
                 body,

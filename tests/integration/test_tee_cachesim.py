@@ -96,3 +96,50 @@ async def test_http_rejects_bad_input_and_report_cli(
     code = await asyncio.to_thread(report_cli, ["--url", sim.http_url, "--json"])
     assert json.loads(capsys.readouterr().out)["models"]["m"]["total"]["requests"] == 1
     assert await asyncio.to_thread(report_cli, ["--url", "http://127.0.0.1:9"]) == 1
+
+
+async def test_http_refuses_deep_nesting_without_a_traceback(sim: CacheSimServer) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{sim.http_url}/ingest_ids", data=deep) as r:
+            assert r.status == 400
+            assert (await r.json())["field"] == "body"
+        async with s.get(f"{sim.http_url}/healthz") as r:
+            assert r.status == 200  # still up
+
+
+async def _raw_post(sim: CacheSimServer, head: bytes, body: bytes = b"") -> bytes:
+    """POST by hand (a client that announces more than it sends); the reply's status line."""
+    host, port = sim.http_url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 10.0)
+    finally:
+        writer.close()
+
+
+async def test_http_refuses_an_announced_oversize_body_at_once(sim: CacheSimServer) -> None:
+    head = (
+        b"POST /ingest_ids HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 209715200\r\n\r\n"
+    )
+    t0 = time.monotonic()
+    status = await _raw_post(sim, head, b'{"model": "m", ')  # 200 MiB announced, 15 B sent
+    assert status.startswith(b"HTTP/1.1 413"), status
+    assert time.monotonic() - t0 < 5.0
+
+
+async def test_http_gives_up_on_a_body_that_stalls(
+    sim: CacheSimServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tee.cachesim.server as server_mod
+
+    monkeypatch.setattr(server_mod, "BODY_READ_TIMEOUT_S", 0.5)
+    head = (
+        b"POST /ingest_ids HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
+    status = await _raw_post(sim, head, b'{"model": "m", ')
+    assert status.startswith(b"HTTP/1.1 408"), status

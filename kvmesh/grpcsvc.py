@@ -527,8 +527,17 @@ def _wrap(
         return client
 
     async def requests(it: AsyncIterator[Any], context: Any, scope: _Scope) -> AsyncIterator[Any]:
+        # Each message of a stream is the caller's act under the policy as it
+        # is now: a stream opened before its identity was revoked (or its
+        # instances narrowed) ends, and ownership checks see the current grant.
+        authz = guard.authorizer
+        recheck = authz is not None and authz.enabled and not rule.open
+        first = True
         async for raw in it:
             try:
+                if recheck and not first:
+                    set_current_client(guard.identify(method, rule, context))
+                first = False
                 yield decode(raw)
             except KvmeshError as e:
                 await scope.abort(context, e)

@@ -436,6 +436,41 @@ async def test_policy_reload_grants_new_identity(pki: Pki, tmp_path: Path) -> No
         await s.stop(0)
 
 
+async def test_revoking_an_engine_ends_the_stream_it_opened_before(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """A publish stream opened before its identity left the policy applies nothing after."""
+    import yaml
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(Path(pki.policy).read_text())  # noqa: ASYNC240
+    s = await start_server(
+        config(pki, auth={"policy_file": str(policy), "reload_interval_s": 0.05})
+    )
+    c = Caller(s.address, pki.client_tls("engine-a"))
+    try:
+        await register(c.stub, "engine-a-0")
+        call = c.stub.PublishEventsStream(timeout=10)
+        first = batch(1, stored([1], A), worker="engine-a-0")
+        await call.write(pb.PublishEventsStreamRequest(batch=first))
+        assert (await call.read()).ack.outcome == pb.BATCH_OUTCOME_APPLIED
+        # The operator revokes engine-a while its stream stays open.
+        doc = yaml.safe_load(policy.read_text())
+        doc["identities"] = [i for i in doc["identities"] if i["name"] != "engine-a"]
+        policy.write_text(yaml.safe_dump(doc))
+        await asyncio.sleep(0.2)
+        second = batch(2, stored([2], A, parent=1), worker="engine-a-0")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.write(pb.PublishEventsStreamRequest(batch=second))
+            await call.done_writing()
+            while (resp := await call.read()) is not grpc.aio.EOF:
+                assert resp.ack.outcome != pb.BATCH_OUTCOME_APPLIED, "a revoked engine applied"
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await c.close()
+        await s.stop(0)
+
+
 # -- health port ---------------------------------------------------------------------------------
 
 

@@ -152,6 +152,13 @@ def _check_name(value: object, field: str, *, required: bool) -> str:
     return value
 
 
+def _shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error names what it refused,
+    it does not echo a client's 4,000-digit number or name back."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**limit else "a huge int"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def validate(event: RoutedEvent, max_input_ids: int = DEFAULT_MAX_INPUT_IDS) -> RoutedEvent:
     """Check every field of ``event``; return it or raise :class:`InvalidEvent` naming the field."""
     if not isinstance(event.kind, EventKind):
@@ -164,11 +171,13 @@ def validate(event: RoutedEvent, max_input_ids: int = DEFAULT_MAX_INPUT_IDS) -> 
         raise TooLarge(f"{len(ids)} ids exceed the cap of {max_input_ids}", field="input_ids")
     for i, t in enumerate(ids):
         if type(t) is not int or not 0 <= t < _TOKEN_LIMIT:
-            raise InvalidEvent(f"input_ids[{i}] = {t!r} is not in [0, 2^32)", field="input_ids")
+            raise InvalidEvent(
+                f"input_ids[{i}] = {_shown(t)} is not in [0, 2^32)", field="input_ids"
+            )
     for name in _OPTIONAL_INTS:
         value = getattr(event, name)
         if value is not None and (type(value) is not int or not 0 <= value < _TOKEN_LIMIT):
-            raise InvalidEvent(f"must be an integer in [0, 2^32), got {value!r}", field=name)
+            raise InvalidEvent(f"must be an integer in [0, 2^32), got {_shown(value)}", field=name)
     if event.prompt_len is not None and event.prompt_len > len(ids):
         raise InvalidEvent(
             f"{event.prompt_len} exceeds the {len(ids)} input_ids", field="prompt_len"
@@ -189,7 +198,8 @@ def from_body(
         raise InvalidEvent("body must be a JSON object", field="body")
     unknown = sorted(set(body) - {"model", "input_ids", "request_id", *_OPTIONAL_INTS})
     if unknown:
-        raise InvalidEvent(f"unknown field {unknown[0]!r}", field=unknown[0])
+        name = unknown[0] if len(unknown[0]) <= 64 else unknown[0][:63] + "…"
+        raise InvalidEvent(f"unknown field {name!r}", field=name)
     if "model" not in body:
         raise InvalidEvent("missing", field="model")
     ids = body.get("input_ids")

@@ -315,8 +315,9 @@ class CacheSimServer:
                 )
             try:
                 body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise InvalidEvent(f"not JSON: {e}", field="body") from e
+            except (ValueError, UnicodeDecodeError) as e:
+                # ValueError: not JSON, or a number past Python's digit limit.
+                raise InvalidEvent(f"not JSON: {str(e)[:120]}", field="body") from e
             except RecursionError:
                 raise InvalidEvent("JSON nested too deep", field="body") from None
             event = from_body(

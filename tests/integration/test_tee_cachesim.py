@@ -143,3 +143,16 @@ async def test_http_gives_up_on_a_body_that_stalls(
     )
     status = await _raw_post(sim, head, b'{"model": "m", ')
     assert status.startswith(b"HTTP/1.1 408"), status
+
+
+async def test_http_errors_do_not_echo_huge_input(sim: CacheSimServer) -> None:
+    bodies = [
+        b'{"model": "m", "input_ids": [' + b"9" * 4000 + b"]}",  # a 4,000-digit id
+        b'{"model": "m", "input_ids": [' + b"9" * 5000 + b"]}",  # past Python's digit limit
+        json.dumps({"model": "m", "x" * 5000: 1}).encode(),  # a 5,000-character field name
+    ]
+    async with aiohttp.ClientSession() as s:
+        for body in bodies:
+            async with s.post(f"{sim.http_url}/ingest_ids", data=body) as r:
+                assert r.status == 400
+                assert len(await r.read()) < 400

@@ -241,6 +241,13 @@ class Limits(StrictModel):
         "ahead of everyone else's (per_client limits refuse calls, but a refused call still "
         "costs most of an answered one). 0: gRPC's default (no limit).",
     )
+    handshake_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest a new connection may take to finish its handshake (TLS and "
+        "HTTP/2 settings) before the server closes it: a client that opens connections and "
+        "never starts TLS cannot hold file descriptors for gRPC's default two minutes.",
+    )
     max_lease_ttl_s: float = Field(
         default=3600.0, gt=0, description="Longest lease a registration may ask for."
     )

@@ -597,6 +597,7 @@ class IndexerServer:
                 ("grpc.max_send_message_length", lim.max_message_bytes),
                 # Fail loudly when the port is taken instead of sharing it.
                 ("grpc.so_reuseport", 0),
+                ("grpc.server_handshake_timeout_ms", int(lim.handshake_timeout_s * 1000)),
                 *(
                     [("grpc.max_concurrent_streams", lim.max_streams_per_connection)]
                     if lim.max_streams_per_connection

@@ -471,6 +471,20 @@ async def test_revoking_an_engine_ends_the_stream_it_opened_before(
         await s.stop(0)
 
 
+async def test_a_connection_that_never_starts_tls_is_closed(pki: Pki) -> None:
+    s = await start_server(config(pki, limits={"handshake_timeout_s": 0.5}))
+    host, port = s.address.rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            # No ClientHello: the server gives up on the handshake and closes.
+            assert await asyncio.wait_for(reader.read(), 5.0) == b""
+        finally:
+            writer.close()
+    finally:
+        await s.stop(0)
+
+
 # -- health port ---------------------------------------------------------------------------------
 
 

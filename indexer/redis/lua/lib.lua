@@ -29,9 +29,12 @@ end
 local CLUSTER = false
 
 local function new_id()
-  if CLUSTER and redis.call('EXISTS', B .. 'ids') == 0 then
-    -- Cluster mode: a restarted control node must not hand out ids that block
-    -- entries left on the other nodes still carry, so start from the clock (ms).
+  if redis.call('EXISTS', B .. 'ids') == 0 then
+    -- A restarted Redis must not hand out ids that a replica's cached table
+    -- still gives to an instance of before the restart (its Matches would
+    -- name that instance with the new one's blocks), nor, in cluster mode, ids
+    -- that block entries left on the other nodes still carry: start from the
+    -- clock (ms).
     local t = redis.call('TIME')
     redis.call('SET', B .. 'ids', t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000)))
   end

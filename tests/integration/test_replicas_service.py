@@ -168,9 +168,8 @@ async def test_the_owner_of_a_gone_instance_is_told_it_is_gone() -> None:
             await logic.heartbeat(W)
         with pytest.raises(NotFound):
             await logic.remove_instance(W)
-    with caller("engine-1", instances=("w1",), models=("m1",)):
-        with pytest.raises(PermissionDenied):
-            await logic.heartbeat(W)
+    with caller("engine-1", instances=("w1",), models=("m1",)), pytest.raises(PermissionDenied):
+        await logic.heartbeat(W)
 
 
 class CountingIndex(MemoryIndex):

@@ -270,3 +270,8 @@ class InstrumentedIndex(Index):
     async def close(self) -> None:
         """Close the wrapped index."""
         await self.inner.close()
+
+
+def backend_of(index: Index) -> Index:
+    """The backend under ``index``'s instrumentation (``index`` itself when bare)."""
+    return index.inner if isinstance(index, InstrumentedIndex) else index

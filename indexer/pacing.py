@@ -14,6 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 #: Longest stretch of event work (decoding and applying batches, every
 #: subscriber and long apply of the process together) before the event loop
@@ -82,20 +86,22 @@ _TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
 )
 
 
+def _of_loop(
+    table: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _T], make: Callable[[], _T]
+) -> _T:
+    loop = asyncio.get_running_loop()
+    got = table.get(loop)
+    if got is None:
+        got = table[loop] = make()
+    return got
+
+
 def loop_pacer() -> Pacer:
     """The pacer every piece of event work on the running loop shares."""
-    loop = asyncio.get_running_loop()
-    pacer = _PACERS.get(loop)
-    if pacer is None:
-        pacer = _PACERS[loop] = Pacer()
-    return pacer
+    return _of_loop(_PACERS, Pacer)
 
 
 def loop_turns() -> asyncio.Lock:
     """The lock the running loop's event work takes turns by, one batch at a
     time (FIFO), where the work is all CPU (the memory backend)."""
-    loop = asyncio.get_running_loop()
-    lock = _TURNS.get(loop)
-    if lock is None:
-        lock = _TURNS[loop] = asyncio.Lock()
-    return lock
+    return _of_loop(_TURNS, asyncio.Lock)

@@ -57,6 +57,7 @@ from indexer.instrumented import (
     TRACER_NAME,
     InstrumentedIndex,
     Metrics,
+    backend_of,
     configure_tracing,
 )
 from indexer.logic import IndexerLogic
@@ -163,7 +164,7 @@ def _answers_without_io(index: Index) -> bool:
 
     A subclass that overrides ``match`` (it may await) does not count.
     """
-    inner = index.inner if isinstance(index, InstrumentedIndex) else index
+    inner = backend_of(index)
     return isinstance(inner, MemoryIndex) and type(inner).match is MemoryIndex.match
 
 

@@ -89,7 +89,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from indexer.config import EngineEventSettings, ZmqEndpointSettings
-from indexer.instrumented import InstrumentedIndex
+from indexer.instrumented import backend_of
 from indexer.kvevents.decode import MalformedFrame, decode_batch, decode_seq
 from indexer.logic import IndexerLogic
 from indexer.memory import MemoryIndex
@@ -205,9 +205,7 @@ class EndpointSubscriber:
         self._replayed: dict[int, bytes] = {}
         self._last_live: int | None = None
         self._engine_hash_keys = endpoint.keys == "engine_hashes"
-        index = logic.index
-        inner = index.inner if isinstance(index, InstrumentedIndex) else index
-        self._cpu_bound = isinstance(inner, MemoryIndex)
+        self._cpu_bound = isinstance(backend_of(logic.index), MemoryIndex)
         self._warned_rank = False
         self._stopping = False
         # Set when the index reset the instance this subscriber fed: rebuild it.

@@ -8,10 +8,12 @@ them serving.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from indexer.redis.backend import RedisIndex
 from lab.faults.faults import ClusterTarget, StandaloneTarget, Target
 from lab.redisproc import RedisClusterProcess, RedisProcess
 
@@ -46,3 +48,17 @@ def _quiet_services() -> Iterator[None]:
     yield
     for lg, level in zip(loggers, levels, strict=True):
         lg.setLevel(level)
+
+
+def replica_pair(request: pytest.FixtureRequest, target: str) -> tuple[RedisIndex, RedisIndex]:
+    """Two RedisIndex replicas over one key prefix on the session's Redis (``standalone``)
+    or Cluster (``cluster``). A long cache TTL makes "the other's table is younger than
+    the bound" hold for a whole test; the contract's bound for blocks is 0 whatever it is."""
+    prefix = f"rp{uuid.uuid4().hex[:8]}"
+    if target == "cluster":
+        url, cluster = request.getfixturevalue("redis_cluster").url, True
+    else:
+        url, cluster = request.getfixturevalue("redis_server").url, False
+    return tuple(  # type: ignore[return-value]
+        RedisIndex(url, prefix=prefix, cluster=cluster, instance_cache_ttl_s=60.0) for _ in range(2)
+    )

@@ -20,13 +20,11 @@ its replica's write of both, whatever its outcome.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from indexer.model import BatchOutcome, BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
-from indexer.redis.backend import RedisIndex
 from kvmesh.blockkeys import block_keys
+from tests.faults.conftest import replica_pair
 
 X = InstanceId("x", 0)
 NS = Namespace("m")
@@ -37,14 +35,8 @@ TOKENS = tuple(range(32))
 async def test_a_duplicate_that_reports_stale_hides_the_instance_on_its_replica(
     target: str, request: pytest.FixtureRequest
 ) -> None:
-    prefix = f"ds{uuid.uuid4().hex[:8]}"
-    if target == "cluster":
-        url, cluster = request.getfixturevalue("redis_cluster").url, True
-    else:
-        url, cluster = request.getfixturevalue("redis_server").url, False
     # A long cache TTL: only b's own write can tell it that x went stale.
-    a = RedisIndex(url, prefix=prefix, cluster=cluster, instance_cache_ttl_s=60.0)
-    b = RedisIndex(url, prefix=prefix, cluster=cluster, instance_cache_ttl_s=60.0)
+    a, b = replica_pair(request, target)
     keys = block_keys(TOKENS, 16, "m")
     try:
         await a.register(InstanceSpec(X, "m", "http://x:9000", 30.0, "i"))

@@ -24,39 +24,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from typing import Any
 
 import pytest
 
 from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
-from indexer.redis.backend import RedisIndex
 from kvmesh.blockkeys import block_keys
 from kvmesh.errors import NotFound
+from tests.faults.conftest import replica_pair
 
 W = InstanceId("w", 0)
 NS = Namespace("m")
 TOKENS = tuple(range(32))
 
 
-def _pair(request: pytest.FixtureRequest, target: str) -> tuple[RedisIndex, RedisIndex]:
-    prefix = f"rr{uuid.uuid4().hex[:8]}"
-    if target == "cluster":
-        url, cluster = request.getfixturevalue("redis_cluster").url, True
-    else:
-        url, cluster = request.getfixturevalue("redis_server").url, False
-    # A long cache TTL makes "b's table is younger than the bound" hold for the
-    # whole test; the contract's bound for blocks is 0 whatever the TTL.
-    a = RedisIndex(url, prefix=prefix, cluster=cluster, instance_cache_ttl_s=60.0)
-    b = RedisIndex(url, prefix=prefix, cluster=cluster, instance_cache_ttl_s=60.0)
-    return a, b
-
-
 @pytest.mark.parametrize("target", ["standalone", "cluster"])
 async def test_a_retried_removal_reports_no_blocks_on_another_replica(
     target: str, request: pytest.FixtureRequest
 ) -> None:
-    a, b = _pair(request, target)
+    a, b = replica_pair(request, target)
     keys = block_keys(TOKENS, 16, "m")
     started, release = asyncio.Event(), asyncio.Event()
     real_purge = a._purge

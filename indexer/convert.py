@@ -9,6 +9,10 @@ domain form at all (an event with no kind, an unknown tier number), as
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
+
 from indexer.model import (
     AllBlocksCleared,
     ApplyResult,
@@ -31,6 +35,8 @@ from indexer.model import (
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.protowire import varint as _varint
+
+_LITTLE = sys.byteorder == "little"
 
 #: gRPC status code numbers (google.rpc.Code) by name, for BatchError.code.
 STATUS_CODE_NUMBERS: dict[str, int] = {
@@ -198,11 +204,31 @@ def rejected_ack_to_pb(batch: pb.EventBatch, error: KvmeshError) -> pb.BatchAck:
     )
 
 
+def packed_token_ids(data: bytes, field: str = "packed_token_ids") -> array[int]:
+    """Little-endian uint32 token ids as ``array('I')``: one copy, no step per id."""
+    if len(data) % 4:
+        raise InvalidArgument(
+            f"{len(data)} bytes, not a whole number of 4-byte token ids", field=field
+        )
+    ids = array("I")
+    ids.frombytes(data)
+    if not _LITTLE:  # pragma: no cover - big-endian hosts
+        ids.byteswap()
+    return ids
+
+
 def match_query_from_pb(req: pb.MatchRequest) -> MatchQuery:
-    """MatchRequest -> MatchQuery (token ids stay raw int64)."""
+    """MatchRequest -> MatchQuery (token ids stay raw int64, or the packed array)."""
+    tokens: Sequence[int] = req.token_ids
+    if req.packed_token_ids:
+        if tokens:
+            raise InvalidArgument(
+                "give token_ids or packed_token_ids, not both", field="packed_token_ids"
+            )
+        tokens = packed_token_ids(req.packed_token_ids)
     return MatchQuery(
         namespace=Namespace(req.model, req.lora_name),
-        token_ids=req.token_ids,
+        token_ids=tokens,
         block_keys=req.block_keys,
         max_blocks=req.max_blocks,
         include_stale=req.include_stale,

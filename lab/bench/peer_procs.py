@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -369,7 +370,11 @@ class KvmeshSide:
     def prepare(self, model: str, queries: Sequence[Query]) -> None:
         bs = self.block_size
         self._reqs_tokens = [
-            pb.MatchRequest(model=model, token_ids=q.tokens, max_blocks=len(q.tokens) // bs)
+            pb.MatchRequest(
+                model=model,
+                packed_token_ids=array("I", q.tokens).tobytes(),
+                max_blocks=len(q.tokens) // bs,
+            )
             for q in queries
         ]
         self._reqs_keys = [

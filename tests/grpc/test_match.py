@@ -37,6 +37,40 @@ async def test_match_finds_the_stored_prefix(stub: Any) -> None:
     assert resp.matches[0].address == "http://w0:8000"
 
 
+def _packed(tokens: list[int]) -> bytes:
+    return b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+async def test_packed_token_ids_answer_as_token_ids_do(stub: Any) -> None:
+    await _seed(stub)
+    await register(stub, "w1")
+    await publish(stub, batch(1, stored([21], TOKENS[:BLOCK]), worker="w1"))
+    for prompt in ([*TOKENS, 1, 2], TOKENS[: 2 * BLOCK], [7, *TOKENS], TOKENS[: BLOCK - 1]):
+        plain = await match(stub, prompt)
+        packed = await stub.Match(pb.MatchRequest(model=MODEL, packed_token_ids=_packed(prompt)))
+        assert packed == plain
+    resp = await stub.Match(pb.MatchRequest(model=MODEL, packed_token_ids=_packed(TOKENS)))
+    assert [(m.instance.worker_id, m.depth) for m in resp.matches] == [("w0", 3), ("w1", 1)]
+
+
+async def test_packed_token_ids_of_a_broken_length_name_the_field(stub: Any) -> None:
+    err = await expect_status(
+        stub.Match(pb.MatchRequest(model=MODEL, packed_token_ids=_packed(TOKENS) + b"\x01")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert ("kvmesh-error-field", "packed_token_ids") in tuple(err.trailing_metadata() or ())
+    both = await expect_status(
+        stub.Match(pb.MatchRequest(model=MODEL, token_ids=TOKENS, packed_token_ids=b"\0" * 4)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert "not both" in (both.details() or "")
+    with_keys = await expect_status(
+        stub.Match(pb.MatchRequest(model=MODEL, block_keys=[1], packed_token_ids=b"\0" * 4)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert "not both" in (with_keys.details() or "")
+
+
 async def test_negative_token_id_names_field_and_index(stub: Any) -> None:
     err = await expect_status(match(stub, [1, 2, 3, -1, 5]), grpc.StatusCode.INVALID_ARGUMENT)
     assert "token_ids[3]" in (err.details() or "")

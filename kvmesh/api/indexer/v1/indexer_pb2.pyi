@@ -266,7 +266,7 @@ class PublishEventsStreamResponse(_message.Message):
     def __init__(self, ack: _Optional[_Union[BatchAck, _Mapping]] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale", "max_instances", "cache_salt", "media")
+    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale", "max_instances", "cache_salt", "media", "packed_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,7 @@ class MatchRequest(_message.Message):
     MAX_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -285,7 +286,8 @@ class MatchRequest(_message.Message):
     max_instances: int
     cache_salt: str
     media: _containers.RepeatedCompositeFieldContainer[MediaRange]
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ..., max_instances: _Optional[int] = ..., cache_salt: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaRange, _Mapping]]] = ...) -> None: ...
+    packed_token_ids: bytes
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ..., max_instances: _Optional[int] = ..., cache_salt: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaRange, _Mapping]]] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class MediaRange(_message.Message):
     __slots__ = ("identifier", "offset", "length")

@@ -14,6 +14,13 @@ set of instances still holding the prefix, so its cost is the number of
 Memory: a dict per block cost about 230 of the 470 bytes a (block, instance)
 pair took at 16-token blocks; the single-holder int is 28.
 
+Shards: each namespace's tables are :data:`SHARDS` dicts, a key in the one
+its low bits name. A dict grows by copying itself whole, in one step no
+slice can cut: one table of the conversation trace at 16-token blocks grew
+from 2.8 M to 5.6 M keys in 290 ms, and every Match and health probe waited
+for it. A shard grows a sixty-fourth as far at a time. Its cost is a list
+index per key.
+
 Garbage collection: a collection walks every container the collector
 tracks. With a tracked dict per block key and a tuple per engine hash, that
 paused the process (every Match and health check with it) for 20 to 100 ms
@@ -95,6 +102,10 @@ _POPCOUNT = (0, 1, 1, 2, 1, 2, 2, 3)
 # Low 64 bits of an engine-hash entry: the content key.
 _U64 = (1 << 64) - 1
 
+
+#: Dicts per namespace table (a power of two): see "Shards" above.
+SHARDS = 64
+_SHARD = SHARDS - 1
 
 #: A block table's entry: ``number << 3 | mask`` (one instance holds the
 #: block), or SHARED (several do: ``{number: mask}`` in the namespace's table
@@ -195,12 +206,15 @@ class MemoryIndex(Index):
         #: The same instances by number (holder entries name them so).
         self._by_no: dict[int, _Instance] = {}
         self._next_no = 1
-        self._blocks: dict[Namespace, dict[int, Holders]] = {}
-        #: Per namespace, the holders of each block several instances hold.
+        #: Per namespace, its block table in :data:`SHARDS` dicts (a key in
+        #: shard ``key & _SHARD``).
+        self._blocks: dict[Namespace, list[dict[int, Holders]]] = {}
+        #: Per namespace, the holders of each block several instances hold
+        #: (sharded as the block table is).
         #: Apart so that the block table holds only ints: the garbage collector
         #: then never walks it (a dict value would make it tracked: 60 ms for
         #: a full walk of 721 k blocks, whenever a collection reached it).
-        self._shared: dict[Namespace, dict[int, dict[int, int]]] = {}
+        self._shared: dict[Namespace, list[dict[int, dict[int, int]]]] = {}
         self._ns_pairs: dict[Namespace, int] = {}
         # Namespace numbers of engine-hash entries, and back (never reused).
         self._ns_ids: dict[Namespace, int] = {}
@@ -491,6 +505,16 @@ class MemoryIndex(Index):
         else:
             yield ev
 
+    def _tables(
+        self, ns: Namespace
+    ) -> tuple[list[dict[int, Holders]], list[dict[int, dict[int, int]]]]:
+        """The shards of ``ns``'s block table and of its shared blocks (made on first use)."""
+        tables = self._blocks.get(ns)
+        if tables is None:
+            tables = self._blocks[ns] = [{} for _ in range(SHARDS)]
+            self._shared[ns] = [{} for _ in range(SHARDS)]
+        return tables, self._shared[ns]
+
     def _ns_id(self, ns: Namespace) -> int:
         nid = self._ns_ids.get(ns)
         if nid is None:
@@ -515,8 +539,7 @@ class MemoryIndex(Index):
                     return 0, 0, len(ev.block_hashes)
                 parent = mapped & _U64
             keys = chain_keys(parent, ev.token_ids, ev.block_size, encoded_extras(ev.extras))
-        table = self._blocks.setdefault(ns, {})
-        shared = self._shared.setdefault(ns, {})
+        tables, shareds = self._tables(ns)
         bit = ev.tier.bit
         base = nid << 64
         no = inst.no
@@ -531,6 +554,7 @@ class MemoryIndex(Index):
                 if prev is not None:
                     removed += self._remove_hash(inst, h, ALL_TIERS_MASK)
                 ehs[h] = entry
+            table = tables[key & _SHARD]
             cur = table.get(key)
             if cur is None:
                 table[key] = mine
@@ -539,7 +563,7 @@ class MemoryIndex(Index):
             elif cur:
                 if cur >> 3 != no:
                     table[key] = SHARED
-                    shared[key] = {cur >> 3: cur & 7, no: bit}
+                    shareds[key & _SHARD][key] = {cur >> 3: cur & 7, no: bit}
                     pairs += 1
                     stored += 1
                 elif not cur & bit:
@@ -549,7 +573,7 @@ class MemoryIndex(Index):
                     k = h << 2 | (ev.tier.value - 1)
                     inst.copies[k] = inst.copies.get(k, 0) + 1
             else:
-                held = shared[key]
+                held = shareds[key & _SHARD][key]
                 old = held.get(no, 0)
                 if not old & bit:
                     if not old:
@@ -569,9 +593,10 @@ class MemoryIndex(Index):
         if entry is None:
             return 0
         ns, key = self._ns_list[entry >> 64], entry & _U64
-        table = self._blocks.get(ns)
+        tables = self._blocks.get(ns)
         old = new = 0
-        if table is not None:
+        if tables is not None:
+            table = tables[key & _SHARD]
             holders = table.get(key)
             if holders is not None:
                 old, new = self._drop(ns, table, key, holders, inst.no, mask)
@@ -606,7 +631,7 @@ class MemoryIndex(Index):
                 del table[key]
                 self._ns_pairs[ns] -= 1
             return old, new
-        shared = self._shared[ns]
+        shared = self._shared[ns][key & _SHARD]
         held = shared[key]
         old = held.get(no, 0)
         if not old:
@@ -638,10 +663,11 @@ class MemoryIndex(Index):
         blocks = self._blocks
         for entry in entries:
             ns = ns_list[entry >> 64]
-            table = blocks.get(ns)
-            if table is None:
+            tables = blocks.get(ns)
+            if tables is None:
                 continue
             key = entry & _U64
+            table = tables[key & _SHARD]
             holders = table.get(key)
             if holders is None:
                 continue
@@ -661,17 +687,18 @@ class MemoryIndex(Index):
         self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
     ) -> list[InstanceMatch]:
         """Synchronous :meth:`match`, for in-process callers and benchmarks."""
-        table = self._blocks.get(namespace)
-        if not table or not keys:
+        tables = self._blocks.get(namespace)
+        if tables is None or not keys:
             return []
-        first = table.get(keys[0])
+        k0 = keys[0]
+        first = tables[k0 & _SHARD].get(k0)
         if first is None:
             return []
-        shared = self._shared[namespace]
+        shareds = self._shared[namespace]
         by_no = self._by_no
         now = self._clock()
         # candidates: visible holders of block 0 -> their tier mask there
-        cand = _holders_dict(first, keys[0], shared)
+        cand = _holders_dict(first, k0, shareds[k0 & _SHARD])
         if not self._all_visible(now):
             cand = {
                 n: mask
@@ -683,9 +710,10 @@ class MemoryIndex(Index):
         # Block 1 splits the candidates: those that go no deeper are settled
         # with C-level set operations, the rest walk on with tier counters.
         active: dict[int, list[int]] = {}
-        nxt = table.get(keys[1]) if len(keys) > 1 else None
+        k1 = keys[1] if len(keys) > 1 else 0
+        nxt = tables[k1 & _SHARD].get(k1) if len(keys) > 1 else None
         if nxt is not None:
-            holders = _holders_dict(nxt, keys[1], shared)
+            holders = _holders_dict(nxt, k1, shareds[k1 & _SHARD])
             small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
             for n in small:
                 if n in big:
@@ -702,11 +730,10 @@ class MemoryIndex(Index):
         if len(active) == 1:
             # One instance walks on (a conversation's own blocks): no dict to narrow.
             ((n, counts),) = active.items()
-            get = table.get
             gpu_only = n << 3 | 1  # the usual entry: this instance alone, on the GPU
             gpu = 0
             for key in islice(keys, 2, None):
-                h = get(key)
+                h = tables[key & _SHARD].get(key)
                 if h == gpu_only:
                     gpu += 1
                     continue
@@ -717,7 +744,7 @@ class MemoryIndex(Index):
                         break
                     counts[_FASTEST[h & 7]] += 1
                 else:
-                    held = shared[key].get(n)
+                    held = shareds[key & _SHARD][key].get(n)
                     if held is None:
                         break
                     counts[_FASTEST[held]] += 1
@@ -727,10 +754,9 @@ class MemoryIndex(Index):
             # each on the GPU alone (C-level checks), one counter stands for
             # everyone's GPU count; a walker takes it when it stops.
             common = 0
-            get = table.get
             while active and depth < n_keys:
                 key = keys[depth]
-                h = get(key)
+                h = tables[key & _SHARD].get(key)
                 if h is None:
                     break
                 if h:
@@ -744,7 +770,7 @@ class MemoryIndex(Index):
                         counts1[_FASTEST[h & 7]] += 1
                         active[n1] = counts1
                 elif (
-                    len(hs := shared[key]) == len(active)
+                    len(hs := shareds[key & _SHARD][key]) == len(active)
                     and hs.keys() == active.keys()
                     and max(hs.values()) == 1
                 ):
@@ -789,12 +815,13 @@ class MemoryIndex(Index):
         for inst in self._instances.values():
             st.instances_live += inst.lease_expires_at > now
             st.instances_stale += inst.stale
-        for ns, table in sorted(self._blocks.items(), key=lambda kv: str(kv[0])):
-            if not table:
+        for ns, tables in sorted(self._blocks.items(), key=lambda kv: str(kv[0])):
+            n_blocks = sum(map(len, tables))
+            if not n_blocks:
                 continue
             pairs = self._ns_pairs.get(ns, 0)
-            st.namespaces.append(NamespaceStats(ns, len(table), pairs))
-            st.blocks += len(table)
+            st.namespaces.append(NamespaceStats(ns, n_blocks, pairs))
+            st.blocks += n_blocks
             st.block_instances += pairs
         return st
 
@@ -805,11 +832,12 @@ class MemoryIndex(Index):
         ns_list = self._ns_list
         blocks = {
             ns: {
-                k: {ids[i]: m for i, m in _holders_dict(h, k, self._shared[ns]).items()}
+                k: {ids[i]: m for i, m in _holders_dict(h, k, shared).items()}
+                for table, shared in zip(tables, self._shared[ns], strict=True)
                 for k, h in table.items()
             }
-            for ns, table in self._blocks.items()
-            if table
+            for ns, tables in self._blocks.items()
+            if any(tables)
         }
         return IndexDump(
             blocks=blocks,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from indexer.config import ConfigError, IndexerConfig, load_config
+from kvmesh.clihelp import HelpFormatter, show_config_defaults
 from kvmesh.tls import add_server_tls_args, server_tls_overrides
 
 
@@ -19,16 +20,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvmesh indexer serve``."""
     s = argparse.ArgumentParser(
         prog="kvmesh indexer serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run one indexer replica until SIGTERM or SIGINT.\n\n"
+        "Flags override environment variables (KVMESH_INDEXER_…), which override the "
+        "--config file, which overrides the defaults shown here (indexer/config.py).",
+        formatter_class=HelpFormatter,
     )
     s.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON config file")
-    s.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 in a container)")
-    s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
-    s.add_argument("--metrics-port", type=int, help="Prometheus port (default 9464; 0 disables)")
-    s.add_argument("--backend", choices=["memory", "redis"], help="index backend (default memory)")
+    s.add_argument("--host", help="listen address (the container image sets 0.0.0.0)")
+    s.add_argument("--port", type=int, help="gRPC port (0 picks a free one)")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
+    s.add_argument("--backend", choices=["memory", "redis"], help="index backend")
     s.add_argument("--redis-url", help="Redis URL for --backend redis")
-    s.add_argument("--redis-prefix", help="prefix of every Redis key (default kvm)")
+    s.add_argument("--redis-prefix", help="prefix of every Redis key")
     s.add_argument("--redis-username", help="Redis ACL user")
     s.add_argument(
         "--redis-password-file",
@@ -52,14 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
         const=False,
         help="do not serve SGLang's kv_indexer.v1.KVIndexer",
     )
-    s.add_argument("--block-size", type=int, help="tokens per block (default 16)")
+    s.add_argument("--block-size", type=int, help="tokens per block")
     s.add_argument("--max-match-blocks", type=int, help="most blocks one Match looks at")
     s.add_argument("--max-message-bytes", type=int, help="largest gRPC message")
     s.add_argument("--max-concurrent-rpcs", type=int, help="overload guard (0: no limit)")
-    s.add_argument("--default-lease-ttl", type=float, metavar="SECONDS")
-    s.add_argument("--shutdown-grace", type=float, metavar="SECONDS")
-    s.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    s.add_argument("--log-format", choices=["text", "json"])
+    s.add_argument(
+        "--default-lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="lease of an instance registered without one",
+    )
+    s.add_argument(
+        "--shutdown-grace",
+        type=float,
+        metavar="SECONDS",
+        help="time calls in flight get to finish on SIGTERM",
+    )
+    s.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    s.add_argument("--log-format", choices=["text", "json"], help="log line format")
     add_server_tls_args(s)
     s.add_argument(
         "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
@@ -67,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--print-config", action="store_true", help="print the effective config as JSON and exit"
     )
+    show_config_defaults(s, IndexerConfig, cli_overrides)
     return s
 
 

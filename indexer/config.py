@@ -248,6 +248,23 @@ class Limits(StrictModel):
         "HTTP/2 settings) before the server closes it: a client that opens connections and "
         "never starts TLS cannot hold file descriptors for gRPC's default two minutes.",
     )
+    max_connection_age_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Age after which the server ends a client connection (HTTP/2 GOAWAY, "
+        "jittered by ±10%): the client reconnects and, dialling a name (a headless "
+        "Service), resolves it again, so replicas added since (an autoscaler's) get "
+        "connections and calls too. Without it a router's connection stays on the replica "
+        "it first reached for as long as both live. 0: connections never age.",
+    )
+    max_connection_age_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="After max_connection_age_s, how long calls in flight on the old "
+        "connection may go on before it is closed; streams still open then end UNAVAILABLE "
+        "(the router client moves its MatchStreams sooner, see its match_stream_max_age_s, "
+        "and a stream client reopens on the new connection).",
+    )
     max_lease_ttl_s: float = Field(
         default=3600.0, gt=0, description="Longest lease a registration may ask for."
     )
@@ -498,6 +515,9 @@ class IndexerConfig(StrictModel):
         for name in ("reap_interval_s", "health_check_interval_s", "shutdown_grace_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be finite")
+        for name in ("max_connection_age_s", "max_connection_age_grace_s"):
+            if not math.isfinite(getattr(lim, name)):
+                raise ValueError(f"limits.{name}: must be finite (0 turns the age off)")
         seen: set[tuple[str, int]] = set()
         for i, ep in enumerate(self.engine_events.endpoints):
             if (ep.worker_id, ep.dp_rank) in seen:

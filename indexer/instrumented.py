@@ -34,6 +34,7 @@ from indexer.model import (
 )
 from kvmesh import tracing as _tracing
 from kvmesh.errors import KvmeshError
+from kvmesh.metrics import ComponentRegistry
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Metrics:
     """The indexer's Prometheus metrics, in one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry = registry if registry is not None else ComponentRegistry()
         r = self.registry
         self.backend_seconds = Histogram(
             "kvmesh_indexer_backend_seconds",

@@ -13,7 +13,8 @@ and client limits and maps errors to statuses. Each service passes its own
 - per-method latency (``kvmesh_indexer_rpc_seconds``), status counts
   (``kvmesh_indexer_rpcs_total{method,code}``) and the in-flight gauge;
 - a server span named ``<service>/<method>`` whose parent is the trace
-  context of the call's metadata, when tracing is on.
+  context of the call's metadata, when tracing is on, with the attributes
+  and status of the OpenTelemetry gRPC conventions (kvmesh/tracing.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from opentelemetry import trace
 from indexer.instrumented import TRACER_NAME, Metrics, tracing_enabled
 from kvmesh.errors import ResourceExhausted
 from kvmesh.grpcsvc import CallObserver
-from kvmesh.tracing import extract_context
+from kvmesh.tracing import end_rpc_span, extract_context, rpc_server_attributes
 
 
 class IndexerCalls(CallObserver):
@@ -70,13 +71,14 @@ class IndexerCalls(CallObserver):
                 f"{service}/{method}",
                 context=extract_context(context.invocation_metadata()),
                 kind=trace.SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.method": method},
+                attributes=rpc_server_attributes(f"{service}/{method}", context.peer()),
             )
             span_cm.__enter__()
         return start, span_cm
 
     def end(self, service: str, method: str, state: Any, code: str) -> None:
-        """Record the call's latency and status; end its span (status ERROR when not OK)."""
+        """Record the call's latency and status; end its span (status ERROR only when the
+        code is the server's failure: :func:`kvmesh.tracing.end_rpc_span`)."""
         start, span_cm = state
         self.in_flight -= 1
         m = self.metrics
@@ -84,8 +86,5 @@ class IndexerCalls(CallObserver):
         m.rpc_seconds.labels(method).observe(time.perf_counter() - start)
         m.rpcs.labels(method, code).inc()
         if span_cm is not None:
-            span = trace.get_current_span()
-            span.set_attribute("rpc.grpc.status_code", code)
-            if code != "OK":
-                span.set_status(trace.StatusCode.ERROR, code)
+            end_rpc_span(trace.get_current_span(), code, server=True)
             span_cm.__exit__(None, None, None)

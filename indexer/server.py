@@ -69,6 +69,7 @@ from kvmesh import runtime
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.auth import Authorizer, Client, current_client
+from kvmesh.balancing import connection_age_options
 from kvmesh.errors import (
     InvalidArgument,
     KvmeshError,
@@ -90,6 +91,7 @@ from kvmesh.protowire import varint as _varint
 from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import setup_logging as _setup_logging
 from kvmesh.tls import add_port
+from kvmesh.tracing import end_rpc_span, rpc_server_attributes
 
 log = logging.getLogger(__name__)
 
@@ -475,7 +477,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         with trace.get_tracer(TRACER_NAME).start_as_current_span(
             f"{SERVICE_NAME}/{MATCH_STREAM_MATCH}",
             kind=trace.SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.method": MATCH_STREAM_MATCH},
+            attributes=rpc_server_attributes(f"{SERVICE_NAME}/{MATCH_STREAM_MATCH}"),
         ) as span:
             return await self._stream_match(item, client, span)
 
@@ -511,7 +513,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         else:
             self._stream_ok.inc()
             if span is not None:
-                span.set_attribute("rpc.grpc.status_code", "OK")
+                end_rpc_span(span, "OK", server=True)
         self._stream_seconds.observe(time.perf_counter() - start)
         return reply
 
@@ -533,8 +535,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         code = status_code(err.code).name
         self.metrics.rpcs.labels(MATCH_STREAM_MATCH, code).inc()
         if span is not None:
-            span.set_attribute("rpc.grpc.status_code", code)
-            span.set_status(trace.StatusCode.ERROR, code)
+            end_rpc_span(span, code, server=True)
         return match_stream_error(rid, err)
 
     @observed
@@ -604,6 +605,8 @@ class IndexerServer:
                     if lim.max_streams_per_connection
                     else []
                 ),
+                # Connections age out so that clients spread over replicas added later.
+                *connection_age_options(lim.max_connection_age_s, lim.max_connection_age_grace_s),
             ]
         )
         self.servicer = IndexerServicer(self.logic, self.metrics, self.guard)

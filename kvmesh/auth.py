@@ -383,12 +383,15 @@ def token_main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import secrets
 
+    from kvmesh.clihelp import HelpFormatter
+
     p = argparse.ArgumentParser(
         prog="kvmesh token",
         description="Print a new random bearer token (keep it secret: put it in a Secret and "
         "point the client's tls.token_file at it) and the token_sha256 a policy file lists.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--token-file", help="hash this existing token file instead")
+    p.add_argument("--token-file", metavar="FILE", help="hash this existing token file instead")
     args = p.parse_args(argv)
     if args.token_file:
         with open(args.token_file, encoding="utf-8") as f:

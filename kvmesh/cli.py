@@ -5,7 +5,8 @@
 itself. Each part's module is imported only when its command runs, so this
 module imports no part and a part that is not installed costs the others
 nothing. The first word of a two-word command is a group: ``kvmesh bench``
-alone lists the group's commands.
+alone lists the group's commands. Every part's parser uses
+:class:`kvmesh.clihelp.HelpFormatter`, so each ``--help`` shows the defaults.
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ import sys
 from collections.abc import Sequence
 
 import kvmesh
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 
 #: Command words -> ("module" or "module:function" whose ``(argv) -> int`` runs
 #: it with the words after the command, help line).
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("indexer", "serve"): ("indexer.cli", "run one indexer replica until SIGTERM/SIGINT"),
+    ("bridge",): (
+        "indexer.bridge.cli",
+        "forward an engine's KV events to the indexer Service (a sidecar)",
+    ),
     ("quickstart",): (
         "lab.quickstart",
         "start an indexer, publish the trace, run matches",
@@ -49,6 +56,13 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 BENCH_PARTS = sorted(words[1] for words in COMMANDS if words[0] == "bench")
 
 
+def reports_progress(words: tuple[str, ...]) -> bool:
+    """Whether a command runs under a progress heartbeat on stderr (:mod:`kvmesh.progress`):
+    the benchmarks and the replay, which run for minutes; not the servers, nor ``up``
+    with its own live view."""
+    return words[0] == "bench" or words == ("replay",)
+
+
 def groups() -> dict[str, dict[str, str]]:
     """Group word -> {second word: help line}, for every two-word command."""
     out: dict[str, dict[str, str]] = {}
@@ -61,8 +75,12 @@ def groups() -> dict[str, dict[str, str]]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvmesh`` (its help lists every command of the table)."""
     parser = argparse.ArgumentParser(
-        prog="kvmesh", description="KV-cache indexing and routing for LLM serving fleets."
+        prog="kvmesh",
+        description="KV-cache indexing and routing for LLM serving fleets. "
+        "kvmesh COMMAND --help shows a command's options.",
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kvmesh {kvmesh.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     lines: dict[str, list[str]] = {}
     for words, (_, help_line) in COMMANDS.items():
@@ -123,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     found = _lookup(args_list)
     if found is not None:
         words, target = found
-        return _run_part(target, args_list[len(words) :])
+        rest = args_list[len(words) :]
+        if reports_progress(words):
+            with progress.heartbeat("kvmesh " + " ".join(words)):
+                return _run_part(target, rest)
+        return _run_part(target, rest)
     if args_list and args_list[0] in groups():
         return _run_group(args_list[0], args_list[1:])
     parser = build_parser()

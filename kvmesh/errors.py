@@ -5,7 +5,11 @@ member, and every server maps it once, in its call scope
 (:func:`kvmesh.grpcsvc.status_code`). An exception that is not a
 :class:`KvmeshError` reaches clients as INTERNAL, never UNKNOWN. The offending
 field of an error travels in the trailing metadata entry
-:data:`ERROR_FIELD_METADATA`, which clients read back.
+:data:`ERROR_FIELD_METADATA`, which clients read back, and, for every
+language's gRPC library, as a ``google.rpc.Status`` in
+``grpc-status-details-bin``: a ``google.rpc.BadRequest`` field violation for
+INVALID_ARGUMENT, a ``google.rpc.RetryInfo`` when the error knows how long to
+wait (``retry_after_s``).
 """
 
 from __future__ import annotations
@@ -15,14 +19,22 @@ ERROR_FIELD_METADATA = "kvmesh-error-field"
 
 
 class KvmeshError(Exception):
-    """Base error. ``code`` names the gRPC status; ``field`` the offending input."""
+    """Base error. ``code`` names the gRPC status; ``field`` the offending input.
+
+    ``retry_after_s``: when set, the caller may retry the same call after that
+    many seconds (a rate limit knows when its next token arrives); None when
+    the error says nothing about retrying.
+    """
 
     code = "INTERNAL"
 
-    def __init__(self, message: str, *, field: str = "") -> None:
+    def __init__(
+        self, message: str, *, field: str = "", retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}" if self.field else self.message

@@ -19,8 +19,9 @@ handler is rewritten once, at registration, so that a call
 5. ends with the status its error names: a :class:`~kvmesh.errors.KvmeshError`
    maps to the status of its ``code`` (:func:`status_code`), its field in the
    message and in the :data:`~kvmesh.errors.ERROR_FIELD_METADATA` trailing
-   metadata; any other exception is INTERNAL with a log line, so no call ever
-   ends UNKNOWN.
+   metadata, and a ``google.rpc.Status`` in ``grpc-status-details-bin``
+   (:func:`error_trailers`); any other exception is INTERNAL with a log line,
+   so no call ever ends UNKNOWN.
 
 The client key of the limits is the identity's name when the caller is
 authenticated, else its peer address (host only).
@@ -32,6 +33,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -40,6 +42,9 @@ from typing import Any, Never, TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from opentelemetry import context as otel_context
 from pydantic import Field
 
@@ -74,6 +79,7 @@ __all__ = [
     "add_generated",
     "add_guarded",
     "capture_handlers",
+    "error_trailers",
     "observed",
     "status_code",
 ]
@@ -205,15 +211,23 @@ class Guard:
             self._clients.move_to_end(key)
         return st
 
-    def _refuse_limit(self, method: str, name: str, message: str) -> ResourceExhausted:
+    def _refuse_limit(
+        self, method: str, name: str, message: str, retry_after_s: float | None = None
+    ) -> ResourceExhausted:
         k = (method, name)
         self.limit_refusals[k] = self.limit_refusals.get(k, 0) + 1
         for cb in self._callbacks:
             cb(method, "RESOURCE_EXHAUSTED")
-        return ResourceExhausted(message, field=f"{self.limits_field}.{name}")
+        return ResourceExhausted(
+            message, field=f"{self.limits_field}.{name}", retry_after_s=retry_after_s
+        )
 
     def take(self, client: Client, rate: str, method: str, n: float = 1.0) -> None:
-        """Take ``n`` tokens of ``client``'s ``rate`` bucket or raise RESOURCE_EXHAUSTED."""
+        """Take ``n`` tokens of ``client``'s ``rate`` bucket or raise RESOURCE_EXHAUSTED.
+
+        The refusal's ``retry_after_s`` is the time until the bucket holds ``n``
+        tokens again.
+        """
         lim = self.limits
         rps = lim.match_rps if rate == "match" else lim.publish_rps if rate == "publish" else 0.0
         if rps <= 0:
@@ -228,6 +242,7 @@ class Guard:
                 method,
                 f"{rate}_rps",
                 f"client {client.key!r} is over its rate of {rps:g} {rate} calls/s; retry later",
+                retry_after_s=(n - b.tokens) / b.rate,
             )
 
     def enter(self, client: Client, method: str) -> None:
@@ -358,6 +373,45 @@ def _auth_context(context: Any) -> Mapping[str, Any]:
     return ac
 
 
+def error_trailers(
+    err: KvmeshError, status: grpc.StatusCode
+) -> tuple[tuple[str, str | bytes], ...]:
+    """The trailing metadata of a call ending with ``err`` (with ``status``).
+
+    ``kvmesh-error-field`` when the error names a field, and always a
+    ``google.rpc.Status`` (the same code and message as the call's status) in
+    ``grpc-status-details-bin``, the standard any gRPC library decodes
+    (``grpc_status.rpc_status.from_call`` in Python). Its details: a
+    ``google.rpc.BadRequest`` with one field violation (field and message)
+    for INVALID_ARGUMENT, and a ``google.rpc.RetryInfo`` whenever the error
+    says how long to wait before retrying (``retry_after_s``).
+    """
+    details: list[any_pb2.Any] = []
+    if status == grpc.StatusCode.INVALID_ARGUMENT:
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=err.field, description=err.message
+        )
+        details.append(_packed(error_details_pb2.BadRequest(field_violations=[violation])))
+    if err.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        # Rounded up to the millisecond: a client waiting this long finds the token there.
+        delay.FromMilliseconds(max(0, math.ceil(err.retry_after_s * 1000)))
+        details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
+    rich = status_pb2.Status(code=status.value[0], message=str(err), details=details)
+    trailers: tuple[tuple[str, str | bytes], ...] = tuple(
+        rpc_status.to_status(rich).trailing_metadata
+    )
+    if err.field:
+        trailers = ((ERROR_FIELD_METADATA, err.field), *trailers)
+    return trailers
+
+
+def _packed(message: Any) -> any_pb2.Any:
+    out = any_pb2.Any()
+    out.Pack(message)
+    return out
+
+
 def status_code(name: str) -> grpc.StatusCode:
     """The grpc.StatusCode an error's code names (INTERNAL for UNKNOWN, OK or a bad name).
 
@@ -441,12 +495,11 @@ class _Scope:
         self.code = "OK"
 
     async def abort(self, context: grpc.aio.ServicerContext[Any, Any], err: KvmeshError) -> Never:
-        """End the call with the status ``err`` names, its field in the trailing metadata."""
+        """End the call with the status ``err`` names, its details in the trailing metadata
+        (:func:`error_trailers`)."""
         status = status_code(err.code)
         self.code = status.name
-        if err.field:
-            context.set_trailing_metadata(((ERROR_FIELD_METADATA, err.field),))
-        await context.abort(status, str(err))
+        await context.abort(status, str(err), error_trailers(err, status))
 
     async def fail(
         self,
@@ -469,12 +522,23 @@ class _Scope:
         if isinstance(err, NotImplementedError):
             # A generated base method nobody overrode: a clear status, no traceback.
             self.code = "UNIMPLEMENTED"
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
+            await self._abort_plain(
+                context, grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented"
+            )
         log.error(
             "internal error in %s: %r", method, err, exc_info=(type(err), err, err.__traceback__)
         )
         self.code = "INTERNAL"
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}")
+        await self._abort_plain(
+            context, grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+        )
+
+    @staticmethod
+    async def _abort_plain(
+        context: grpc.aio.ServicerContext[Any, Any], status: grpc.StatusCode, message: str
+    ) -> Never:
+        """End the call with ``status`` and ``message``, and their google.rpc.Status."""
+        await context.abort(status, message, error_trailers(KvmeshError(message), status))
 
 
 def _decode_error(type_name: str, e: BaseException) -> KvmeshError:

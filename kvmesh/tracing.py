@@ -35,6 +35,21 @@ exposes these counters in a service's Prometheus registry
 ``kvmesh_tracing_spans_dropped_total{reason}``). An unreachable collector thus
 never slows serving (exports run on the SDK's worker thread, off the event
 loop) and shows up as a rising ``reason="export_failed"`` count.
+
+RPC spans follow the OpenTelemetry semantic conventions for gRPC (v1.44):
+:func:`rpc_server_attributes` and :func:`rpc_client_attributes` give a span
+its attributes at creation (``rpc.system.name`` ``grpc``, the fully qualified
+``rpc.method`` that is also the span name, ``server.address`` /
+``server.port`` from a client's target, ``network.peer.*`` from a server's
+peer) and :func:`end_rpc_span` its outcome (``rpc.response.status_code``, the
+status name; ``error.type`` and status ERROR on failure). A server span fails
+only on the codes that mean the server failed (:data:`GRPC_SERVER_ERRORS`):
+a caller's bad argument, missing entity, lack of rights or cancellation
+leaves its status unset. A client span fails on every code but OK.
+
+The resource names the service: ``service.name`` is the service's own name
+unless ``OTEL_SERVICE_NAME`` or ``OTEL_RESOURCE_ATTRIBUTES`` set one (the
+environment wins), ``service.version`` is kvmesh's version.
 """
 
 from __future__ import annotations
@@ -45,11 +60,14 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from kvmesh import __version__
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +220,131 @@ def register_metrics(registry: CollectorRegistry) -> None:
         _registered.add(registry)
 
 
+# -- RPC spans (OpenTelemetry semantic conventions for gRPC) ------------------------
+
+#: ``rpc.system.name``: the RPC system, always ``grpc`` here.
+RPC_SYSTEM_NAME = "rpc.system.name"
+#: ``rpc.method``: ``<package>.<Service>/<Method>``, also the span name.
+RPC_METHOD = "rpc.method"
+#: ``rpc.response.status_code``: the gRPC status name (``OK``, ``NOT_FOUND``...).
+#: Semantic conventions v1.44; a later draft renames it ``rpc.status_code``.
+RPC_STATUS_CODE = "rpc.response.status_code"
+#: ``error.type``: the status name again, on failed calls only.
+ERROR_TYPE = "error.type"
+#: ``server.address`` / ``server.port``: where a client span's call went (from its target).
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+#: ``network.peer.address`` / ``network.peer.port``: who a server span's call came from.
+NETWORK_PEER_ADDRESS = "network.peer.address"
+NETWORK_PEER_PORT = "network.peer.port"
+
+#: Status codes that make a server span failed: the server's own failures. Every
+#: other code (INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION,
+#: OUT_OF_RANGE, UNAUTHENTICATED, PERMISSION_DENIED, CANCELLED, RESOURCE_EXHAUSTED,
+#: ABORTED) reports what the caller asked or did and leaves the status unset, so
+#: that an error rate on server spans counts only what the server has to fix.
+GRPC_SERVER_ERRORS: frozenset[str] = frozenset(
+    {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+)
+
+
+def _split_host_port(hostport: str) -> tuple[str, int | None]:
+    """``host:port``, ``[v6]:port``, ``host`` -> (host, port or None); a bare
+    IPv6 address or a port that is no number leaves the whole string as host."""
+    if hostport.startswith("["):
+        host, _, rest = hostport[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+        return host, int(port) if port.isdigit() else None
+    if hostport.count(":") == 1:
+        host, _, port = hostport.partition(":")
+        if port.isdigit():
+            return host, int(port)
+    return hostport, None
+
+
+def target_attributes(target: str) -> dict[str, str | int]:
+    """``server.address`` and ``server.port`` of a client's gRPC target string.
+
+    As the conventions ask, from the target (never the resolved connection),
+    so that every replica behind one name gives the same low-cardinality
+    value: ``host:port`` and ``dns:[//authority/]host:port`` give the host and
+    the port, ``unix:path`` the path alone; a target naming several addresses
+    or a scheme gRPC resolves otherwise is the address whole, with no port.
+    """
+    t = target.strip()
+    if t.startswith("unix:"):
+        path = t[len("unix:") :]
+        return {SERVER_ADDRESS: path[2:] if path.startswith("//") else path}
+    if t.startswith("dns:"):
+        rest = t[len("dns:") :]
+        if rest.startswith("//"):
+            rest = rest[2:].partition("/")[2]
+        hostport = rest
+    elif t.startswith(("ipv4:", "ipv6:")):
+        if "," in t:
+            return {SERVER_ADDRESS: t}
+        hostport = t[len("ipv4:") :]
+    elif "/" in t:  # another resolver's scheme (xds:///name, zk://...)
+        return {SERVER_ADDRESS: t}
+    else:
+        hostport = t
+    host, port = _split_host_port(hostport)
+    attrs: dict[str, str | int] = {SERVER_ADDRESS: host}
+    if port is not None:
+        attrs[SERVER_PORT] = port
+    return attrs
+
+
+def peer_attributes(peer: str | None) -> dict[str, str | int]:
+    """``network.peer.address`` / ``.port`` of a server-side ``context.peer()``
+    (``ipv4:10.0.0.7:51234``, ``ipv6:%5B::1%5D:51234``, ``unix:/path``); empty
+    for anything else."""
+    if not peer:
+        return {}
+    kind, _, rest = unquote(peer).partition(":")
+    if kind == "unix":
+        return {NETWORK_PEER_ADDRESS: rest} if rest else {}
+    if kind not in ("ipv4", "ipv6"):
+        return {}
+    host, port = _split_host_port(rest)
+    attrs: dict[str, str | int] = {NETWORK_PEER_ADDRESS: host}
+    if port is not None:
+        attrs[NETWORK_PEER_PORT] = port
+    return attrs
+
+
+def rpc_server_attributes(full_method: str, peer: str | None = None) -> dict[str, str | int]:
+    """The attributes a server span of ``full_method`` (``pkg.Service/Method``)
+    starts with; ``peer`` is the call's ``context.peer()``."""
+    return {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: full_method, **peer_attributes(peer)}
+
+
+def rpc_client_attributes(full_method: str, target: str | None) -> dict[str, str | int]:
+    """The attributes a client span of ``full_method`` towards ``target`` (the
+    string the channel was dialled with; None: unknown) starts with."""
+    attrs: dict[str, str | int] = {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: full_method}
+    if target:
+        attrs.update(target_attributes(target))
+    return attrs
+
+
+def rpc_failed(code: str, *, server: bool) -> bool:
+    """Whether a call that ended with status ``code`` failed, seen from its
+    server (:data:`GRPC_SERVER_ERRORS`) or its client (every code but OK)."""
+    return code in GRPC_SERVER_ERRORS if server else code != "OK"
+
+
+def end_rpc_span(span: trace.Span, code: str, *, server: bool) -> None:
+    """Record on ``span`` that its call ended with status ``code`` (a
+    ``grpc.StatusCode`` name): ``rpc.response.status_code``, and when the call
+    failed (:func:`rpc_failed`) ``error.type`` and status ERROR. Does not end
+    the span."""
+    span.set_attribute(RPC_STATUS_CODE, code)
+    if rpc_failed(code, server=server):
+        span.set_attribute(ERROR_TYPE, code)
+        span.set_status(trace.StatusCode.ERROR, code)
+
+
 # -- sampling -----------------------------------------------------------------------
 
 
@@ -250,6 +393,39 @@ def health_filtered_sampler() -> Any:
 
 
 # -- set-up -------------------------------------------------------------------------
+
+
+def _env_resource_attributes(env: Mapping[str, str]) -> dict[str, str]:
+    """``OTEL_RESOURCE_ATTRIBUTES`` (``k=v,...``, values percent-decoded) and
+    ``OTEL_SERVICE_NAME`` of ``env``, as the SDK reads them."""
+    attrs: dict[str, str] = {}
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            attrs[key.strip()] = unquote(value.strip())
+        elif item.strip():
+            log.warning("OTEL_RESOURCE_ATTRIBUTES: %r is not key=value; left out", item)
+    if env.get("OTEL_SERVICE_NAME"):
+        attrs["service.name"] = env["OTEL_SERVICE_NAME"]
+    return attrs
+
+
+def service_resource(service_name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The OpenTelemetry resource of a kvmesh service's spans.
+
+    ``service.name`` is ``service_name`` and ``service.version`` kvmesh's
+    version, unless the environment says otherwise: ``OTEL_SERVICE_NAME``
+    wins over a ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, which wins
+    over the defaults here (so an operator can name each deployment). The
+    SDK's own attributes (``telemetry.sdk.*``) and detectors are kept.
+    ``environ`` replaces ``os.environ`` for the two variables.
+    """
+    from opentelemetry.sdk.resources import Resource
+
+    env = os.environ if environ is None else environ
+    ours = Resource.create({"service.name": service_name, "service.version": __version__})
+    return ours.merge(Resource(_env_resource_attributes(env)))
+
 
 _enabled = False
 _provider: Any = None
@@ -318,8 +494,8 @@ def configure_tracing(
 ) -> bool:
     """Set up the OpenTelemetry SDK from the ``OTEL_*`` variables if they ask for it.
 
-    ``service_name`` is the default ``service.name`` (``OTEL_SERVICE_NAME``
-    wins). Returns whether tracing is on. Idempotent; when tracing is already
+    ``service_name`` is the default ``service.name`` (see
+    :func:`service_resource`). Returns whether tracing is on. Idempotent; when tracing is already
     on (set up here or by the application) nothing changes. ``environ``
     replaces ``os.environ`` for the on/off decision and the exporter choice
     (the exporter still reads its own settings from ``os.environ``).
@@ -332,7 +508,6 @@ def configure_tracing(
         wanted = _wanted(env)
         if not wanted:
             return False
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -349,8 +524,9 @@ def configure_tracing(
         if not exporters:
             log.warning("no usable trace exporter; tracing stays off")
             return False
-        resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or service_name})
-        provider = TracerProvider(resource=resource, sampler=health_filtered_sampler())
+        provider = TracerProvider(
+            resource=service_resource(service_name, env), sampler=health_filtered_sampler()
+        )
         for exporter in exporters:
             provider.add_span_processor(_accounting_processor(_counting_exporter(exporter)))
         trace.set_tracer_provider(provider)

@@ -307,20 +307,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``kvmesh certs``: write a development CA, certificates and an example policy."""
     import argparse
 
+    from kvmesh.clihelp import HelpFormatter
+
     p = argparse.ArgumentParser(
         prog="kvmesh certs",
         description="Write a development CA, one certificate per identity (server and client "
         "use, SANs as given) and an example policy.yaml. For development and first installs; "
         "production certificates come from your own issuer.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--out", default="kvmesh-certs", help="output folder (default kvmesh-certs)")
+    p.add_argument("--out", default="kvmesh-certs", help="output folder")
     p.add_argument(
         "--identity",
         action="append",
         metavar="NAME=SAN[,SAN...]",
         help="an identity and its SANs (repeatable; default: server, engine, router, admin, tee)",
     )
-    p.add_argument("--days", type=int, default=365, help="validity of the leaf certificates")
+    p.add_argument(
+        "--days", type=int, default=365, help="validity of the leaf certificates, in days"
+    )
     args = p.parse_args(argv)
     identities: dict[str, list[str]] = {}
     for spec in args.identity or []:

@@ -20,6 +20,7 @@ from indexer.config import IndexerConfig, Limits
 from indexer.server import start_server
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.runtime import new_event_loop
 from kvmesh.stats import percentile
 from lab.traces import MOONCAKE_BLOCK_SIZE, load_mooncake
@@ -132,12 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kvmesh quickstart",
         description="Start an in-process indexer, publish the bundled trace, run matches.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--instances", type=int, default=8, help="simulated engines (default 8)")
+    p.add_argument("--instances", type=int, default=8, help="simulated engines")
     p.add_argument(
         "--requests", type=int, default=None, help="trace requests to publish (default: all)"
     )
-    p.add_argument("--prompts", type=int, default=5, help="sample matches to show (default 5)")
+    p.add_argument("--prompts", type=int, default=5, help="sample matches to show")
     args = p.parse_args(argv)
     if args.instances < 1:
         p.error("--instances must be >= 1")

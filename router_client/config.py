@@ -22,6 +22,8 @@ Example (YAML; TOML and JSON carry the same keys)::
       - {id: all, stage: decode, workers: [d0, d1], max_tokens: 140000,
          tps_p05: 20, limits: {max_running_requests: 64}}
     indexer:                      # how Match calls reach the indexer
+      target: dns:///kvmesh-indexer-headless.kvmesh.svc:50051   # every ready replica
+      match_streams: 4            # spread this router's Matches over up to 4 replicas
       deadline_ms: 5
       tls:                        # kvmesh.tls.ClientTLS; empty: plaintext
         ca_file: /etc/kvmesh/tls/ca.crt
@@ -41,8 +43,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
+from kvmesh.balancing import LoadBalancing, channel_target
 from kvmesh.configfile import ConfigError as FileConfigError
 from kvmesh.configfile import StrictModel, load_layered, validation_problems
 from kvmesh.tls import ClientTLS
@@ -94,6 +97,20 @@ class Bucket(StrictModel):
 class IndexerClientSettings(StrictModel):
     """How the router asks the indexer (see :mod:`router_client.indexer_client`)."""
 
+    target: str = Field(
+        default="",
+        description="The indexer to dial when IndexerClient is given no target: host:port; "
+        "dns:///name:port, every address the name resolves to (a headless Service: one "
+        "connection per ready replica, re-resolved when a connection ends); or several "
+        "replica addresses joined by commas (10.0.0.5:50051,10.0.0.6:50051, IP literals: "
+        "one ipv4:/ipv6: target). Empty: the caller passes a target or a channel.",
+    )
+    load_balancing: LoadBalancing = Field(
+        default="round_robin",
+        description="gRPC client-side load balancing over the addresses the target "
+        "resolves to: round_robin spreads calls (each Match, each MatchStream) over every "
+        "ready replica; pick_first uses one replica (the first that answers) at a time.",
+    )
     # A Match on a warm indexer takes well under a millisecond; 5 ms leaves
     # room for a loaded server without letting affinity hold a request up.
     deadline_ms: float = Field(default=5.0, gt=0)
@@ -104,15 +121,43 @@ class IndexerClientSettings(StrictModel):
     breaker_cooldown_s: float = Field(default=1.0, gt=0)
     match_stream: bool = Field(
         default=True,
-        description="Send Matches over one long-lived MatchStream per client (many in flight, "
-        "one HTTP/2 stream), falling back to unary Match while the stream is down or the "
-        "indexer lacks it; false: unary Match only.",
+        description="Send Matches over long-lived MatchStreams (many in flight, one HTTP/2 "
+        "stream each), falling back to unary Match while a stream is down or the indexer "
+        "lacks it; false: unary Match only.",
+    )
+    match_streams: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="MatchStreams one client keeps open, Matches dealt over them in turn. "
+        "A stream is one call, placed on one replica by load_balancing: to spread one "
+        "router's Matches over N indexer replicas at once, open N streams or a multiple of "
+        "N (an autoscaled indexer: its maxReplicas). Each stream then carries a share of "
+        "the Matches, so each of its messages batches fewer of them.",
+    )
+    match_stream_max_age_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="A MatchStream older than this is half-closed at its next Match (its "
+        "replies still come) and a new one opened, placed anew by load_balancing: streams "
+        "follow replicas as they come and go. Below the indexer's "
+        "limits.max_connection_age_grace_s, so a stream leaves a connection the indexer "
+        "ages out before that connection is closed under it. 0: streams live until they "
+        "break.",
     )
     tls: ClientTLS = Field(
         default=ClientTLS(),
         description="TLS, client certificate and bearer token of the channel to the indexer "
-        "(kvmesh.tls.ClientTLS); all empty: plaintext. Changed files open a new channel.",
+        "(kvmesh.tls.ClientTLS); all empty: plaintext. Changed files open a new channel. "
+        "With a list of addresses set tls.server_name to a name the certificate carries.",
     )
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, value: str) -> str:
+        if value.strip():
+            channel_target(value)  # raises ValueError naming the address at fault
+        return value.strip()
 
 
 class RouterConfig(StrictModel):

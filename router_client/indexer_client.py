@@ -12,10 +12,11 @@ The client sends block keys (computed by the router with
 :mod:`kvmesh.blockkeys`), never token ids.
 
 Transport of a Match (``settings.match_stream``, on by default): every Match
-goes over one long-lived ``MatchStream`` call of the client, opened at the
-first Match, each request tagged with an id and its reply matched by it (so
-many are in flight on one HTTP/2 stream, and the indexer spends far less per
-Match than on a call of its own). Matches issued while the stream's previous
+goes over one of the client's ``settings.match_streams`` long-lived
+``MatchStream`` calls (dealt in turn), each opened at the first Match dealt to
+it, each request tagged with an id and its reply matched by it (so many are in
+flight on one HTTP/2 stream, and the indexer spends far less per Match than on
+a call of its own). Matches issued while the stream's previous
 message was being sent, or in the same event-loop turn, go out together in
 one message, and each message of replies may answer many Matches: the
 per-message cost, most of the indexer's cost per Match, is shared. The
@@ -30,9 +31,21 @@ a new stream is opened: after :data:`_STREAM_RETRY_MIN_S`, doubling up to
 :data:`_STREAM_RETRY_MAX_S` while streams keep failing before any reply, and
 :data:`_STREAM_UNIMPLEMENTED_RETRY_S` after UNIMPLEMENTED. Opening a stream
 never waits: the call object is made at once and the first request is written
-behind it. With tracing on, Matches stay unary: the trace context travels in a
+behind it. A stream older than ``settings.match_stream_max_age_s`` is
+half-closed at its next Match (its replies still come) and a new one takes its
+place. With tracing on, Matches stay unary: the trace context travels in a
 call's metadata, which a stream carries once, when it opens, and a
 MatchStreamRequest has no field for it.
+
+Replicas (:mod:`kvmesh.balancing`): the target may name every indexer replica,
+as ``dns:///name:port`` (a headless Service) or as several addresses (one
+``ipv4:`` target), and the channel spreads calls over them with
+``settings.load_balancing`` (round robin by default). A unary Match is a call,
+a MatchStream is one call for its whole life: each stream is placed on the
+next replica when it opens, so ``match_streams`` streams spread one client's
+Matches over that many replicas, and rotating them by age moves them onto
+replicas added since (which the channel learns of when the indexer ages out a
+connection: its ``limits.max_connection_age_s``).
 
 Transport security: with ``settings.tls`` (:class:`kvmesh.tls.ClientTLS`) the
 channel uses TLS, a client certificate (mutual TLS) and a bearer token, built
@@ -55,6 +68,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -62,10 +76,11 @@ from opentelemetry import trace
 
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.balancing import balancing_options, channel_target
 from kvmesh.protowire import take
 from kvmesh.protowire import varint as _varint
 from kvmesh.tls import ChannelFactory, TLSFileError
-from kvmesh.tracing import inject_context, tracing_enabled
+from kvmesh.tracing import end_rpc_span, inject_context, rpc_client_attributes, tracing_enabled
 from router_client.config import IndexerClientSettings
 from router_client.metrics import tracer
 
@@ -167,6 +182,18 @@ def _as_bytes(message: bytes) -> bytes:
     return message
 
 
+class _Slot:
+    """One of a client's ``match_streams`` places: its open stream (None: none), when
+    the next may open, and the wait after the next failure."""
+
+    __slots__ = ("backoff", "retry_at", "stream")
+
+    def __init__(self) -> None:
+        self.stream: _MatchStream | None = None
+        self.retry_at = 0.0
+        self.backoff = _STREAM_RETRY_MIN_S
+
+
 class _MatchStream:
     """One MatchStream call: request ids, a writer task batching the Matches, a
     reader task handing out replies.
@@ -192,6 +219,10 @@ class _MatchStream:
             response_deserializer=pb.MatchStreamResponse.FromString,
         )
         self.call: grpc.aio.StreamStreamCall[bytes, pb.MatchStreamResponse] = method()
+        #: When it opened (time.monotonic), for the client's rotation by age.
+        self.opened_at = time.monotonic()
+        #: The client's place this stream fills (None once the client let it go).
+        self.slot: _Slot | None = None
         self._on_end = on_end
         self._on_reply = on_reply
         self.answered = False
@@ -429,9 +460,13 @@ class CircuitBreaker:
 class IndexerClient:
     """Match calls to one indexer, guarded as the module docstring says.
 
-    Pass ``target`` (``host:port``, dialled with ``settings.tls``) or a ready
-    ``channel`` (closed by the caller then; ``settings.tls`` is not used and
-    the channel is never replaced). Use from one asyncio event loop.
+    Pass ``target`` (``host:port``, ``dns:///name:port``, several replica
+    addresses as a sequence or joined by commas: :func:`kvmesh.balancing.channel_target`;
+    default ``settings.target``), dialled with ``settings.tls`` and
+    ``settings.load_balancing`` plus any ``channel_options``, or a ready
+    ``channel`` (closed by the caller then; ``settings.tls`` and the balancing
+    are not used and the channel is never replaced). Use from one asyncio event
+    loop.
 
     ``channels_opened`` / ``channels_closed`` count this client's channels
     (a certificate rotation opens one and, once calls moved, closes one);
@@ -439,31 +474,41 @@ class IndexerClient:
     off, down or broken, or tracing on), ``late_replies`` (stream replies
     that came after their deadline, dropped), ``unsent_expired`` (stream
     Matches whose deadline passed while they waited to be written: never
-    sent) and ``stream_messages_sent`` /
-    ``stream_messages_received`` (MatchStream messages, each carrying one
-    Match or reply or more) tell how Matches travel.
+    sent), ``streams_rotated`` (streams let go at ``match_stream_max_age_s``)
+    and ``stream_messages_sent`` / ``stream_messages_received`` (MatchStream
+    messages, each carrying one Match or reply or more) tell how Matches travel.
     """
 
     def __init__(
         self,
-        target: str | None = None,
+        target: str | Sequence[str] | None = None,
         *,
         channel: grpc.aio.Channel | None = None,
         settings: IndexerClientSettings | None = None,
         model: str = "",
         lora_name: str = "",
         clock: Callable[[], float] = time.monotonic,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        if (target is None) == (channel is None):
-            raise ValueError("pass exactly one of target and channel")
         self.settings = settings or IndexerClientSettings()
+        if target is None and channel is None and self.settings.target:
+            target = self.settings.target
+        if (target is None) == (channel is None):
+            raise ValueError("pass exactly one of target and channel (or set settings.target)")
         self._own_channel = channel is None
         self._factory: ChannelFactory | None = None
         if channel is None:
+            assert target is not None
             self._factory = ChannelFactory(
-                str(target), self.settings.tls, what="router: indexer client"
+                channel_target(target),
+                self.settings.tls,
+                options=[*balancing_options(self.settings.load_balancing), *channel_options],
+                what="router: indexer client",
             )
             channel = self._factory.channel()
+            # Connect to every address now, not at the first Match: streams opened
+            # while only one replica is connected would all be placed on it.
+            channel.get_state(try_to_connect=True)
         elif self.settings.tls.active:
             log.warning("indexer client: settings.tls is not used with a ready channel")
         self._channel = channel
@@ -486,15 +531,22 @@ class IndexerClient:
         self.calls: dict[MatchStatus, int] = dict.fromkeys(MatchStatus, 0)
         # Decided once: tracing off leaves the call path as it was.
         self._tracing = tracing_enabled()
-        # The MatchStream in use (None: none open), when the next may open, and
-        # the wait after the next failure.
+        # server.address/port of the client spans, from the target the channel dials
+        # (none known for a ready channel).
+        self._span_attributes = rpc_client_attributes(
+            _MATCH_METHOD, self._factory.target if self._factory is not None else None
+        )
+        # The MatchStream places (each: its stream, when the next may open, the
+        # wait after the next failure), the next one a Match is dealt to, and
+        # every stream not yet ended (retired ones finishing included).
         self._use_stream = self.settings.match_stream and not self._tracing
-        self._stream: _MatchStream | None = None
+        self._slots = [_Slot() for _ in range(self.settings.match_streams)]
+        self._next_slot = 0
+        self._max_age_s = self.settings.match_stream_max_age_s
         self._streams: set[_MatchStream] = set()
-        self._stream_retry_at = 0.0
-        self._stream_backoff = _STREAM_RETRY_MIN_S
         self._closed = False
         self.streams_opened = 0
+        self.streams_rotated = 0
         self.unary_calls = 0
         self._late_replies = 0
         self._unsent_expired = 0
@@ -572,31 +624,49 @@ class IndexerClient:
     # -- the MatchStream ---------------------------------------------------------------
 
     def _open_stream(self) -> _MatchStream | None:
-        """The stream to send a Match on: the open one, a new one, or None (go unary)."""
-        stream = self._stream
+        """The stream to send a Match on: the next place's open one, a new one (the
+        place was empty, or its stream aged out), or None (go unary)."""
+        slots = self._slots
+        slot = slots[self._next_slot]
+        if len(slots) > 1:
+            self._next_slot = (self._next_slot + 1) % len(slots)
+        stream = slot.stream
+        now = time.monotonic()
         if stream is not None:
-            return stream
-        if self._closed or time.monotonic() < self._stream_retry_at:
+            if not self._max_age_s or now - stream.opened_at < self._max_age_s:
+                return stream
+            # Aged out: half-closed (its replies still come), replaced below by a
+            # stream the channel places anew.
+            slot.stream = stream.slot = None
+            stream.finish()
+            self.streams_rotated += 1
+        elif now < slot.retry_at:
+            return None
+        if self._closed:
             return None
         stream = _MatchStream(self._channel, self._stream_ended, self._stream_answered)
-        self._stream = stream
+        stream.slot = slot
+        slot.stream = stream
         self._streams.add(stream)
         self.streams_opened += 1
         return stream
 
     def _stream_answered(self, stream: _MatchStream) -> None:
-        self._stream_backoff = _STREAM_RETRY_MIN_S
+        if stream.slot is not None:
+            stream.slot.backoff = _STREAM_RETRY_MIN_S
 
     def _stream_ended(self, stream: _MatchStream, code: grpc.StatusCode | None) -> None:
-        """A stream ended: Matches go unary until the next may open (module docstring)."""
+        """A stream ended: its place's Matches go unary until the next may open
+        (module docstring)."""
         self._streams.discard(stream)
         self._late_replies += stream.late_replies
         self._unsent_expired += stream.unsent_expired
         self._messages_sent += stream.messages_sent
         self._messages_received += stream.messages_received
-        if stream is not self._stream:
-            return  # a retired stream (channel replaced) ending: nothing to decide
-        self._stream = None
+        slot = stream.slot
+        if slot is None or slot.stream is not stream:
+            return  # a retired stream (aged out, channel replaced) ending: nothing to decide
+        slot.stream = stream.slot = None
         if code is grpc.StatusCode.UNIMPLEMENTED:
             wait = _STREAM_UNIMPLEMENTED_RETRY_S
             log.info(
@@ -604,10 +674,10 @@ class IndexerClient:
                 wait,
             )
         else:
-            wait = self._stream_backoff
-            self._stream_backoff = min(_STREAM_RETRY_MAX_S, wait * 2)
+            wait = slot.backoff
+            slot.backoff = min(_STREAM_RETRY_MAX_S, wait * 2)
             log.debug("indexer client: MatchStream ended (%s); unary for %.1f s", code, wait)
-        self._stream_retry_at = time.monotonic() + wait
+        slot.retry_at = time.monotonic() + wait
 
     @property
     def late_replies(self) -> int:
@@ -635,12 +705,7 @@ class IndexerClient:
         with tracer.start_as_current_span(
             _MATCH_METHOD,
             kind=trace.SpanKind.CLIENT,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": _SERVICE,
-                "rpc.method": "Match",
-                "kvmesh.blocks": len(req.block_keys),
-            },
+            attributes={**self._span_attributes, "kvmesh.blocks": len(req.block_keys)},
         ) as span:
             try:
                 resp: pb.MatchResponse = await self._stub.Match(
@@ -649,9 +714,9 @@ class IndexerClient:
                     metadata=inject_context(),
                 )
             except grpc.aio.AioRpcError as e:
-                span.set_attribute("rpc.grpc.status_code", e.code().name)
+                end_rpc_span(span, e.code().name, server=False)
                 raise
-            span.set_attribute("rpc.grpc.status_code", "OK")
+            end_rpc_span(span, "OK", server=False)
             span.set_attribute("kvmesh.matches", len(resp.matches))
             return resp
 
@@ -701,11 +766,13 @@ class IndexerClient:
                 return
             old, self._channel = self._channel, new
             self._stub = pb_grpc.IndexerServiceStub(new)
-            if self._stream is not None:
-                # Its Matches in flight are answered on the old channel; new ones
-                # open a stream on the new channel.
-                stream, self._stream = self._stream, None
-                stream.finish()
+            for slot in self._slots:
+                if slot.stream is not None:
+                    # Its Matches in flight are answered on the old channel; new
+                    # ones open a stream on the new channel.
+                    stream, slot.stream = slot.stream, None
+                    stream.slot = None
+                    stream.finish()
             log.info("indexer client: new certificates in use for %s", self._factory.target)
             self._retire(old, self.settings.deadline_ms / 1000.0 + _CLOSE_MARGIN_S)
         finally:
@@ -728,7 +795,10 @@ class IndexerClient:
         re-sent unary, within its deadline, on a channel still open or fails).
         """
         self._closed = True
-        self._stream = None
+        for slot in self._slots:
+            if slot.stream is not None:
+                slot.stream.slot = None
+                slot.stream = None
         for stream in list(self._streams):
             await stream.close()
         if self._replacing is not None:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.clihelp import HelpFormatter, show_config_defaults
 from kvmesh.tls import add_server_tls_args, server_tls_overrides
 from tee.config import ConfigError, TeeConfig, load_tee_config
 
@@ -24,29 +25,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvmesh tee serve",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON config file")
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC port (default 50061; 0 picks a free one)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9465; 0 disables)")
+    p.add_argument("--host", help="listen address")
+    p.add_argument("--port", type=int, help="gRPC port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
     p.add_argument(
         "--sink-http", action="append", metavar="URL", help="HTTP sink base URL (repeatable)"
     )
     p.add_argument(
         "--sink-grpc", action="append", metavar="HOST:PORT", help="gRPC sink (repeatable)"
     )
-    p.add_argument("--send-concurrency", type=int, help="sends in flight per sink (default 8)")
-    p.add_argument("--queue-size", type=int, help="queue bound per sink (default 4096)")
-    p.add_argument("--send-timeout", type=float, metavar="SECONDS", help="default 2")
-    p.add_argument("--shutdown-deadline", type=float, metavar="SECONDS", help="default 5")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--log-format", choices=["text", "json"])
+    p.add_argument("--send-concurrency", type=int, help="sends in flight per sink")
+    p.add_argument("--queue-size", type=int, help="queue bound per sink")
+    p.add_argument("--send-timeout", type=float, metavar="SECONDS", help="timeout of one send")
+    p.add_argument(
+        "--shutdown-deadline",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, how long queued events may drain",
+    )
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    p.add_argument("--log-format", choices=["text", "json"], help="log line format")
     add_server_tls_args(p)
     p.add_argument(
         "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
     )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    show_config_defaults(p, TeeConfig, cli_overrides)
     return p
 
 

@@ -38,9 +38,10 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvmesh.auth import AuthSettings
+from kvmesh.balancing import channel_target
 from kvmesh.configfile import ConfigError as ConfigError
 from kvmesh.configfile import StrictModel, load_layered
 from kvmesh.grpcsvc import ClientLimits
@@ -92,13 +93,23 @@ class GrpcSinkConfig(StrictModel):
     """A gRPC sink: another tee or a cache simulator (kvmesh.tee.v1.TeeService)."""
 
     type: Literal["grpc"] = "grpc"
-    target: str = Field(min_length=1, description="host:port of the TeeService.")
+    target: str = Field(
+        min_length=1,
+        description="host:port of the TeeService; dns:///name:port or addresses joined by "
+        "commas (IP literals) name several replicas, sent to round robin.",
+    )
     name: str = Field(default="", description="Metrics label; grpc://target when empty.")
     tls: ClientTLS = Field(
         default_factory=ClientTLS,
         description="CA, client certificate (mutual TLS), server name and bearer-token file "
         "of the channel; the channel is reopened when the files change.",
     )
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, value: str) -> str:
+        channel_target(value)  # raises ValueError naming the address at fault
+        return value
 
 
 SinkConfig = Annotated[HttpSinkConfig | GrpcSinkConfig, Field(discriminator="type")]

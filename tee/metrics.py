@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.metrics import ComponentRegistry
+
 #: Send latency buckets: a healthy local sink answers in 1-20 ms; the top
 #: buckets catch sends that approach the 2 s default timeout.
 SEND_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
@@ -97,7 +99,7 @@ class TeeMetrics:
     """The tee's metrics: lane counters (collected at scrape) and the send latency histogram."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry = registry if registry is not None else ComponentRegistry()
         self._lanes = _LaneCollector()
         self.registry.register(self._lanes)
         self.send_seconds = Histogram(

@@ -27,6 +27,7 @@ import grpc.aio
 
 from kvmesh.api.tee.v1 import tee_pb2 as pb
 from kvmesh.api.tee.v1 import tee_pb2_grpc as pb_grpc
+from kvmesh.balancing import balancing_options, channel_target
 from kvmesh.configfile import ConfigError
 from kvmesh.tls import ChannelFactory, ClientTLS, TLSFileError
 from tee.events import EventKind, RoutedEvent
@@ -174,12 +175,21 @@ class GrpcSink:
     server name, bearer token as call credentials. When the files change a
     new channel is opened for the next sends and the old one closed once its
     calls are done.
+
+    ``target`` may name several replicas of the sink (``dns:///name:port``, or
+    addresses joined by commas: :func:`kvmesh.balancing.channel_target`); sends
+    go round robin over the ready ones.
     """
 
     def __init__(self, target: str, *, name: str = "", tls: ClientTLS | None = None) -> None:
         self.target = target
         self.name = name or f"grpc://{target}"
-        self.factory = ChannelFactory(target, tls, what=f"tee sink {self.name}")
+        self.factory = ChannelFactory(
+            channel_target(target),
+            tls,
+            options=balancing_options("round_robin"),
+            what=f"tee sink {self.name}",
+        )
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._closing: set[asyncio.Task[None]] = set()

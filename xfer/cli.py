@@ -9,9 +9,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.clihelp import HelpFormatter, show_config_defaults
 from kvmesh.configfile import ConfigError
 from kvmesh.tls import add_server_tls_args, server_tls_overrides
-from xfer.config import load_config
+from xfer.config import XferConfig, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,34 +20,70 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvmesh xfer serve",
         description="Run a KV transfer sidecar. Flags override KVMESH_XFER_* variables, "
-        "which override --config; see xfer/config.py for every setting.",
+        "which override --config, which overrides the defaults shown here; see "
+        "xfer/config.py for every setting.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--config", help="YAML, TOML or JSON config file")
-    p.add_argument("--role", choices=["prefill", "decode"])
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON config file")
+    p.add_argument(
+        "--role", choices=["prefill", "decode"], help="which side of the transfer (required)"
+    )
+    p.add_argument("--host", help="gRPC, metrics and TCP transport address")
+    p.add_argument("--port", type=int, help="gRPC port (0 picks a free one)")
     p.add_argument(
         "--advertise-address",
         metavar="HOST:PORT",
         help="address peers call this sidecar back at (default host:port; required on a "
         "decode sidecar with --host 0.0.0.0 or ::)",
     )
-    p.add_argument("--metrics-port", type=int)
-    p.add_argument("--transport", choices=["nixl", "tcp"])
-    p.add_argument("--pool-path")
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--page-count", type=int)
-    p.add_argument("--aux-size", type=int)
-    p.add_argument("--aux-count", type=int)
-    p.add_argument("--create-pool", action="store_true", default=None)
-    p.add_argument("--queues", type=int)
-    p.add_argument("--max-inflight-per-queue", type=int)
-    p.add_argument("--nixl-threads", type=int)
-    p.add_argument("--nixl-progress-thread", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--bootstrap-timeout-s", type=float)
-    p.add_argument("--waiting-timeout-s", type=float)
-    p.add_argument("--heartbeat-interval-s", type=float)
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
+    p.add_argument(
+        "--transport", choices=["nixl", "tcp"], help="nixl: NIXL over UCX; tcp: plain sockets"
+    )
+    p.add_argument(
+        "--pool-path",
+        metavar="FILE",
+        help="shared-memory KV pool file, e.g. /dev/shm/kvmesh-pool-0 (required)",
+    )
+    p.add_argument("--page-size", type=int, help="bytes per KV page (required)")
+    p.add_argument("--page-count", type=int, help="pages in the pool (required)")
+    p.add_argument("--aux-size", type=int, help="bytes per aux slot")
+    p.add_argument("--aux-count", type=int, help="aux slots after the pages")
+    p.add_argument(
+        "--create-pool",
+        action="store_true",
+        default=None,
+        help="create the pool file if missing (tests, benchmarks)",
+    )
+    p.add_argument("--queues", type=int, help="transfer queues, one worker thread each")
+    p.add_argument(
+        "--max-inflight-per-queue", type=int, help="transfers a worker keeps posted at once"
+    )
+    p.add_argument(
+        "--nixl-threads", type=int, help="NIXL UCX backend worker threads (0: NIXL's default)"
+    )
+    p.add_argument(
+        "--nixl-progress-thread",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run NIXL's own progress thread (it busy-polls a core)",
+    )
+    p.add_argument(
+        "--bootstrap-timeout-s",
+        type=float,
+        metavar="SECONDS",
+        help="longest a room may stay Bootstrapping",
+    )
+    p.add_argument(
+        "--waiting-timeout-s",
+        type=float,
+        metavar="SECONDS",
+        help="longest a bootstrapped room may go without progress",
+    )
+    p.add_argument(
+        "--heartbeat-interval-s", type=float, metavar="SECONDS", help="how often peers are pinged"
+    )
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     add_server_tls_args(p)
     p.add_argument(
         "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
@@ -74,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-tls-key", metavar="FILE", help="private key of --peer-tls-cert")
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
     p.add_argument(
-        "--ready-file", help="write host:port here once serving (for supervisors and tests)"
+        "--ready-file",
+        metavar="FILE",
+        help="write host:port here once serving (for supervisors and tests)",
     )
+    show_config_defaults(p, XferConfig, overrides)
     return p
 
 

@@ -49,6 +49,7 @@ from kvmesh.errors import (
     NotFound,
     PermissionDenied,
 )
+from kvmesh.metrics import ComponentRegistry
 from kvmesh.tracing import inject_context, tracing_enabled
 from xfer.config import XferConfig
 from xfer.pool import KVPool, PoolGeometry
@@ -81,7 +82,7 @@ class XferMetrics:
     """Prometheus metrics of one sidecar (its own registry)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or ComponentRegistry()
         r = self.registry
         self.rooms = Gauge("kvmesh_xfer_rooms", "Rooms by state", ["state"], registry=r)
         self.rooms_finished = Counter(

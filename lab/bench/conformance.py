@@ -35,6 +35,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 from lab.bench.report import table, write_report
 from lab.conformance import (
     BACKENDS,
@@ -65,13 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvmesh bench conformance",
         description="kvmesh's Match against vLLM 0.33's KVCacheManager.get_computed_blocks "
         "and SGLang 0.5.23's UnifiedRadixCache.match_prefix, request by request (each "
-        "engine runs from its own virtualenv: `make setup`).",
+        "engine runs from its own virtualenv: make setup).",
+        formatter_class=HelpFormatter,
     )
     ap.add_argument(
         "--engine",
         choices=(*ENGINES, "both"),
         default="both",
-        help="whose scenarios run by default: vllm, sglang or both (both)",
+        help="whose scenarios run when --scenarios names none",
     )
     ap.add_argument(
         "--scenarios",
@@ -82,25 +85,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests",
         type=int,
         default=DEFAULT_REQUESTS,
-        help=f"requests per scenario ({DEFAULT_REQUESTS})",
+        help="requests per scenario",
     )
     ap.add_argument(
         "--backend",
         choices=(*BACKENDS, "both"),
         default="memory",
-        help="indexer backend (memory); both: memory and redis against the same engines",
+        help="indexer backend; both: memory and redis against the same engines",
     )
     ap.add_argument(
         "--block-size",
         type=int,
         default=0,
-        help="tokens per block (vLLM) or page (SGLang) of engine and indexer (default: the "
-        "scenario's; 16, vLLM's Mamba scenarios 64, SGLang's page1 and mamba 1)",
+        help="tokens per block (vLLM) or page (SGLang) of engine and indexer (default: 0, "
+        "the scenario's: 16, vLLM's Mamba scenarios 64, SGLang's page1 and mamba 1)",
     )
-    ap.add_argument("--seed", type=int, default=1, help="workload seed (1)")
+    ap.add_argument("--seed", type=int, default=1, help="workload seed")
     ap.add_argument("--json", dest="json_path", help="also write figures and params here")
     ap.add_argument("--logs", metavar="DIR", help="keep the engines' and indexers' logs here")
-    ap.add_argument("--examples", type=int, default=3, help="mismatches printed per row (3)")
+    ap.add_argument("--examples", type=int, default=3, help="mismatches printed per row")
     return ap
 
 
@@ -193,6 +196,7 @@ def main(argv: Sequence[str]) -> int:
         for name in names:
             kind = engine_of(name)
             assert kind is not None
+            progress.phase(f"{name}: {args.requests:,} requests")
             run = run_scenario(
                 name,
                 requests=args.requests,

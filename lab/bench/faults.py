@@ -36,6 +36,8 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.runtime import new_event_loop
 from lab.bench.report import table, write_report
 from lab.faults.driver import (
@@ -80,11 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvmesh bench faults",
         description="Seeded, model-checked fault injection on indexer replicas "
         "(Redis, Redis Cluster with replicas, memory).",
+        formatter_class=HelpFormatter,
     )
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds of rounds (120)")
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of rounds")
     ap.add_argument("--json", dest="json_path", help="also write figures and params here")
-    ap.add_argument("--seed", type=int, default=1, help="seed of the first round (1)")
-    ap.add_argument("--replicas", type=int, default=3, help="indexer replicas per Redis (3)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the first round")
+    ap.add_argument("--replicas", type=int, default=3, help="indexer replicas per Redis")
     ap.add_argument(
         "--targets", default="standalone,cluster,memory",
         help="comma-separated: standalone, cluster, memory",
@@ -94,10 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--shrink-budget", type=float, default=60.0, help="seconds to shrink each violation"
     )
-    ap.add_argument("--target", default="", help="replay: the round's target")
+    ap.add_argument("--target", default="", help="replay: the round's target (default: no replay)")
     ap.add_argument("--profile", default="all", help="replay: the round's profile")
     ap.add_argument(
-        "--keep", default="", help="replay: indices of the operations to run (3,7,10..14)"
+        "--keep",
+        default="",
+        help="replay: indices of the operations to run, e.g. 3,7,10..14 (default: all)",
     )
     return ap
 
@@ -171,6 +176,7 @@ async def _run(
             ops=args.ops,
             duration_s=max(left, 1.0),
         )
+        progress.phase(f"round {k}: {kind}/{profile}, seed {p.seed}")
         res = await run_round(targets[kind], p)
         status = str(res.violations[0]) if res.violations else "ok"
         print(

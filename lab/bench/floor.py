@@ -25,8 +25,10 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from kvmesh import progress
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from lab.bench.report import write_report
 from lab.children import (
@@ -321,7 +323,8 @@ def run_floor(
     for v in variants:
         p50s: list[float] = []
         p99s: list[float] = []
-        for _ in range(rounds):
+        for r in range(rounds):
+            progress.phase(f"{v.name}: round {r + 1}/{rounds}")
             with ServerProcess(
                 v.server, v.transport, v.server_options, {**v.env, **v.server_env}
             ) as srv:
@@ -355,13 +358,22 @@ def format_floor(results: Sequence[FloorResult]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the floor table (or, with ``--serve``, be one variant's server)."""
-    p = argparse.ArgumentParser(prog="kvmesh bench indexer --floor")
+    p = argparse.ArgumentParser(
+        prog="kvmesh bench indexer --floor",
+        description="The latency of an empty RPC (Ping) under gRPC server and channel "
+        "variants, each against the baseline.",
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--bind", default="tcp", help=argparse.SUPPRESS)
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--options", default="[]", help=argparse.SUPPRESS)
-    p.add_argument("--only", default="", help="run only variants whose name contains this")
+    p.add_argument(
+        "--only",
+        default="",
+        help="run only variants whose name contains this (default: every variant)",
+    )
     p.add_argument("--calls", type=int, default=3000, help="timed Pings per round")
     p.add_argument("--rounds", type=int, default=3, help="fresh servers per variant")
     p.add_argument("--json", dest="json_path", help="write the rows as JSON here")

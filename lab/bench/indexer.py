@@ -52,6 +52,8 @@ import redis
 from redis.crc import key_slot
 
 from indexer.redis.keys import anchor_tag
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 from lab.bench import floor as bench_floor
 from lab.bench import matchstream as bench_matchstream
 from lab.bench import tls as bench_tls
@@ -230,6 +232,7 @@ def run_bench(
     if zmq and not backends:
         bench_zmq_ingest(trace, prompts32, params, figures, extra)
     if "memory" in backends:
+        progress.phase("memory: in-process Match")
         figures["memory_inproc_match_p50_us"] = inproc_match_p50(
             plan, prompts32, params.inproc_calls
         )
@@ -266,13 +269,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvmesh bench indexer``; returns the exit code."""
     p = argparse.ArgumentParser(
         prog="kvmesh bench indexer",
-        description="Indexer benchmark on the Mooncake conversation trace, memory and redis.",
+        description="Indexer benchmark on the Mooncake conversation trace, memory and redis. "
+        "--floor, --tls and --matchstream run another benchmark instead: with one of them, "
+        "--help shows that benchmark's options.",
+        formatter_class=HelpFormatter,
+        add_help=False,  # --help with a mode flag is the mode's
     )
+    p.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     p.add_argument("--json", dest="json_path", help="also write figures and params here")
     p.add_argument("--requests", type=int, help="trace requests to publish (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, not figures")
     p.add_argument(
-        "--backend", choices=("memory", "redis", "both"), default="both", help="default both"
+        "--backend",
+        choices=("memory", "redis", "both"),
+        default="both",
+        help="index backends to measure",
     )
     p.add_argument(
         "--cluster", action="store_true", help="also run redis against a local 3-master cluster"
@@ -295,6 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="instead: Matches per server CPU-second, one MatchStream vs unary Match",
     )
     args, rest = p.parse_known_args(argv)
+    if args.help:
+        if args.floor or args.matchstream or args.tls:
+            rest.append("--help")
+        else:
+            p.print_help()
+            p.exit()
     if args.floor:
         return bench_floor.main(rest + (["--json", args.json_path] if args.json_path else []))
     if args.matchstream:

@@ -40,6 +40,7 @@ from indexer.memory import MemoryIndex
 from indexer.model import InstanceId, InstanceSpec, Namespace
 from indexer.redis.scripts import LUA_DIR
 from indexer.server import start_server
+from kvmesh import progress
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.configfile import merge
@@ -356,6 +357,7 @@ def bench_backend(
     reqs256 = [match_request(k) for k in prompts256]
     with ServerChild(backend, redis_url, server) as srv:
         mem_before = int(redis_client.info("memory")["used_memory"]) if redis_client else 0
+        progress.phase(f"{name}: publishing {plan.blocks:,} blocks")
         publish_s = asyncio.run(_build(srv.target, plan, engine_tls))
         figures[f"{name}_ingest_blocks_per_s"] = plan.blocks / publish_s
         with ChannelFactory(srv.target, router_tls, what="bench").sync_channel() as channel:
@@ -367,6 +369,7 @@ def bench_backend(
                 figures[f"{name}_bytes_per_block_instance"] = used / max(1, stats.block_instances)
                 if backend == "cluster":
                     figures["cluster_shard_key_share_max"] = redis_client.key_share_max()
+            progress.phase(f"{name}: Match latency")
             m32, ping = interleaved_latency(stub, reqs32, params.latency_calls)
             m256, ping256 = interleaved_latency(stub, reqs256, params.latency_calls_256)
             resp = stub.Match(reqs32[0])
@@ -384,6 +387,7 @@ def bench_backend(
         figures[f"{name}_grpc_match_256_p99_us"] = percentile(m256, 0.99)
         figures[f"{name}_grpc_empty_rpc_p50_us"] = percentile(ping + ping256, 0.5)
         figures[f"{name}_grpc_empty_rpc_p99_us"] = percentile(ping + ping256, 0.99)
+        progress.phase(f"{name}: Match throughput for {params.throughput_s:g} s")
         cpu0 = srv.cpu_seconds()
         rate = match_throughput(
             srv.target, reqs32, params.concurrency, params.throughput_s, router_tls
@@ -747,6 +751,7 @@ def bench_zmq_ingest(
     time per block in each (``..._server_cpu_us_per_block``) and the probes'
     ``memory_{match,ping,health}_during_ingest_p{50,99}_ms``.
     """
+    progress.phase("memory: Match during ZMQ ingest")
     plans = [
         zmq_plan(trace, params.zmq_publishers, params.requests_per_batch, r)
         for r in range(ZMQ_ROUNDS)

@@ -35,6 +35,8 @@ from typing import Any
 
 import grpc.aio
 
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.runtime import new_event_loop
 from lab.bench.indexer_common import QUICK_PARAMS, BenchParams, ServerChild, Workload, _build
 from lab.bench.report import fmt, table, write_report
@@ -139,10 +141,12 @@ def run_matchstream(p: MatchStreamParams) -> tuple[dict[str, float], dict[str, A
     prompts = work.prompts32
     rounds: dict[str, list[ModeRound]] = {m: [] for m in MODES}
     with ServerChild("memory") as server:
+        progress.phase(f"publishing {work.plan.blocks:,} blocks")
         asyncio.run(_build(server.target, work.plan))
         for r in range(p.rounds):
             order = MODES if r % 2 == 0 else MODES[::-1]
             for mode in order:
+                progress.phase(f"round {r + 1}/{p.rounds}: {mode}")
                 rounds[mode].append(_round(server, mode, prompts, p))
     figures: dict[str, float] = {}
     for mode, rs in rounds.items():
@@ -223,13 +227,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kvmesh bench indexer --matchstream",
         description="Matches per server CPU-second over one MatchStream vs unary Match.",
+        formatter_class=HelpFormatter,
     )
+    d = MatchStreamParams()
+
+    def sizes(name: str) -> str:
+        return f"(default: {getattr(d, name)}; --quick {getattr(QUICK, name)})"
+
     p.add_argument("--json", dest="json_path", help="also write figures and params here")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, not figures")
-    p.add_argument("--requests", type=int, help="trace requests to publish")
-    p.add_argument("--matches", type=int, help="timed Matches per mode and round")
-    p.add_argument("--concurrency", type=int, help="Matches in flight")
-    p.add_argument("--rounds", type=int, help="rounds (modes alternate within each)")
+    p.add_argument("--requests", type=int, help=f"trace requests to publish {sizes('requests')}")
+    p.add_argument(
+        "--matches", type=int, help=f"timed Matches per mode and round {sizes('matches')}"
+    )
+    p.add_argument("--concurrency", type=int, help=f"Matches in flight {sizes('concurrency')}")
+    p.add_argument(
+        "--rounds", type=int, help=f"rounds (modes alternate within each) {sizes('rounds')}"
+    )
     args = p.parse_args(argv)
     base = QUICK if args.quick else MatchStreamParams()
     params = MatchStreamParams(

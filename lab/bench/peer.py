@@ -92,6 +92,7 @@ from typing import Any
 import redis
 
 from indexer.config import IndexerConfig, Limits
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from lab.bench.indexer import ClusterClient
 from lab.bench.peer_procs import (
@@ -942,27 +943,40 @@ def _parse(argv: Sequence[str] | None) -> tuple[PeerParams, str | None, str | No
         prog="kvmesh bench peer",
         description="kvmesh's indexer beside Dynamo's standalone KV indexer, fed by real vLLM "
         "ZmqEventPublishers with the identical stream.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--json", dest="json_path", help="also write figures and params here")
     p.add_argument("--log-dir", help="keep the processes' logs and configs in this folder")
-    p.add_argument("--block-size", type=int, default=512, choices=BLOCK_SIZES)
+    p.add_argument(
+        "--block-size", type=int, default=512, choices=BLOCK_SIZES, help="tokens per block"
+    )
     p.add_argument(
         "--backend",
         default="memory,redis",
-        help="kvmesh backends, comma-separated: memory, redis, cluster (default memory,redis)",
+        help="kvmesh backends, comma-separated: memory, redis, cluster",
     )
-    p.add_argument("--peer", choices=("dynamo", "none"), default="dynamo")
+    p.add_argument(
+        "--peer",
+        choices=("dynamo", "none"),
+        default="dynamo",
+        help="the indexer beside kvmesh's (none: kvmesh's alone)",
+    )
     p.add_argument("--publishers", type=int, default=64, help="vLLM publishers (instances)")
     p.add_argument("--publisher-procs", type=int, default=4, help="processes they share")
     p.add_argument("--requests", type=int, help="trace requests streamed (default: all)")
-    p.add_argument("--requests-per-batch", type=int, default=8)
+    p.add_argument(
+        "--requests-per-batch",
+        type=int,
+        default=8,
+        help="events (one per trace request) in each batch a publisher sends",
+    )
     p.add_argument("--queries", type=int, default=2000, help="sequential rounds per side")
     p.add_argument("--prompts", type=int, default=256, help="distinct prompts they cycle over")
     p.add_argument(
         "--prompt-blocks", type=int, default=32, help="512-token trace blocks per prompt"
     )
     p.add_argument(
-        "--duration", type=float, default=60.0, help="longest sequential phase per side, s"
+        "--duration", type=float, default=60.0, help="longest sequential phase per side, seconds"
     )
     p.add_argument("--no-probe", action="store_true", help="skip the Match-during-ingest round")
     p.add_argument("--probe-interval", type=float, default=0.01, help="seconds between probes")
@@ -973,7 +987,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[PeerParams, str | None, str | No
         default=[],
         metavar="KEY=VALUE",
         help="a kvmesh indexer setting over the bench's, dotted key, JSON or text value "
-        "(repeatable), e.g. redis.socket_timeout_s=5",
+        "(repeatable), e.g. redis.socket_timeout_s=5 (default: none)",
     )
     args = p.parse_args(argv)
     kvmesh_set: list[tuple[str, Any]] = []

@@ -70,6 +70,8 @@ from indexer.config import IndexerConfig, Limits, RedisSettings
 from indexer.server import setup_logging, start_server
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.clihelp import HelpFormatter
+from kvmesh.progress import phase
 from kvmesh.stats import percentile
 from lab.bench.report import fmt, write_report
 from lab.children import (
@@ -944,6 +946,7 @@ def run_soak(p: SoakParams, *, progress: bool = False) -> tuple[dict[str, float]
     """Run a soak; return ``(figures, params)`` as written to JSON."""
     trace = load_mooncake()
     log_dir = tempfile.mkdtemp(prefix="kvmesh-soak-")
+    phase(f"starting Redis and {p.replicas} indexer replicas")
     redis = SoakRedis(cluster=p.cluster, persistence=p.persistence).start()
     replicas: list[ReplicaProcess] = []
     try:
@@ -956,6 +959,7 @@ def run_soak(p: SoakParams, *, progress: bool = False) -> tuple[dict[str, float]
             list(pool.map(lambda f: f(), procs))
         if progress:
             print(_interval_header(p.replicas), flush=True)
+        phase(f"load for {p.duration_s:g} s")
         stats, intervals = asyncio.run(_soak(p, trace, redis, replicas, progress))
     finally:
         for r in replicas:
@@ -1073,8 +1077,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="kvmesh bench soak",
         description="Mixed load (KV events, Matches, heartbeats) on indexer replicas sharing "
         "one Redis, with optional Redis and replica kills.",
+        formatter_class=HelpFormatter,
     )
-    ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds (default 600)")
+    ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
     ap.add_argument("--replicas", type=int, default=d.replicas, help="indexer replica processes")
     ap.add_argument("--engines", type=int, default=d.engines, help="simulated publishing engines")
     ap.add_argument("--routers", type=int, default=d.routers, help="Match clients")
@@ -1086,16 +1091,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=d.capacity, help="blocks per engine's LRU")
     ap.add_argument("--lease", type=float, default=d.lease_s, help="instance lease, seconds")
     ap.add_argument("--heartbeat", type=float, default=d.heartbeat_s, help="heartbeat period")
-    ap.add_argument("--interval", type=float, default=0.0, help="report period (duration/20)")
-    ap.add_argument("--kill-redis-every", type=float, default=0.0, metavar="S")
-    ap.add_argument("--kill-replica-every", type=float, default=0.0, metavar="S")
+    ap.add_argument(
+        "--interval", type=float, default=0.0, help="report period, seconds (0: duration/20)"
+    )
+    ap.add_argument(
+        "--kill-redis-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="kill and restart Redis every S seconds (0: never)",
+    )
+    ap.add_argument(
+        "--kill-replica-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="kill and restart an indexer replica every S seconds (0: never)",
+    )
     ap.add_argument("--outage", type=float, default=d.outage_s, help="seconds a victim stays down")
     ap.add_argument(
         "--grace", type=float, default=d.grace_s,
         help="seconds after a restart that still count as the outage",
     )  # fmt: skip
     ap.add_argument("--cluster", action="store_true", help="a local 3-master Redis Cluster")
-    ap.add_argument("--redis-persistence", choices=("aof", "none"), default=d.persistence)
+    ap.add_argument(
+        "--redis-persistence",
+        choices=("aof", "none"),
+        default=d.persistence,
+        help="Redis persistence across its kills",
+    )
     ap.add_argument("--json", dest="json_path", help="also write figures and params here")
     ap.add_argument("--quiet", action="store_true", help="no per-interval lines while running")
     ap.add_argument("--serve-replica", type=int, help=argparse.SUPPRESS)

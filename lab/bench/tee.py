@@ -1,7 +1,7 @@
 """``kvmesh bench tee``: bounded fan-out against a serial sender, on a sink with injected latency.
 
 A counting HTTP sink (lab/bench/testsink.py) runs in a child process with
-``--latency-ms`` of injected latency (default 9). The sink latency a client
+``--latency-ms`` of injected latency. The sink latency a client
 actually sees is measured first with serial sends; the ideal throughput of N
 sends in flight is N / that latency. Then, for each N in ``--concurrency``
 (N=1 is the baseline, in the same run), the tee is offered events at twice its
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.runtime import new_event_loop
 from kvmesh.stats import percentile
 from lab.bench.report import write_report
@@ -159,10 +161,12 @@ def _sink_child(latency_ms: float) -> ChildProcess:
 
 
 async def _bench(args: argparse.Namespace, url: str) -> tuple[list[Row], float]:
+    progress.phase("measuring the sink latency")
     latency = await _measure_latency(url, args.latency_samples)
     rows: list[Row] = []
     for n in args.concurrency:
         ideal = n / latency
+        progress.phase(f"N={n}, saturated")
         row = await _run(
             url, n, 2 * ideal, args.duration, args.warmup, args.queue_size, "saturated"
         )
@@ -170,6 +174,7 @@ async def _bench(args: argparse.Namespace, url: str) -> tuple[list[Row], float]:
         rows.append(row)
         if n == 8:
             for frac in args.below:
+                progress.phase(f"N={n}, {frac:.0%} of ideal")
                 row = await _run(
                     url,
                     n,
@@ -216,9 +221,18 @@ def _figures(rows: list[Row], latency: float) -> dict[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvmesh bench tee``."""
-    p = argparse.ArgumentParser(prog="kvmesh bench tee", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="kvmesh bench tee", description=__doc__, formatter_class=HelpFormatter
+    )
     p.add_argument("--latency-ms", type=float, default=9.0, help="injected sink latency")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="N")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32],
+        metavar="N",
+        help="sends in flight per run (1: the serial baseline)",
+    )
     p.add_argument(
         "--below",
         type=float,
@@ -229,8 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--duration", type=float, default=4.0, metavar="SECONDS", help="per run")
     p.add_argument("--warmup", type=float, default=1.0, metavar="SECONDS", help="per run")
-    p.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE)
-    p.add_argument("--latency-samples", type=int, default=100)
+    p.add_argument(
+        "--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="the tee's queue bound"
+    )
+    p.add_argument(
+        "--latency-samples",
+        type=int,
+        default=100,
+        help="serial sends that measure the sink latency a client sees",
+    )
     p.add_argument("--json", metavar="FILE", help="write figures and params as JSON")
     return p
 

@@ -57,8 +57,10 @@ from typing import Any
 
 import grpc
 
+from kvmesh import progress
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from kvmesh.tls import ChannelFactory, ClientTLS
 from lab.bench.indexer_common import (
@@ -210,6 +212,7 @@ def run_modes(
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tls-") as tmp:
         creds = Credentials.write(Path(tmp))
         for r in range(rounds):
+            progress.phase(f"round {r + 1}/{rounds}")
             figures: dict[str, float] = {}
             for mode in modes if r % 2 == 0 else tuple(reversed(modes)):
                 client = (creds.engine, creds.router) if mode.mutual_tls else (None, None)
@@ -583,6 +586,7 @@ def run_flood(
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-flood-") as tmp:
         creds = Credentials.write(Path(tmp))
         for sc in scenarios:
+            progress.phase(f"flood scenario: {sc.label}")
             out[sc.key] = flood_scenario(sc, creds, work, fp, Path(tmp))
     alone = out[ALONE.key]["calm_p99_us"]
     for figures in out.values():
@@ -696,13 +700,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="kvmesh bench indexer --tls",
         description="What mutual TLS, authorization and per-client limits cost the indexer: "
         "plaintext vs mtls vs mtls+limits, memory backend, one run.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--json", dest="json_path", help="also write figures, ratios and params here")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, not figures")
     p.add_argument("--requests", type=int, help="trace requests to publish (default: all)")
-    p.add_argument("--rounds", type=int, help="times every mode is measured (default 2; --quick 1)")
     p.add_argument(
-        "--connections", type=int, help=f"new connections timed per mode (default {CONNECTIONS})"
+        "--rounds", type=int, help="times every mode is measured (default: 2; --quick 1)"
+    )
+    p.add_argument(
+        "--connections",
+        type=int,
+        help=f"new connections timed per mode (default: {CONNECTIONS}; --quick "
+        f"{QUICK_CONNECTIONS})",
     )
     p.add_argument(
         "--flood",
@@ -714,13 +724,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--in-flight",
         type=int,
         help="--flood: Matches the flooding client keeps in flight "
-        f"(default {FLOOD_PARAMS.in_flight})",
+        f"(default: {FLOOD_PARAMS.in_flight})",
     )
     p.add_argument(
         "--calm-calls",
         type=int,
         help=f"--flood: timed Matches of the calm client per scenario "
-        f"(default {FLOOD_PARAMS.calm_calls}; --quick {QUICK_FLOOD_PARAMS.calm_calls})",
+        f"(default: {FLOOD_PARAMS.calm_calls}; --quick {QUICK_FLOOD_PARAMS.calm_calls})",
     )
     p.add_argument("--flood-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from lab.bench.report import write_report
 from lab.bench.xfer_procs import Sidecar
@@ -314,12 +316,16 @@ def run(p: BenchParams) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="kvx-bench-", dir=_shm_dir()) as d:
         pools = _Pools(p, d)
         try:
+            progress.phase(f"{p.transport}: serial transfers")
             serial = run_mode(p, pools, serial=True)
+            progress.phase(f"{p.transport}: async transfers")
             asyn = run_mode(p, pools, serial=False)
+            progress.phase(f"{p.transport}: raw transport")
             raw = raw_gbps(p, pools)
         finally:
             pools.close()
     total = p.rooms * p.pages * p.page_size
+    progress.phase("memcpy and AddRequest cost")
     mem = memcpy_gbps(p)
     add_us = add_request_cost_us(p)
     plan = _plan(p, PoolGeometry(p.page_size, 2 * p.rooms * p.pages), random.Random(p.seed), 0)
@@ -369,12 +375,34 @@ def print_table(figures: dict[str, float], p: BenchParams) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvmesh bench xfer``."""
     d = BenchParams()
-    ap = argparse.ArgumentParser(prog="kvmesh bench xfer", description=__doc__.split("\n")[0])
-    ap.add_argument("--transport", choices=["nixl", "tcp"], default=None,
-                    help="default: nixl when installed, else tcp")  # fmt: skip
-    for f in ("rooms", "pages", "page_size", "chunks", "max_run", "queues", "iters"):
-        ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
-    ap.add_argument("--nixl-threads", type=int, default=d.nixl_threads)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench xfer",
+        description=__doc__.split("\n")[0],
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument(
+        "--transport",
+        choices=["nixl", "tcp"],
+        default=None,
+        help="KV transfer transport (default: nixl when installed, else tcp)",
+    )
+    sizes = {
+        "rooms": "rooms (transfers) per batch",
+        "pages": "KV pages per room",
+        "page_size": "bytes per page",
+        "chunks": "chunks each room's pages are sent in",
+        "max_run": "longest run of adjacent pages (the pages of a room are fragmented)",
+        "queues": "transfer queues of each sidecar",
+        "iters": "timed batches",
+    }
+    for f, what in sizes.items():
+        ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f), help=what)
+    ap.add_argument(
+        "--nixl-threads",
+        type=int,
+        default=d.nixl_threads,
+        help="NIXL UCX backend worker threads (0: NIXL's default)",
+    )
     ap.add_argument("--json", dest="json_path", help="also write figures and params here")
     return ap
 

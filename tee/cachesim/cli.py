@@ -18,35 +18,45 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.clihelp import HelpFormatter, show_config_defaults
 from kvmesh.tls import ClientTLS, TLSFileError, add_server_tls_args, server_tls_overrides
-from tee.cachesim.config import ConfigError, load_cachesim_config
+from tee.cachesim.config import CacheSimConfig, ConfigError, load_cachesim_config
 from tee.httpsec import ClientSSL
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvmesh cachesim serve", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="kvmesh cachesim serve", description=__doc__, formatter_class=HelpFormatter
+    )
     p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON config file")
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, help="HTTP port (default 8470; 0 picks one)")
-    p.add_argument("--grpc-port", type=int, help="gRPC port (default 50062; 0 picks one)")
-    p.add_argument("--block-size", type=int, help="tokens per block (default 16)")
-    p.add_argument("--worker-capacity", type=int, metavar="BLOCKS", help="default 16384")
-    p.add_argument("--pooled-capacity", type=int, metavar="BLOCKS")
-    p.add_argument("--eviction", choices=["lru", "fifo"])
-    p.add_argument("--window", type=float, metavar="SECONDS", help="sliding window (default 60)")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--host", help="listen address")
+    p.add_argument("--http-port", type=int, help="HTTP port (0 picks one)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (0 picks one)")
+    p.add_argument("--block-size", type=int, help="tokens per block")
+    p.add_argument(
+        "--worker-capacity", type=int, metavar="BLOCKS", help="KV cache blocks of each worker"
+    )
+    p.add_argument(
+        "--pooled-capacity",
+        type=int,
+        metavar="BLOCKS",
+        help="blocks of the global oracle (default: workers seen x worker capacity)",
+    )
+    p.add_argument("--eviction", choices=["lru", "fifo"], help="eviction policy of each cache")
+    p.add_argument("--window", type=float, metavar="SECONDS", help="sliding window of the report")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     add_server_tls_args(p)
     p.add_argument(
         "--health-port", type=int, help="plaintext port serving only grpc.health.v1 (0: none)"
     )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    show_config_defaults(p, CacheSimConfig, cli_overrides)
     return p
 
 
-def serve(argv: Sequence[str]) -> int:
-    """Run ``kvmesh cachesim serve``; return the exit code."""
-    args = _serve_parser().parse_args(list(argv))
-    cli = {
+def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The nested config dict the flags of ``serve`` give (None = not given)."""
+    return {
         "host": args.host,
         "http_port": args.http_port,
         "grpc_port": args.grpc_port,
@@ -59,8 +69,13 @@ def serve(argv: Sequence[str]) -> int:
         "health_port": args.health_port,
         **server_tls_overrides(args),
     }
+
+
+def serve(argv: Sequence[str]) -> int:
+    """Run ``kvmesh cachesim serve``; return the exit code."""
+    args = _serve_parser().parse_args(list(argv))
     try:
-        config = load_cachesim_config(args.config, cli=cli)
+        config = load_cachesim_config(args.config, cli=cli_overrides(args))
     except ConfigError as e:
         print(f"kvmesh cachesim serve: {e}", file=sys.stderr)
         return 2
@@ -104,11 +119,15 @@ def format_report(models: dict[str, Any]) -> str:
 
 def report(argv: Sequence[str]) -> int:
     """Run ``kvmesh cachesim report``: fetch ``/report`` and print it; return the exit code."""
-    p = argparse.ArgumentParser(prog="kvmesh cachesim report", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="kvmesh cachesim report", description=__doc__, formatter_class=HelpFormatter
+    )
     p.add_argument("--url", default="http://127.0.0.1:8470", help="simulator HTTP base URL")
-    p.add_argument("--model", default="", help="only this model")
+    p.add_argument("--model", default="", help="only this model (default: every model)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="HTTP request timeout"
+    )
     p.add_argument("--ca-file", help="CA that signs the simulator's certificate (https)")
     p.add_argument("--cert-file", help="client certificate for mutual TLS")
     p.add_argument("--key-file", help="key of --cert-file")

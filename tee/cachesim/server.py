@@ -36,8 +36,9 @@ import grpc.aio
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from grpc_health.v1 import health, health_pb2
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from kvmesh import runtime
@@ -54,6 +55,7 @@ from kvmesh.grpcsvc import (
     add_health_and_reflection,
     capture_handlers,
 )
+from kvmesh.metrics import ComponentRegistry
 from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import setup_logging
 from kvmesh.tls import add_port
@@ -216,7 +218,7 @@ class CacheSimServer:
                 window_s=config.window_s,
             )
         )
-        self.registry = CollectorRegistry()
+        self.registry = ComponentRegistry()
         self.registry.register(_SimCollector(self.sim))
         self.events_total = Counter(
             "kvmesh_cachesim_events",
@@ -342,7 +344,9 @@ class CacheSimServer:
         return web.json_response({"models": report})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+        # The format the scraper asks for (OpenMetrics or text), as start_http_server does.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.registry), headers={"Content-Type": content_type})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "SERVING"})

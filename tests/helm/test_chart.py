@@ -481,6 +481,7 @@ def test_tee_off_renders_no_tee_or_simulator() -> None:
     assert set(by_kind(docs, "Deployment")) == {"rel-kvmesh-indexer"}
     assert set(by_kind(docs, "Service")) == {
         "rel-kvmesh-indexer",
+        "rel-kvmesh-indexer-headless",
         "rel-kvmesh-redis",
         "rel-kvmesh-redis-headless",
     }
@@ -495,6 +496,42 @@ def test_memory_backend_single_replica_has_no_redis_and_no_pdb() -> None:
     env = env_of(c)
     assert env["KVMESH_INDEXER_BACKEND"] == "memory"
     assert not any(k.startswith("KVMESH_INDEXER_REDIS__") for k in env)
+
+
+def test_indexer_replicas_are_reachable_one_by_one_and_age_their_connections() -> None:
+    """A headless Service lists every ready replica (routers balance over them, see
+    tests/integration/test_replica_spread.py); connections age out so that clients
+    resolve it again; the ClusterIP Service stays for engines and probes."""
+    from indexer.config import load_config
+
+    rendered = render()
+    docs = manifests(rendered)
+    services = by_kind(docs, "Service")
+    headless = services["rel-kvmesh-indexer-headless"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
+    assert headless["selector"] == services["rel-kvmesh-indexer"]["spec"]["selector"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in headless["ports"]] == [
+        ("grpc", 50051, "grpc")
+    ]
+    notes = rendered["kvmesh/templates/NOTES.txt"]
+    assert "routers dns:///rel-kvmesh-indexer-headless.ns.svc:50051" in notes
+    (c,) = containers(by_kind(docs, "Deployment")["rel-kvmesh-indexer"])
+    limits = load_config(environ=env_for_loader(c)).limits
+    assert (limits.max_connection_age_s, limits.max_connection_age_grace_s) == (300, 30)
+
+    values = {"indexer": {"maxConnectionAgeSeconds": 0, "service": {"headless": False}}}
+    rendered = render(values)
+    docs = manifests(rendered)
+    assert "rel-kvmesh-indexer-headless" not in by_kind(docs, "Service")
+    assert "dns:///" not in rendered["kvmesh/templates/NOTES.txt"]
+    (c,) = containers(by_kind(docs, "Deployment")["rel-kvmesh-indexer"])
+    assert load_config(environ=env_for_loader(c)).limits.max_connection_age_s == 0
+
+    # With cert-manager the indexer's certificate names the headless Service too.
+    certs = by_kind(manifests(render(CERT_MANAGER)), "Certificate")
+    names = certs["rel-kvmesh-indexer"]["spec"]["dnsNames"]
+    assert "rel-kvmesh-indexer-headless.ns.svc" in names
+    assert not any("headless" in n for n in certs["rel-kvmesh-tee"]["spec"]["dnsNames"])
 
 
 # -- the xfer sidecar snippet ----------------------------------------------------------
@@ -1086,11 +1123,12 @@ def test_cert_manager_certificates_write_the_secrets_the_pods_mount() -> None:
             "kind": "ClusterIssuer",
             "group": "cert-manager.io",
         }
+        # The indexer's also names its headless Service (routers dial every replica).
+        services = [dep, f"{dep}-headless"] if component == "indexer" else [dep]
         assert spec["dnsNames"] == [
-            dep,
-            f"{dep}.ns",
-            f"{dep}.ns.svc",
-            f"{dep}.ns.svc.cluster.local",
+            name
+            for svc in services
+            for name in (svc, f"{svc}.ns", f"{svc}.ns.svc", f"{svc}.ns.svc.cluster.local")
         ]
         assert spec["uris"] == [f"spiffe://fleet.example/ns/ns/kvmesh/{component}"]
         assert {"server auth", "client auth"} <= set(spec["usages"])

@@ -3,9 +3,11 @@
 Starts an indexer in-process on a free port (its own event loop on a thread),
 installs the client's pinned packages with ``npm ci`` when node_modules is
 missing, and runs ``node --test``: the block-key vectors, then register,
-PublishEventsStream, Match by token ids and by keys computed in JavaScript, and
-the INVALID_ARGUMENT field contract. Fails when ``node`` (or ``npm``, for a
-first install) is not on PATH. The same tests over mutual TLS with an
+PublishEventsStream, Match by token ids and by keys computed in JavaScript, the
+INVALID_ARGUMENT field contract, and the standard error details decoded from
+``grpc-status-details-bin`` (a field violation; a retry delay from a second
+indexer with a per-client Match rate, :data:`LIMITED`). Fails when ``node`` (or
+``npm``, for a first install) is not on PATH. The same tests over mutual TLS with an
 authorization policy, and the TLS tests: tests/security/test_node_tls.py.
 """
 
@@ -29,6 +31,9 @@ from indexer.server import IndexerServer, start_server
 
 CLIENT = Path(__file__).resolve().parents[2] / "clients" / "node"
 BLOCK = 16
+#: Config of the indexer at KVMESH_INDEXER_LIMITED_ADDR (clients/node/test/status.test.js):
+#: one Match per 1000 s per client, so the second is refused with a retry delay.
+LIMITED: dict[str, Any] = {"limits": {"per_client": {"match_rps": 0.001, "match_burst": 1}}}
 
 
 def install_node_client() -> Path:
@@ -110,8 +115,20 @@ def indexer_address() -> Iterator[str]:
         yield address
 
 
-def test_node_client_against_a_running_indexer(node_client: Path, indexer_address: str) -> None:
-    lines = run_node_tests(node_client, {"KVMESH_INDEXER_ADDR": indexer_address})
+@pytest.fixture(scope="module")
+def limited_address() -> Iterator[str]:
+    """A plaintext indexer with a per-client Match rate (:data:`LIMITED`)."""
+    with serve_indexer(**LIMITED) as address:
+        yield address
+
+
+def test_node_client_against_a_running_indexer(
+    node_client: Path, indexer_address: str, limited_address: str
+) -> None:
+    lines = run_node_tests(
+        node_client,
+        {"KVMESH_INDEXER_ADDR": indexer_address, "KVMESH_INDEXER_LIMITED_ADDR": limited_address},
+    )
     out = "\n".join(lines)
     # The indexer tests ran (none skipped for a missing address) and all passed; only the
     # TLS tests, which need the test PKI (tests/security/test_node_tls.py), are skipped.
@@ -120,3 +137,5 @@ def test_node_client_against_a_running_indexer(node_client: Path, indexer_addres
     assert passed(lines, "indexer: register"), out
     assert passed(lines, "INVALID_ARGUMENT names"), out
     assert passed(lines, "vector: extreme token ids"), out
+    assert passed(lines, "status: INVALID_ARGUMENT carries a google.rpc.BadRequest"), out
+    assert passed(lines, "status: a rate refusal carries a google.rpc.RetryInfo"), out

@@ -7,12 +7,14 @@ Two indexers with the test PKI and policy: one requiring client certificates
 Match as ``router-a``, no certificate → UNAVAILABLE, ``engine-a`` publishing
 for its own instance and refused (PERMISSION_DENIED) for ``engine-b``'s, the
 router token → Match, a wrong token → UNAUTHENTICATED, the server-name override,
-certificate files re-read for new connections.
+certificate files re-read for new connections. A third indexer (mutual TLS, a
+per-client Match rate) answers test/status.test.js's retry delay.
 """
 
 from __future__ import annotations
 
 from tests.integration.test_node_client import (
+    LIMITED,
     install_node_client,
     passed,
     run_node_tests,
@@ -37,11 +39,13 @@ def test_node_client_over_mutual_tls_with_a_policy(pki: Pki) -> None:
     with (
         serve_indexer(tls=pki.server_tls(), auth=auth) as mtls,
         serve_indexer(tls=optional_tls, auth=auth) as optional,
+        serve_indexer(tls=pki.server_tls(), auth=auth, **LIMITED) as limited,
     ):
         lines = run_node_tests(
             client,
             {
                 "KVMESH_INDEXER_ADDR": mtls,
+                "KVMESH_INDEXER_LIMITED_ADDR": limited,
                 "KVMESH_CLIENT_CA_FILE": pki.ca,
                 "KVMESH_CLIENT_CERT_FILE": pki.cert("admin"),
                 "KVMESH_CLIENT_KEY_FILE": pki.key("admin"),
@@ -53,5 +57,6 @@ def test_node_client_over_mutual_tls_with_a_policy(pki: Pki) -> None:
         )
     out = "\n".join(lines)
     assert "# skipped 0" in lines, out
-    for name in [*TLS_TESTS, "indexer: register", "INVALID_ARGUMENT names"]:
+    status_tests = ["status: INVALID_ARGUMENT carries", "status: a rate refusal carries"]
+    for name in [*TLS_TESTS, *status_tests, "indexer: register", "INVALID_ARGUMENT names"]:
         assert passed(lines, name), f"{name!r} did not pass:\n{out}"

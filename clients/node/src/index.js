@@ -8,6 +8,7 @@ const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const { namespaceSeed, encodeExtras, promptExtras, blockKeys } = require('./blockkeys');
+const { STATUS_DETAILS_METADATA, richStatus, fieldViolations, retryDelayMs } = require('./status');
 
 /** The repository's proto/ directory (the import root of every kvmesh proto). */
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
@@ -78,13 +79,24 @@ function tokenSource({ token, tokenFile }) {
  * `options.token` / `options.tokenFile`: a bearer token sent as
  *   `authorization: Bearer <token>` call credentials (the file is re-read when it
  *   changes). Needs TLS: kvmesh servers ignore a token that arrives in plaintext.
- * `options.channelOptions`: further grpc-js channel options.
+ * `options.loadBalancing`: how calls spread over the addresses the target
+ *   resolves to: `'round_robin'` (default: every ready replica in turn) or
+ *   `'pick_first'` (one at a time); set as the default service config.
+ * `options.channelOptions`: further grpc-js channel options (a
+ *   `grpc.service_config` given here wins over `loadBalancing`).
  *
  * Without `tls` and a token the channel is plaintext.
  */
 function connection(options = {}) {
   const { tls, token, tokenFile } = options;
-  const channelOptions = { ...(options.channelOptions || {}) };
+  const policy = options.loadBalancing || 'round_robin';
+  if (!['round_robin', 'pick_first'].includes(policy)) {
+    throw new Error(`loadBalancing: ${JSON.stringify(policy)} is neither round_robin nor pick_first`);
+  }
+  const channelOptions = {
+    'grpc.service_config': JSON.stringify({ loadBalancingConfig: [{ [policy]: {} }] }),
+    ...(options.channelOptions || {}),
+  };
   if (!tls) {
     if (token || tokenFile) throw new Error('a bearer token needs tls (it is never sent in plaintext)');
     return { credentials: grpc.credentials.createInsecure(), channelOptions };
@@ -161,11 +173,44 @@ function optionsFromEnv(env = process.env) {
   return options;
 }
 
-/** An IndexerService client for `address` (host:port); `options` as for `connection`. */
+/**
+ * An IndexerService client for `address`: host:port, `dns:///name:port`, or several
+ * replica addresses (see `channelTarget`); `options` as for `connection`.
+ */
 function indexerClient(address, options = {}) {
   const pkg = loadProto('kvmesh/indexer/v1/indexer.proto');
   const { credentials, channelOptions } = connection(options);
-  return new pkg.kvmesh.indexer.v1.IndexerService(address, credentials, channelOptions);
+  return new pkg.kvmesh.indexer.v1.IndexerService(channelTarget(address), credentials, channelOptions);
+}
+
+/** URI schemes of gRPC's resolvers: a target starting with one is used as given. */
+const TARGET_SCHEMES = ['dns:', 'ipv4:', 'ipv6:', 'unix:', 'unix-abstract:', 'vsock:', 'xds:'];
+
+/**
+ * The gRPC target of `address`: a `host:port` or a resolver URI
+ * (`dns:///indexer-headless.ns.svc:50051`: every address the name resolves to)
+ * as given; several replica addresses (an array, or one string joined by
+ * commas) as one `ipv4:` or `ipv6:` target listing them all. Those must be IP
+ * literals of one family (`[addr]:port` for IPv6): a name needs `dns:///`.
+ */
+function channelTarget(address) {
+  const parts = (Array.isArray(address) ? address : String(address).split(','))
+    .map((a) => String(a).trim())
+    .filter(Boolean);
+  if (!parts.length) throw new Error('no indexer address given');
+  if (!Array.isArray(address) && TARGET_SCHEMES.some((p) => String(address).trim().startsWith(p))) {
+    return String(address).trim();
+  }
+  if (parts.length === 1) return parts[0];
+  const families = parts.map((a) => {
+    const m = /^(\[([0-9a-fA-F:.]+)\]|(\d{1,3}(?:\.\d{1,3}){3})):(\d{1,5})$/.exec(a);
+    if (!m) {
+      throw new Error(`${JSON.stringify(a)}: a list of replicas takes IP addresses (ip:port, [ipv6]:port); for a name use dns:///name:port`);
+    }
+    return m[2] ? 'ipv6' : 'ipv4';
+  });
+  if (new Set(families).size > 1) throw new Error(`${parts.join(', ')}: mixes IPv4 and IPv6 addresses`);
+  return `${families[0]}:${parts.join(',')}`;
 }
 
 /** Call a unary method as a Promise; `deadlineMs` bounds it. */
@@ -210,9 +255,14 @@ module.exports = {
   connection,
   optionsFromEnv,
   indexerClient,
+  channelTarget,
   unary,
   publishStream,
   errorField,
+  STATUS_DETAILS_METADATA,
+  richStatus,
+  fieldViolations,
+  retryDelayMs,
   keysToWire,
   namespaceSeed,
   encodeExtras,

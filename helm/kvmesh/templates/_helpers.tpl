@@ -64,6 +64,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s.%s.svc" (include "kvmesh.componentName" .) .root.Release.Namespace }}
 {{- end }}
 
+{{/* Name of the indexer's headless Service (indexer.service.headless), within 63 characters. */}}
+{{- define "kvmesh.indexerHeadlessName" -}}
+{{- printf "%s-headless" (include "kvmesh.componentName" (dict "root" . "component" "indexer") | trunc 54 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The router's gRPC target of every ready indexer replica: dns:///<headless>.<ns>.svc:<port>. */}}
+{{- define "kvmesh.indexerHeadlessTarget" -}}
+{{- printf "dns:///%s.%s.svc:%d" (include "kvmesh.indexerHeadlessName" .) .Release.Namespace (int .Values.indexer.service.grpcPort) }}
+{{- end }}
+
 {{/* The Redis URL the indexer uses (never with credentials: they come from files). */}}
 {{- define "kvmesh.redisUrl" -}}
 {{- $r := .Values.redis }}

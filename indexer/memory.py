@@ -121,6 +121,37 @@ def _holders_dict(holders: int, key: int, shared: dict[int, dict[int, int]]) -> 
     return shared[key]
 
 
+def _walk_alone(
+    tables: list[dict[int, Holders]],
+    shareds: list[dict[int, dict[int, int]]],
+    keys: Sequence[int],
+    start: int,
+    n: int,
+    counts: list[int],
+) -> None:
+    """Walk instance ``n`` on from ``keys[start]`` while it holds each block,
+    adding to its ``counts`` (blocks by fastest tier)."""
+    gpu_only = n << 3 | 1  # the usual entry: this instance alone, on the GPU
+    gpu = 0
+    for key in islice(keys, start, None):
+        h = tables[key & _SHARD].get(key)
+        if h == gpu_only:
+            gpu += 1
+            continue
+        if h is None:
+            break
+        if h:
+            if h >> 3 != n:
+                break
+            counts[_FASTEST[h & 7]] += 1
+        else:
+            held = shareds[key & _SHARD][key].get(n)
+            if held is None:
+                break
+            counts[_FASTEST[held]] += 1
+    counts[0] += gpu
+
+
 def _match_order(m: InstanceMatch) -> tuple[int, InstanceId]:
     return (-m.depth, m.instance)
 
@@ -730,31 +761,20 @@ class MemoryIndex(Index):
         if len(active) == 1:
             # One instance walks on (a conversation's own blocks): no dict to narrow.
             ((n, counts),) = active.items()
-            gpu_only = n << 3 | 1  # the usual entry: this instance alone, on the GPU
-            gpu = 0
-            for key in islice(keys, 2, None):
-                h = tables[key & _SHARD].get(key)
-                if h == gpu_only:
-                    gpu += 1
-                    continue
-                if h is None:
-                    break
-                if h:
-                    if h >> 3 != n:
-                        break
-                    counts[_FASTEST[h & 7]] += 1
-                else:
-                    held = shareds[key & _SHARD][key].get(n)
-                    if held is None:
-                        break
-                    counts[_FASTEST[held]] += 1
-            counts[0] += gpu
+            _walk_alone(tables, shareds, keys, 2, n, counts)
         else:
             # A shared prefix: while the block's holders are exactly the walkers,
             # each on the GPU alone (C-level checks), one counter stands for
             # everyone's GPU count; a walker takes it when it stops.
             common = 0
             while active and depth < n_keys:
+                if len(active) == 1:
+                    # The shared prefix is behind: the last walker goes on alone.
+                    ((n, counts),) = active.items()
+                    counts[0] += common
+                    common = 0
+                    _walk_alone(tables, shareds, keys, depth, n, counts)
+                    break
                 key = keys[depth]
                 h = tables[key & _SHARD].get(key)
                 if h is None:

@@ -18,13 +18,10 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 
 import kvmesh
-import router_client.metrics
 from indexer.memory import MemoryIndex
 from indexer.model import InstanceMatch, Namespace
 from kvmesh import tracing
@@ -42,6 +39,7 @@ from tests.grpc.conftest import (
     ref,
     register,
 )
+from tests.otel import installed_exporter, reset_globals
 
 SERVICE = "kvmesh.indexer.v1.IndexerService"
 MATCH = f"{SERVICE}/Match"
@@ -49,28 +47,11 @@ MATCH = f"{SERVICE}/Match"
 OLD_ATTRIBUTES = ("rpc.system", "rpc.service", "rpc.grpc.status_code")
 
 
-def _reset_globals() -> None:
-    """Forget OpenTelemetry's once-per-process global provider (test isolation)."""
-    trace._TRACER_PROVIDER = None
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    tracing._enabled = False
-    tracing._provider = None
-    # The router's module-level proxy tracer caches the provider it first saw.
-    router_client.metrics.tracer._real_tracer = None  # type: ignore[attr-defined]
-
-
 @pytest.fixture(scope="module")
 def _exporter() -> Iterator[InMemorySpanExporter]:
     """A global SDK provider for this module's servers and clients (built after it)."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(sampler=tracing.health_filtered_sampler())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    _reset_globals()
-    trace.set_tracer_provider(provider)
-    assert tracing.tracing_enabled()
-    yield exporter
-    provider.shutdown()
-    _reset_globals()
+    with installed_exporter() as exporter:
+        yield exporter
 
 
 @pytest.fixture
@@ -276,10 +257,10 @@ async def test_each_match_of_a_stream_is_a_server_span(
 def no_provider() -> Iterator[None]:
     """No global tracer provider during the test; this module's restored after."""
     previous = trace._TRACER_PROVIDER
-    _reset_globals()
+    reset_globals()
     yield
     tracing.shutdown_tracing()
-    _reset_globals()
+    reset_globals()
     if previous is not None:
         trace.set_tracer_provider(previous)
 

@@ -20,13 +20,10 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 from prometheus_client import generate_latest
 
-import router_client.metrics
 from indexer.config import IndexerConfig
 from indexer.redis.backend import RedisIndex
 from indexer.server import start_server
@@ -44,43 +41,27 @@ from tee.hooks import routed_request_hook
 from tee.logic import Tee
 from tee.sinks import GrpcSink, HttpSink
 from tests.grpc.conftest import BLOCK, MODEL, batch, publish, register, stored
+from tests.otel import installed_exporter, reset_globals
 from xfer.client import XferClient
 from xfer.config import PoolSettings, XferConfig
 
 TOKENS = list(range(4 * BLOCK))
 
 
-def _reset_globals() -> None:
-    """Forget OpenTelemetry's once-per-process global provider (test isolation)."""
-    trace._TRACER_PROVIDER = None
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    tracing._enabled = False
-    tracing._provider = None
-    # The router's module-level proxy tracer caches the provider it first saw.
-    router_client.metrics.tracer._real_tracer = None  # type: ignore[attr-defined]
-
-
 @pytest.fixture(scope="module")
 def _provider() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(sampler=tracing.health_filtered_sampler())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    _reset_globals()
-    trace.set_tracer_provider(provider)
-    assert tracing.tracing_enabled()
-    yield exporter
-    provider.shutdown()
-    _reset_globals()
+    with installed_exporter() as exporter:
+        yield exporter
 
 
 @pytest.fixture
 def no_provider() -> Iterator[None]:
     """No global tracer provider during the test; the previous one restored after."""
     previous = trace._TRACER_PROVIDER
-    _reset_globals()
+    reset_globals()
     yield
     tracing.shutdown_tracing()
-    _reset_globals()
+    reset_globals()
     if previous is not None:
         trace.set_tracer_provider(previous)
 

@@ -18,6 +18,8 @@ Example file (YAML)::
       deepseek-ai/DeepSeek-V3: 64
     limits:
       max_match_blocks: 16384
+    quotas:
+      max_instances_per_identity: 64
 """
 
 from __future__ import annotations
@@ -287,6 +289,71 @@ class Limits(StrictModel):
     )
 
 
+class Quotas(StrictModel):
+    """What one engine identity of the policy may hold (SECURITY.md, "Quotas").
+
+    Counted in the index itself (Redis: shared by every replica, kept by the
+    scripts that write), per policy identity; an identity's ``quotas`` entry
+    in the policy overrides any of them for it. Admin identities have none
+    (an operator can always register and remove), and without a policy every
+    caller is one anonymous client, so only ``max_blocks_per_instance``
+    applies. A refusal is RESOURCE_EXHAUSTED naming the field; stores past a
+    block quota are skipped and counted (``kvmesh_indexer_events_skipped_total``
+    ``reason="quota"``), the rest of the batch applies. 0: no cap.
+    """
+
+    max_instances_per_identity: int = Field(
+        default=256,
+        ge=0,
+        description="Most instances one identity may hold; a registration of one more is "
+        "refused. Far below limits.max_instances_per_namespace (4,096), so one identity "
+        "cannot fill a namespace for the others.",
+    )
+    max_namespaces_per_identity: int = Field(
+        default=64,
+        ge=0,
+        description="Most namespaces one identity's instances may hold: their models, and "
+        "each LoRA name one of them stored blocks under since it registered, reset or "
+        "cleared. A registration that would add one more is refused; a store in one more "
+        "LoRA namespace is skipped and counted. Far below limits.max_namespaces (1,024).",
+    )
+    max_dp_rank: int = Field(
+        default=1023,
+        ge=0,
+        lt=1 << 32,
+        description="Highest data-parallel rank an identity may register.",
+    )
+    max_blocks_per_instance: int = Field(
+        default=1 << 20,
+        ge=0,
+        description="Most blocks one instance may hold (the larger of its (block, tier) "
+        "entries and its engine block hashes), whoever writes them, a ZMQ stream and an "
+        "anonymous client included. A memory replica holds about 165 bytes a block (320 MB "
+        'of RSS growth measured for a flood up to the cap, SECURITY.md "Quotas").',
+    )
+    max_blocks_per_identity: int = Field(
+        default=1 << 21,
+        ge=0,
+        description="Most blocks the instances of one identity may hold together (470 MB "
+        "of RSS growth measured for a flood over 8 dp ranks).",
+    )
+    publish_blocks_per_s: float = Field(
+        default=200_000.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Blocks one identity may store per second on one replica (a batch "
+        "beyond it is refused with a retry delay, nothing applied): several times what an "
+        "8-GPU engine publishes at full prefill.",
+    )
+    publish_blocks_burst: int = Field(
+        default=0,
+        ge=0,
+        description="Bucket size of publish_blocks_per_s; 0: one second's worth. A batch "
+        "larger than the bucket passes when it is full and empties it for as long as the "
+        "rate takes to pay for it.",
+    )
+
+
 class ZmqEndpointSettings(StrictModel):
     """One engine's KV-event stream (vLLM or SGLang ``ZmqEventPublisher``) and its instance.
 
@@ -447,6 +514,7 @@ class IndexerConfig(StrictModel):
         description="Per-model block size overrides, model name -> tokens per block.",
     )
     limits: Limits = Field(default_factory=Limits)
+    quotas: Quotas = Field(default_factory=Quotas)
     tls: ServerTLS = Field(default_factory=ServerTLS)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     health_port: int = Field(

@@ -44,6 +44,32 @@ Match
   those ``d`` blocks have their fastest copy there. Sorted by depth
   descending, then worker id, then dp rank. Unknown namespace: empty.
 
+Quotas (``InstanceSpec.quota``, ``EventBatch.quota``; None: none)
+  An instance created with a quota naming an identity counts under it (its
+  *owner*) until it is removed or reaped; registering it again, by anyone,
+  does not change that. A new instance whose owner already holds
+  ``max_instances`` is refused (:class:`ResourceExhausted`, field
+  ``quotas.max_instances_per_identity``), and so is a registration that would
+  give its owner a namespace beyond ``max_namespaces`` (field
+  ``quotas.max_namespaces_per_identity``): an owner's namespaces are its
+  instances' models, and each LoRA namespace one of them stored a block in
+  since it was registered, reset or cleared. Nothing changes on a refusal.
+
+  A batch's stores are held to its quota; the instance's *usage* is the
+  larger of its (block, tier) entries and its engine hashes, an owner's the
+  sum over its instances. Walking the batch in order, each ``BlockStored``
+  block takes one unit of room, whether it is then stored or not; the room
+  is ``max_blocks_per_instance`` less the instance's usage and ``max_blocks``
+  less its owner's, at the batch's start, less what earlier stores of the
+  batch took; an ``AllBlocksCleared`` gives the instance's usage back.
+  Removals free room for later batches only. Blocks past the room are left
+  out (an event keeps its first blocks: their children are then orphans),
+  and a store in a LoRA namespace new to the owner beyond ``max_namespaces``
+  is left out whole; both are counted in ``ApplyResult.blocks_over_quota``
+  and the rest of the batch applies as it would. ``free_loras`` are outside
+  every cap. The counts are the index's (shared by every replica), kept in
+  the same step as each write: :meth:`Index.quota_usage` reads them.
+
 Across replicas and faults: indexer/CONSISTENCY.md states what a fleet of
 replicas answers, what a replica may lag by, and what must never happen.
 
@@ -69,6 +95,7 @@ from indexer.model import (
     InstanceSpec,
     InstanceState,
     Namespace,
+    QuotaUsage,
 )
 
 
@@ -129,6 +156,10 @@ class Index(abc.ABC):
         than :meth:`list_instances`: a caller that read the table may ask it
         whether reading again could tell it anything new."""
         return None
+
+    async def quota_usage(self, identity: str) -> QuotaUsage:
+        """What the instances ``identity`` owns hold, as the quotas count it."""
+        return QuotaUsage()
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

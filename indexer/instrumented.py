@@ -31,6 +31,7 @@ from indexer.model import (
     InstanceSpec,
     InstanceState,
     Namespace,
+    QuotaUsage,
 )
 from kvmesh import tracing as _tracing
 from kvmesh.errors import KvmeshError
@@ -256,6 +257,10 @@ class InstrumentedIndex(Index):
     async def generation(self) -> int | None:
         """See :meth:`Index.generation`."""
         return await self.inner.generation()
+
+    async def quota_usage(self, identity: str) -> QuotaUsage:
+        """See :meth:`Index.quota_usage`."""
+        return await self.inner.quota_usage(identity)
 
     async def ping(self) -> None:
         """See :meth:`Index.ping`; also sets ``kvmesh_indexer_backend_up``."""

@@ -39,6 +39,7 @@ from indexer.model import (
     Namespace,
     ServiceStats,
 )
+from indexer.quotas import QuotaPolicy, is_admin
 from kvmesh.auth import current_client, require_owner
 from kvmesh.blockkeys import TOKEN_ID_LIMIT, block_keys, namespace_seed
 from kvmesh.errors import (
@@ -110,6 +111,9 @@ SKIP_REASONS: dict[str, str] = {
     "parent is a unit no event keyed (vLLM publishes a tail two or three units into a block "
     "without the units before it): its prefix cannot be keyed from tokens",
     "invalid": "an event the engine sent that does not validate (named in the log)",
+    "quota": "stores past a quota of the instance or of its identity (quotas.*: blocks per "
+    "instance or identity, namespaces per identity): the index holds what fitted",
+    "lora": "a LoRA name the identity's policy entry does not grant (its loras)",
 }
 
 
@@ -254,6 +258,9 @@ class IndexerLogic:
         # Instances whose batches this replica applied (its group tracker saw
         # them), oldest first, at most MODEL_CACHE_SIZE.
         self._fed: dict[InstanceId, None] = {}
+        #: Per-identity quotas of the callers (indexer/quotas.py); the hybrid
+        #: marker is the service's own block, outside them.
+        self.quotas = QuotaPolicy(config, free_loras=(HYBRID_LORA,))
 
     # -- background tasks ----------------------------------------------------
 
@@ -354,8 +361,12 @@ class IndexerLogic:
         if ttl == 0:
             spec = replace(spec, lease_ttl_s=self.config.default_lease_ttl_s)
         require_owner(spec.model, spec.instance.worker_id)
+        client = current_client()
+        self.quotas.check_dp_rank(client, spec.instance.dp_rank)
+        spec = replace(spec, quota=self.quotas.quota(client))
         try:
-            await self._check_capacity(spec)
+            if not is_admin(client):  # an operator may always register (SECURITY.md)
+                await self._check_capacity(spec)
             state, reset = await self.index.register(spec)
         except Unavailable as e:
             self._note_error(e)
@@ -560,12 +571,14 @@ class IndexerLogic:
         try:
             check_instance(batch.instance)
             await self._check_owner(batch.instance)
+            client = current_client()
+            self.quotas.take_blocks(client, batch.events)
             batch, skipped = await self._validate_batch(batch, skip_invalid)
             batch, counted = await self._filter_groups(batch)
             if counted:
                 # What the group tracker left out is skipped too (counted by reason).
                 skipped += sum(counted.skipped.values())
-            result = await self.index.apply(batch)
+            result = await self.index.apply(replace(batch, quota=self.quotas.quota(client)))
         except KvmeshError as e:
             self.counters.batches_rejected += 1
             self._note_error(e)
@@ -593,6 +606,9 @@ class IndexerLogic:
                 )
             if result.blocks_orphaned:
                 self._orphaned(batch.instance, result.blocks_orphaned)
+            if result.blocks_over_quota:
+                self._skipped(batch.instance, "quota", result.blocks_over_quota)
+                skipped += result.blocks_over_quota
         return replace(result, blocks_skipped=skipped) if skipped else result
 
     def _orphaned(self, instance: InstanceId, blocks: int) -> None:
@@ -681,6 +697,9 @@ class IndexerLogic:
             isinstance(ev, BlockStored) and ev.group_kind not in FULL_KINDS for ev in batch.events
         )
         skipped = 0
+        c = current_client()
+        # An identity whose policy entry names its LoRAs (the others may use any).
+        lora_rule = c.principal if c is not None and c.principal.loras != ("*",) else None
         for i, ev in enumerate(batch.events):
             fixed: Event | None = ev
             try:
@@ -688,6 +707,19 @@ class IndexerLogic:
                     fixed = await self._validate_stored(
                         batch.instance, ev, f"events[{i}].stored", units
                     )
+                    if (
+                        fixed is not None
+                        and lora_rule is not None
+                        and not lora_rule.may_use_lora(fixed.lora_name)
+                    ):
+                        self._skipped(
+                            batch.instance,
+                            "lora",
+                            len(ev.block_hashes),
+                            f"a LoRA name its policy entry does not grant (loras "
+                            f"{list(lora_rule.loras)})",
+                        )
+                        fixed = None
                     if fixed is None:
                         skipped += len(ev.block_hashes)
                 elif isinstance(ev, BlockRemoved):

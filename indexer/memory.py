@@ -66,12 +66,14 @@ from indexer.model import (
     InstanceState,
     Namespace,
     NamespaceStats,
+    Quota,
+    QuotaUsage,
     encoded_extras,
     fenced_out,
 )
 from indexer.pacing import loop_pacer
 from kvmesh.blockkeys import chain_keys, namespace_seed
-from kvmesh.errors import FailedPrecondition, NotFound
+from kvmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
 
 
 def _uncopied(copies: dict[int, int], h: int, mask: int) -> int:
@@ -187,6 +189,49 @@ class _Instance:
     #: The long batch being applied a slice at a time (MemoryIndex._apply_sliced):
     #: later applies of the instance wait for it.
     applying: asyncio.Future[ApplyResult] | None = None
+    #: Quotas (indexer/index.py): the identity the instance counts under ('':
+    #: none), its usage as last added to that identity's count (with the room
+    #: a batch in flight reserved), and the LoRA namespaces it stored in since
+    #: it was registered, reset or cleared (None: none).
+    owner: str = ""
+    counted: int = 0
+    loras: set[Namespace] | None = None
+
+
+@dataclass(slots=True)
+class _Owner:
+    """What the instances of one identity hold, as the quotas count it."""
+
+    instances: int = 0
+    blocks: int = 0
+    #: namespace -> how many of the identity's instances hold it.
+    namespaces: dict[Namespace, int] = field(default_factory=dict)
+
+    def hold(self, ns: Namespace) -> None:
+        self.namespaces[ns] = self.namespaces.get(ns, 0) + 1
+
+    def drop(self, ns: Namespace) -> None:
+        left = self.namespaces[ns] - 1
+        if left:
+            self.namespaces[ns] = left
+        else:
+            del self.namespaces[ns]
+
+
+_NO_QUOTA = Quota()
+
+
+def _first_blocks(ev: BlockStored, k: int) -> BlockStored | None:
+    """``ev`` cut to its first ``k`` blocks (None for none)."""
+    if not k:
+        return None
+    return replace(
+        ev,
+        block_hashes=ev.block_hashes[:k],
+        token_ids=ev.token_ids[: k * ev.block_size] if ev.block_size else ev.token_ids,
+        block_keys=None if ev.block_keys is None else ev.block_keys[:k],
+        extras=None if ev.extras is None else ev.extras[:k],
+    )
 
 
 #: Work of one slice of a long batch (MemoryIndex._apply_sliced), in entries:
@@ -258,6 +303,8 @@ class MemoryIndex(Index):
         self._dirty = True
         #: Moves with every registration, reset, removal and reap (Index.generation).
         self._gen = 0
+        #: Per identity, what its instances hold (quotas, indexer/index.py).
+        self._owners: dict[str, _Owner] = {}
 
     # -- instances -----------------------------------------------------------
 
@@ -277,17 +324,28 @@ class MemoryIndex(Index):
         iid = spec.instance
         inst = self._instances.get(iid)
         reset = False
+        quota = spec.quota
+        if quota is not None:
+            spec = replace(spec, quota=None)
         if inst is None:
+            owner = quota.identity if quota is not None else ""
+            if owner:
+                self._quota_check(owner, quota or _NO_QUOTA, Namespace(spec.model))
             key = (str(iid.worker_id), int(iid.dp_rank))
             no = self._next_no
             self._next_no += 1
             inst = _Instance(spec=spec, lease_expires_at=now + spec.lease_ttl_s, key=key, no=no)
             self._instances[key] = inst
             self._by_no[no] = inst
+            if owner:
+                self._quota_join(inst, owner)
             reset = True
         else:
             if inst.spec.incarnation != spec.incarnation or inst.spec.model != spec.model:
+                if inst.owner and quota is not None and inst.spec.model != spec.model:
+                    self._quota_check(inst.owner, quota, Namespace(spec.model), leaving=inst)
                 self._clear(inst)
+                self._quota_reset(inst, spec.model)
                 inst.resets += 1
                 inst.stale = False
                 inst.applied_sequence = None
@@ -314,6 +372,7 @@ class MemoryIndex(Index):
         """Drop an instance and its blocks; return the entries dropped."""
         inst = self._get(instance, NotFound)
         removed = self._clear(inst)
+        self._quota_leave(inst)
         del self._instances[inst.key]
         del self._by_no[inst.no]
         self._dirty = True
@@ -342,6 +401,7 @@ class MemoryIndex(Index):
             inst = self._instances.pop(key)
             del self._by_no[inst.no]
             self._clear(inst)
+            self._quota_leave(inst)
             gone.append(inst.spec.instance)
         if dead:
             self._dirty = True
@@ -394,18 +454,24 @@ class MemoryIndex(Index):
         if last is not None and seq <= last:
             return ApplyResult(BatchOutcome.DUPLICATE, last, stale=inst.stale)
         gap = last is not None and seq > last + 1
+        over = 0
+        if batch.quota is not None or inst.owner:
+            batch, over = self._quota_walk(inst, batch)
         if _work(batch.events, inst) > SLICE_WORK:
             task = asyncio.ensure_future(self._apply_sliced(inst, batch, gap))
             inst.applying = task
             task.add_done_callback(_retrieve)
             # Shielded: a caller that gives up (a deadline, a closed stream)
             # does not stop the batch midway; it completes as a whole.
-            return await asyncio.shield(task)
-        counts = [0, 0, 0]
-        cleared = False
-        for ev in batch.events:
-            cleared |= self._apply_event(inst, ev, batch.counts_copies, counts)
-        return self._applied(inst, seq, gap, cleared, counts)
+            result = await asyncio.shield(task)
+        else:
+            counts = [0, 0, 0]
+            cleared = False
+            for ev in batch.events:
+                cleared |= self._apply_event(inst, ev, batch.counts_copies, counts)
+            result = self._applied(inst, seq, gap, cleared, counts)
+            self._recount(inst)
+        return replace(result, blocks_over_quota=over) if over else result
 
     def _apply_event(
         self, inst: _Instance, ev: Event, counts_copies: bool, counts: list[int]
@@ -467,6 +533,7 @@ class MemoryIndex(Index):
             return await self._apply_slices(inst, batch, gap)
         finally:
             inst.applying = None  # later applies of the instance may go on
+            self._recount(inst)
 
     async def _apply_slices(self, inst: _Instance, batch: EventBatch, gap: bool) -> ApplyResult:
         pacer = loop_pacer()
@@ -705,6 +772,143 @@ class MemoryIndex(Index):
             old, _ = self._drop(ns, table, key, holders, no, ALL_TIERS_MASK)
             removed += _POPCOUNT[old]
         return removed
+
+    # -- quotas (indexer/index.py, "Quotas") ----------------------------------
+
+    def _quota_check(
+        self, owner: str, quota: Quota, ns: Namespace, leaving: _Instance | None = None
+    ) -> None:
+        """Refuse a new instance of ``owner`` serving namespace ``ns`` beyond ``quota``
+        (``leaving``: an instance of it moving to ``ns`` from its namespaces)."""
+        o = self._owners.get(owner)
+        if o is None:
+            return
+        if leaving is None and quota.max_instances and o.instances >= quota.max_instances:
+            raise ResourceExhausted(
+                f"identity {owner!r} already holds {o.instances} instances, its quota",
+                field="quotas.max_instances_per_identity",
+            )
+        cap = quota.max_namespaces
+        if not cap or ns in o.namespaces:
+            return
+        held = len(o.namespaces)
+        if leaving is not None:
+            # The namespaces only the resetting instance holds go with the reset.
+            mine = [Namespace(leaving.spec.model), *(leaving.loras or ())]
+            held -= sum(1 for m in mine if o.namespaces.get(m) == 1)
+        if held >= cap:
+            raise ResourceExhausted(
+                f"identity {owner!r} already holds {held} namespaces, its quota",
+                field="quotas.max_namespaces_per_identity",
+            )
+
+    def _quota_join(self, inst: _Instance, owner: str) -> None:
+        o = self._owners.get(owner)
+        if o is None:
+            o = self._owners[owner] = _Owner()
+        o.instances += 1
+        o.hold(Namespace(inst.spec.model))
+        inst.owner = owner
+
+    def _release_loras(self, inst: _Instance, o: _Owner) -> None:
+        for ns in inst.loras or ():
+            o.drop(ns)
+        inst.loras = None
+
+    def _quota_reset(self, inst: _Instance, model: str) -> None:
+        """A reset (just cleared) of ``inst`` to ``model``: its LoRA namespaces and
+        blocks leave its owner's count, the model's namespace follows."""
+        o = self._owners.get(inst.owner) if inst.owner else None
+        if o is not None:
+            self._release_loras(inst, o)
+            if model != inst.spec.model:
+                o.drop(Namespace(inst.spec.model))
+                o.hold(Namespace(model))
+            o.blocks -= inst.counted
+        inst.loras = None
+        inst.counted = 0
+
+    def _quota_leave(self, inst: _Instance) -> None:
+        """``inst`` goes (removed, reaped): everything it counted leaves its owner."""
+        o = self._owners.get(inst.owner) if inst.owner else None
+        if o is None:
+            return
+        self._release_loras(inst, o)
+        o.drop(Namespace(inst.spec.model))
+        o.blocks -= inst.counted
+        o.instances -= 1
+        if not o.instances:
+            del self._owners[inst.owner]
+
+    def _recount(self, inst: _Instance) -> None:
+        """Bring ``inst``'s share of its owner's count to its usage (after an apply)."""
+        if self._instances.get(inst.key) is not inst:
+            return  # removed, reaped: nothing of it counts any more
+        used = max(inst.bits, len(inst.engine_hashes))
+        if used != inst.counted:
+            if inst.owner:
+                self._owners[inst.owner].blocks += used - inst.counted
+            inst.counted = used
+
+    def _quota_walk(self, inst: _Instance, batch: EventBatch) -> tuple[EventBatch, int]:
+        """The batch as its quota admits it, and the blocks it leaves out; the room
+        it takes is reserved in the owner's count until :meth:`_recount`."""
+        q = batch.quota or _NO_QUOTA
+        o = self._owners.get(inst.owner) if inst.owner else None
+        used = peak = max(inst.bits, len(inst.engine_hashes))
+        per_inst = q.max_blocks_per_instance
+        per_owner = q.max_blocks if o is not None else 0
+        owned = o.blocks if o is not None else 0
+        events: list[Event | None] | None = None
+        over = 0
+        for i, ev in enumerate(batch.events):
+            if isinstance(ev, AllBlocksCleared):
+                if o is not None:
+                    self._release_loras(inst, o)
+                owned -= used
+                used = 0
+                continue
+            if not isinstance(ev, BlockStored) or ev.lora_name in q.free_loras:
+                continue
+            n = keep = len(ev.block_hashes)
+            if ev.lora_name and o is not None:
+                ns = Namespace(inst.spec.model, ev.lora_name)
+                if inst.loras is None or ns not in inst.loras:
+                    cap = q.max_namespaces
+                    if cap and ns not in o.namespaces and len(o.namespaces) >= cap:
+                        keep = 0
+                    else:
+                        if inst.loras is None:
+                            inst.loras = set()
+                        inst.loras.add(ns)
+                        o.hold(ns)
+            if keep and per_inst:
+                keep = min(keep, per_inst - used)
+            if keep and per_owner:
+                keep = min(keep, per_owner - owned)
+            keep = max(keep, 0)
+            if keep < n:
+                over += n - keep
+                if events is None:
+                    events = list(batch.events)
+                events[i] = _first_blocks(ev, keep)
+            used += keep
+            owned += keep
+            peak = max(peak, used)
+        if peak > inst.counted:
+            if o is not None:
+                o.blocks += peak - inst.counted
+            inst.counted = peak
+        if events is None:
+            return batch, 0
+        return replace(batch, events=tuple(e for e in events if e is not None)), over
+
+    async def quota_usage(self, identity: str) -> QuotaUsage:
+        """See :meth:`Index.quota_usage`."""
+        o = self._owners.get(identity)
+        if o is None:
+            return QuotaUsage()
+        return QuotaUsage(o.instances, len(o.namespaces), o.blocks)
 
     # -- reads ---------------------------------------------------------------
 

@@ -66,6 +66,33 @@ class Namespace(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class Quota:
+    """The caps a registration or a batch is held to (indexer/index.py, "Quotas").
+
+    ``identity``: who the write is made for; a new instance counts under it
+    (its *owner*) until it goes. '' makes an instance nobody's (only the
+    per-instance cap then applies to it). Each cap 0: none. ``free_loras``:
+    LoRA names of the service's own marker blocks, outside every cap.
+    """
+
+    identity: str = ""
+    max_instances: int = 0
+    max_namespaces: int = 0
+    max_blocks: int = 0
+    max_blocks_per_instance: int = 0
+    free_loras: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaUsage:
+    """What the instances one identity owns hold, as the quotas count it."""
+
+    instances: int = 0
+    namespaces: int = 0
+    blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceSpec:
     """What a registration says about an instance."""
 
@@ -74,6 +101,9 @@ class InstanceSpec:
     address: str = ""
     lease_ttl_s: float = 30.0
     incarnation: str = ""
+    #: The registering identity's quota (None: none). Not part of the
+    #: instance's state: backends do not return it, equality ignores it.
+    quota: Quota | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -191,6 +221,9 @@ class EventBatch:
     #: a block leaves only when as many removals came. False (the API's set
     #: semantics): a store of a held block changes nothing, one removal drops it.
     counts_copies: bool = False
+    #: The quota of the identity sending the batch: caps on its stores
+    #: (indexer/index.py, "Quotas"); None: none.
+    quota: Quota | None = field(default=None, compare=False, repr=False)
 
 
 def fenced_out(batch: EventBatch, what: str = "incarnation") -> FailedPrecondition:
@@ -224,6 +257,8 @@ class ApplyResult:
     #: Blocks of events the service left out (counted by reason in
     #: ``Counters.events_skipped``): set by the service, not the index.
     blocks_skipped: int = 0
+    #: Stored blocks the index left out past a quota (EventBatch.quota).
+    blocks_over_quota: int = 0
 
 
 class InstanceMatch(NamedTuple):

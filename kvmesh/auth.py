@@ -12,6 +12,8 @@ maps identities to roles and, for engines, to the instances they own::
         san: ["spiffe://fleet/engine/engine-0"]   # glob patterns on SANs
         instances: ["engine-0"]        # glob patterns on worker ids it may publish for
         models: ["*"]                  # glob patterns on models (default: any)
+        loras: ["", "sql-*"]           # glob patterns on LoRA names ('' the base model)
+        quotas: {max_instances_per_identity: 8}   # the indexer's quotas.* for it
       - name: routers
         roles: [router]
         san: ["spiffe://fleet/router/*"]
@@ -64,6 +66,19 @@ Role = Literal["engine", "router", "tee", "peer", "admin"]
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
+class IdentityQuotas(StrictModel):
+    """One identity's own values of the indexer's ``quotas`` (indexer/config.py
+    ``Quotas``, same names and meanings); a field left out takes the indexer's."""
+
+    max_instances_per_identity: int | None = Field(default=None, ge=0)
+    max_namespaces_per_identity: int | None = Field(default=None, ge=0)
+    max_dp_rank: int | None = Field(default=None, ge=0, lt=1 << 32)
+    max_blocks_per_instance: int | None = Field(default=None, ge=0)
+    max_blocks_per_identity: int | None = Field(default=None, ge=0)
+    publish_blocks_per_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    publish_blocks_burst: int | None = Field(default=None, ge=0)
+
+
 class IdentityRule(StrictModel):
     """One identity of the policy: how it is recognised and what it may do."""
 
@@ -82,6 +97,15 @@ class IdentityRule(StrictModel):
     )
     models: list[str] = Field(
         default_factory=lambda: ["*"], description="Glob patterns of models it may touch."
+    )
+    loras: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="Glob patterns of the LoRA names an engine identity may store blocks "
+        "under ('' is the base model; the indexer skips and counts the others).",
+    )
+    quotas: IdentityQuotas = Field(
+        default_factory=lambda: IdentityQuotas(),
+        description="This identity's own values of the indexer's quotas.",
     )
 
     @field_validator("token_sha256")
@@ -126,6 +150,15 @@ class Principal:
     models: tuple[str, ...] = ("*",)
     #: Certificate SANs or "" (for logs).
     subject: str = ""
+    loras: tuple[str, ...] = ("*",)
+    #: The policy's own quota values for this identity (None: the indexer's).
+    quotas: IdentityQuotas | None = None
+
+    def may_use_lora(self, lora_name: str) -> bool:
+        """Whether this caller may store blocks under LoRA ``lora_name`` ('' the base model)."""
+        if self.loras == ("*",) or "admin" in self.roles or self.via == "open":
+            return True
+        return any(fnmatch.fnmatchcase(lora_name, p) for p in self.loras)
 
     def has_any(self, roles: Iterable[str]) -> bool:
         """Whether any of ``roles`` is granted (admin is granted everything)."""
@@ -370,6 +403,8 @@ def _principal(rule: IdentityRule, via: str, subject: str = "") -> Principal:
         instances=tuple(rule.instances),
         models=tuple(rule.models),
         subject=subject,
+        loras=tuple(rule.loras),
+        quotas=rule.quotas if rule.quotas.model_fields_set else None,
     )
 
 

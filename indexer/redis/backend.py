@@ -95,6 +95,8 @@ from indexer.model import (
     InstanceState,
     Namespace,
     NamespaceStats,
+    Quota,
+    QuotaUsage,
     encoded_extras,
     fenced_out,
 )
@@ -187,6 +189,21 @@ _OP_REMOVE = b"R"
 _OP_STORE_COPY = b"T"
 _OP_REMOVE_COPY = b"Q"
 _OP_CLEAR = b"C"
+
+_NO_QUOTA = Quota()
+
+
+def _over_quota(identity: str, kind: bytes, held: int) -> ResourceExhausted:
+    """The refusal of a registration by a quota (register.lua's ``{'quota', kind, held}``)."""
+    what, name = (
+        ("instances", "max_instances_per_identity")
+        if kind == b"i"
+        else ("namespaces", "max_namespaces_per_identity")
+    )
+    return ResourceExhausted(
+        f"identity {identity!r} already holds {held} {what}, its quota",
+        field=f"quotas.{name}",
+    )
 
 
 @dataclass(slots=True)
@@ -1162,7 +1179,8 @@ class RedisIndex(Index):
     async def _register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
         now = self._clock()
         name, ikey = self._inst_key(spec.instance)
-        reset, dead, row = await self._eval(
+        q = spec.quota or _NO_QUOTA
+        res = await self._eval(
             self._scripts["register"],
             1,
             ikey,
@@ -1175,7 +1193,14 @@ class RedisIndex(Index):
             repr(float(spec.lease_ttl_s)),
             spec.incarnation.encode(),
             repr(float(now)),
+            q.identity.encode(),
+            q.max_instances,
+            q.max_namespaces,
+            K.ns_id(spec.model),
         )
+        if res[0] == b"quota":
+            raise _over_quota(q.identity, res[1], int(res[2]))
+        reset, dead, row = res
         inst = self._install(_parse_inst(row))
         if dead:
             self._dead.add(dead)
@@ -1413,6 +1438,26 @@ class RedisIndex(Index):
         args += ops
         return args, missing, list(overlay.items())
 
+    def _quota_args(self, quota: Quota | None, model: str) -> list[Any]:
+        """The quota's part of an apply's ARGV (lib.lua ``q_begin``)."""
+        q = quota or _NO_QUOTA
+        base = self._ns(model, "")[0]
+        free = b"".join(self._ns(model, lora)[0] for lora in q.free_loras)
+        return [q.max_blocks_per_instance, q.max_blocks, q.max_namespaces, base, free]
+
+    async def quota_usage(self, identity: str) -> QuotaUsage:
+        """See :meth:`Index.quota_usage`."""
+        got = await self._cmd(
+            "HMGET",
+            K.key(self._ctl_prefix, K.QUOTA + identity.encode()),
+            "i",
+            "n",
+            "b",
+            read=True,
+        )
+        i, n, b = (int(v or 0) for v in got)
+        return QuotaUsage(i, n, b)
+
     @staticmethod
     def _chain(parent_key: int, ev: BlockStored) -> list[int]:
         try:
@@ -1449,6 +1494,7 @@ class RedisIndex(Index):
         fetched: dict[int, bytes | None] = {}
         use_lru = True
         for _attempt in range(_APPLY_ATTEMPTS):
+            quota_args = self._quota_args(batch.quota, inst.spec.model)
             args, missing, written = self._encode(inst, batch, fetched, use_lru)
             while missing:
                 emap = K.emap_key(self._ctl_prefix, inst.int_id)
@@ -1469,17 +1515,31 @@ class RedisIndex(Index):
                 batch.incarnation.encode(),
                 batch.address.encode(),
                 *((self._anchor,) if self.cluster else ()),
+                *quota_args,
                 *args,
             )
             status = res[0]
             if status == b"ok":
                 writes: Sequence[Any] = ()
                 if self.cluster:
-                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, retired, writes = (
+                    (
+                        _,
+                        gap,
+                        stale,
+                        exp,
+                        bits,
+                        stored,
+                        removed,
+                        orphaned,
+                        int_id,
+                        over,
+                        retired,
+                        writes,
+                    ) = res
+                else:
+                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, over, *retired = (
                         res
                     )
-                else:
-                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, *retired = res
                 if inst.exp <= now:
                     self._excl_dirty = True  # a lapsed lease was renewed
                 inst.exp = float(exp)
@@ -1499,7 +1559,9 @@ class RedisIndex(Index):
                     inst.int_id = int_id
                     self._by_id[int_id] = inst
                     self._excl_dirty = True
-                self._remember(inst.name, written)
+                if not over:
+                    # (A store cut by a quota did not write every mapping it chained.)
+                    self._remember(inst.name, written)
                 if writes:
                     # The data-node half; acknowledged only once it is written. On
                     # failure the writes stay pending (KEYS.md, "Apply: two phases").
@@ -1513,6 +1575,7 @@ class RedisIndex(Index):
                     blocks_removed=int(removed),
                     blocks_orphaned=int(orphaned),
                     stale=bool(stale),
+                    blocks_over_quota=int(over),
                 )
             if status == b"inc":
                 raise fenced_out(batch)

@@ -26,7 +26,9 @@ from kvmesh.blockkeys import namespace_seed
 #: Cluster"); every replica of one Cluster index must run the same version.
 #: 3: the writes carry an incarnation fence; Cluster counts block keys in the
 #: control slot (KHOLDERS) instead of per data node.
-SCHEMA_VERSION = 3
+#: 4: per-identity quota counts (QUOTA, LORAS; instance fields o, qn, q),
+#: kept by every write: a replica of version 3 would not keep them.
+SCHEMA_VERSION = 4
 
 # Suffixes after "<prefix>:". One or two letters keep key names short: the
 # per-block names are the bulk of the keyspace.
@@ -45,6 +47,8 @@ NODE_GEN = b"g:"  # cluster: + {node tag} -> copy of GEN on that node
 NODE_COUNTS = b"c:"  # cluster: + {node tag} -> hash 'U' + ns id -> 1 when unplaced copies exist
 KHOLDERS = b"kh"  # cluster: hash ns id + block key -> number of ids holding it (for NS_BLOCKS)
 BLOCK = b"b:"  # + ns id + block key -> hash int id -> tier mask
+QUOTA = b"q:"  # + identity -> hash of what its instances hold (KEYS.md, "Quotas")
+LORAS = b"l:"  # + decimal int id -> set of the LoRA ns ids it stored in (quotas)
 # Cluster control keys of the two-phase apply and the copy-tag registry. The
 # scripts also build, from the same base: 'p:<id>' (hash: the id's pending
 # data-node writes, '#' -> write epoch), 'wv' (hash: id -> last write epoch)

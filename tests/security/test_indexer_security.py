@@ -628,25 +628,33 @@ async def test_namespace_and_instance_limits(pki: Pki) -> None:
     s = await start_server(
         config(pki, limits={"max_namespaces": 2, "max_instances_per_namespace": 2})
     )
-    c = Caller(s.address, pki.client_tls("admin"))
+    # An engine's registrations are held to the fleet's caps (an admin's are not:
+    # tests/security/test_quotas.py, test_fleet_caps_leave_the_operator_headroom).
+    c = Caller(s.address, pki.client_tls("engine-a"))
     try:
-        for w in ("a", "b"):
+        for w in ("engine-a-a", "engine-a-b"):
             await register(c.stub, w)
-        err = await expect_status(register(c.stub, "c"), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        err = await expect_status(
+            register(c.stub, "engine-a-c"), grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
         assert "max_instances_per_namespace" in (err.details() or "")
-        await register(c.stub, "a")  # a re-registration adds nothing
+        await register(c.stub, "engine-a-a")  # a re-registration adds nothing
         await c.stub.RegisterInstance(
-            pb.RegisterInstanceRequest(instance=ref("m2"), model="second"), timeout=5
+            pb.RegisterInstanceRequest(instance=ref("engine-a-m2"), model="second"), timeout=5
         )
         err = await expect_status(
             c.stub.RegisterInstance(
-                pb.RegisterInstanceRequest(instance=ref("m3"), model="third"), timeout=5
+                pb.RegisterInstanceRequest(instance=ref("engine-a-m3"), model="third"), timeout=5
             ),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
         assert "max_namespaces" in (err.details() or "")
         listed = await c.stub.ListInstances(pb.ListInstancesRequest(), timeout=5)
-        assert sorted(i.instance.worker_id for i in listed.instances) == ["a", "b", "m2"]
+        assert sorted(i.instance.worker_id for i in listed.instances) == [
+            "engine-a-a",
+            "engine-a-b",
+            "engine-a-m2",
+        ]
     finally:
         await c.close()
         await s.stop(0)

@@ -1,13 +1,14 @@
 -- Apply one event batch atomically.
 -- KEYS: instance hash.
 -- ARGV: base, now, seq (decimal, any uint64), model, name, incarnation
---   fence ('' = none), address fence ('' = none), nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
+--   fence ('' = none), address fence ('' = none), the quota (lib.lua q_begin:
+--   5 values), nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
 --   nn, then nn pairs (ns id, model \0 lora) to register,
 --   then ops:  'S' ns tierbit parent hashes keys | 'R' mask hashes | 'C'
 --   (hashes and keys packed as 8-byte big-endian words; parent '' = no check).
 -- Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} |
 --   {'dup', seq, stale, exp, n} |
---   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, retired ids...}
+--   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota, retired ids...}
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
 local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a')
@@ -40,7 +41,7 @@ end
 local gap = last ~= nil and last ~= seq_dec(seq)
 local id = h[1]
 local ek = B .. 'e:' .. id
-local p = parents_hold(ek, 8)
+local p = parents_hold(ek, q_begin(meta, 8, id, tonumber(h[7])))
 if not p then
   -- The lease above was renewed: a revival moves the generation even though
   -- the batch is retried (the retry finds the lease running, not revived).
@@ -61,6 +62,7 @@ while p <= #ARGV do
   if op == 'S' or op == 'T' then
     local ns, tb, parent, hb, kb = ARGV[p + 1], tonumber(ARGV[p + 2]), ARGV[p + 3], ARGV[p + 4], ARGV[p + 5]
     p = p + 6
+    hb, kb = q_admit(ns, hb, kb, id)
     local ok = true
     if parent ~= '' then
       local v = redis.call('HGET', ek, parent)
@@ -146,6 +148,7 @@ while p <= #ARGV do
     if dead ~= '' then
       retired[#retired + 1] = dead
     end
+    q_clear(id)
     removed = removed + n
     n = 0
     id = new_id()
@@ -159,10 +162,11 @@ end
 ns_flush()
 local nstale = (stale or gap) and not cleared
 redis.call('HSET', meta, 'seq', ARGV[3], 'st', nstale and 1 or 0, 'n', n)
+q_end(meta, id, n)
 if revived or cleared or nstale ~= stale then
   bump_gen()
 end
-local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id}
+local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over}
 for _, r in ipairs(retired) do
   out[#out + 1] = r
 end

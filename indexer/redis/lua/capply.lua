@@ -8,14 +8,14 @@
 --
 -- Apply. KEYS: instance hash. ARGV: base, now, seq (decimal, any uint64),
 --   model, name, incarnation fence ('' = none), address fence ('' = none),
---   A (shallow levels), nb, then nb pairs (parent engine hash,
+--   A (shallow levels), the quota (lib.lua q_begin: 5 values), nb, then nb pairs (parent engine hash,
 --   value the caller assumed; '' = absent), nn, then nn pairs (ns id, model \0
 --   lora) to register, then ops: 'S' ns tierbit check hashes keys parent |
 --   'R' mask hashes | 'C' (check: parent engine hash for the orphan test, '' =
 --   none; parent: the engine hash whose location the chain continues, '' = the
 --   chain starts a prompt, '?' = its position is unknown).
 --   Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'dup', seq, stale, exp, n, W} |
---   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, {retired ids}, W}.
+--   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota, {retired ids}, W}.
 -- Pending records. KEYS: any control key. ARGV: base, '', '', then
 --   'c' epoch id...: confirm: drop each record still stamped with epoch;
 --   'r' id...: re-drive: the writes of each record, under a new epoch;
@@ -212,7 +212,7 @@ local gap = last ~= nil and last ~= seq_dec(seq)
 local na = tonumber(ARGV[8])
 local ek = B .. 'e:' .. id
 local kk = B .. 'k:' .. id
-local p = parents_hold(ek, 9)
+local p = parents_hold(ek, q_begin(meta, 9, id, tonumber(h[7])))
 if not p then
   -- The lease above was renewed: a revival moves the generation even though
   -- the batch is retried (the retry finds the lease running, not revived).
@@ -283,6 +283,7 @@ while p <= #ARGV do
   if op == 'S' or op == 'T' then
     local ns, tb, check, hb, kb, parent = ARGV[p + 1], tonumber(ARGV[p + 2]), ARGV[p + 3], ARGV[p + 4], ARGV[p + 5], ARGV[p + 6]
     p = p + 7
+    hb, kb = q_admit(ns, hb, kb, id)
     local ok = true
     if check ~= '' then
       local v = redis.call('HGET', ek, check)
@@ -387,6 +388,7 @@ while p <= #ARGV do
     -- is retired) deletes them where k: no longer says they are.
     local rec = merged(id)
     local dead = retire(id)
+    q_clear(id)
     if next(rec) then
       save(id, ARGV[5], rec, '')
       if dead == '' then
@@ -412,6 +414,7 @@ end
 ns_flush()
 local nstale = (stale or gap) and not cleared
 redis.call('HSET', meta, 'seq', ARGV[3], 'st', nstale and 1 or 0, 'n', n)
+q_end(meta, id, n)
 if revived or cleared or nstale ~= stale then
   bump_gen()
 end
@@ -424,4 +427,4 @@ if next(rec) then
   drive(id, rec, true)
   w = {epoch, {id}, tags_version(), ops}
 end
-return {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, retired, w}
+return {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over, retired, w}

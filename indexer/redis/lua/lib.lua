@@ -175,11 +175,160 @@ local function parents_hold(ek, p)
 end
 
 -- Namespaces a batch names: nn, then nn pairs (ns id, model \0 lora) from
--- ARGV[p], registered if new. Returns the index after them.
+-- ARGV[p]. Returns the index after them. A name is registered (ns_note) once a
+-- store in its namespace is admitted: a store the quotas leave out registers none.
+local ns_names = {}
 local function register_namespaces(p)
   local nn = tonumber(ARGV[p])
   for j = 1, nn do
-    redis.call('HSETNX', B .. 'ns', ARGV[p + 2 * j - 1], ARGV[p + 2 * j])
+    ns_names[ARGV[p + 2 * j - 1]] = ARGV[p + 2 * j]
   end
   return p + 2 * nn + 1
+end
+local function ns_note(ns)
+  local name = ns_names[ns]
+  if name then
+    redis.call('HSETNX', B .. 'ns', ns, name)
+    ns_names[ns] = nil
+  end
+end
+
+-- Quotas (KEYS.md, "Quotas"; indexer/index.py). 'q:<identity>' counts what the
+-- instances an identity owns hold: 'i' instances, 'b' blocks (the sum of their
+-- usage, each instance's share in its field 'q'), 'n' namespaces and, per
+-- namespace, 's' .. ns id -> how many of its instances hold it. 'l:<id>' is the
+-- set of LoRA namespaces int id stored in. An instance's owner is its field
+-- 'o', its model's ns id 'qn'.
+local function q_key(owner)
+  return B .. 'q:' .. owner
+end
+-- One more instance of qk holds namespace ns.
+local function q_hold(qk, ns)
+  if redis.call('HINCRBY', qk, 's' .. ns, 1) == 1 then
+    redis.call('HINCRBY', qk, 'n', 1)
+  end
+end
+-- One instance of qk less holds namespace ns.
+local function q_drop(qk, ns)
+  if redis.call('HINCRBY', qk, 's' .. ns, -1) <= 0 then
+    redis.call('HDEL', qk, 's' .. ns)
+    redis.call('HINCRBY', qk, 'n', -1)
+  end
+end
+-- The LoRA namespaces of int id leave qk (nil: an instance of nobody).
+local function q_release(qk, id)
+  local lk = B .. 'l:' .. id
+  if qk then
+    for _, ns in ipairs(redis.call('SMEMBERS', lk)) do
+      q_drop(qk, ns)
+    end
+  end
+  redis.call('DEL', lk)
+end
+-- Add d to the blocks qk holds (never a '-0', which HINCRBY refuses).
+local function q_blocks(qk, d)
+  if d ~= 0 then
+    redis.call('HINCRBY', qk, 'b', string.format('%d', d))
+  end
+end
+-- What qk holds: instances, namespaces (numbers; 0 for none).
+local function q_counts(qk)
+  local c = redis.call('HMGET', qk, 'i', 'n')
+  return tonumber(c[1] or '0'), tonumber(c[2] or '0')
+end
+-- An instance leaves its owner: meta fields o, qn, q and its int id.
+local function q_leave(o, qn, q, id)
+  if not o then
+    redis.call('DEL', B .. 'l:' .. id)
+    return
+  end
+  local qk = q_key(o)
+  q_release(qk, id)
+  q_drop(qk, qn)
+  q_blocks(qk, 0 - tonumber(q or '0'))
+  if redis.call('HINCRBY', qk, 'i', -1) <= 0 then
+    redis.call('DEL', qk)
+  end
+end
+
+-- The quota walk of one batch: ARGV[p .. p + 4] are the caps (blocks per
+-- instance, blocks of the owner, namespaces of the owner; 0: none), the
+-- instance's model's ns id and the ns ids outside every cap (8 bytes each).
+local Q = nil
+local function q_begin(meta, p, id, n)
+  local f = redis.call('HMGET', meta, 'o', 'q')
+  Q = {
+    qk = f[1] and q_key(f[1]) or nil,
+    q = tonumber(f[2] or '0'),
+    ci = tonumber(ARGV[p]),
+    cb = tonumber(ARGV[p + 1]),
+    cn = tonumber(ARGV[p + 2]),
+    base = ARGV[p + 3],
+    free = {},
+    used = math.max(n, redis.call('HLEN', B .. 'e:' .. id)),
+    owned = 0,
+    over = 0,
+  }
+  if Q.qk then
+    Q.owned = tonumber(redis.call('HGET', Q.qk, 'b') or '0')
+  end
+  local free = ARGV[p + 4]
+  for i = 1, #free, 8 do
+    Q.free[string.sub(free, i, i + 7)] = true
+  end
+  return p + 5
+end
+-- A store op's hashes and keys cut to the blocks the quotas admit, for int id.
+local function q_admit(ns, hb, kb, id)
+  if Q.free[ns] then
+    if #hb > 0 then
+      ns_note(ns)
+    end
+    return hb, kb
+  end
+  local cnt = #hb / 8
+  local keep = cnt
+  if Q.qk and ns ~= Q.base and redis.call('SADD', B .. 'l:' .. id, ns) == 1 then
+    q_hold(Q.qk, ns)
+    if Q.cn > 0 and select(2, q_counts(Q.qk)) > Q.cn then
+      q_drop(Q.qk, ns)
+      redis.call('SREM', B .. 'l:' .. id, ns)
+      keep = 0
+    end
+  end
+  if keep > 0 and Q.ci > 0 then
+    keep = math.min(keep, Q.ci - Q.used)
+  end
+  if keep > 0 and Q.qk and Q.cb > 0 then
+    keep = math.min(keep, Q.cb - Q.owned)
+  end
+  if keep < 0 then
+    keep = 0
+  end
+  if keep < cnt then
+    Q.over = Q.over + cnt - keep
+    hb, kb = string.sub(hb, 1, 8 * keep), string.sub(kb, 1, 8 * keep)
+  end
+  Q.used = Q.used + keep
+  Q.owned = Q.owned + keep
+  if keep > 0 then
+    ns_note(ns)
+  end
+  return hb, kb
+end
+-- AllBlocksCleared: the retired int id's LoRA namespaces go, its usage is given back.
+local function q_clear(old)
+  q_release(Q.qk, old)
+  Q.owned = Q.owned - Q.used
+  Q.used = 0
+end
+-- After the batch: the instance's usage (int id id, n bits) enters its owner's count.
+local function q_end(meta, id, n)
+  local u = math.max(n, redis.call('HLEN', B .. 'e:' .. id))
+  if u ~= Q.q then
+    if Q.qk then
+      q_blocks(Q.qk, u - Q.q)
+    end
+    redis.call('HSET', meta, 'q', u)
+  end
 end

@@ -10,6 +10,9 @@ end
 if ARGV[4] == 'reap' and tonumber(st[8]) > tonumber(ARGV[3]) then
   return false
 end
+-- Whatever it counted leaves its owner's quota (KEYS.md, "Quotas").
+local q = redis.call('HMGET', meta, 'o', 'qn', 'q')
+q_leave(q[1], q[2], q[3], st[1])
 local dead = retire(st[1])
 redis.call('DEL', meta)
 redis.call('ZREM', B .. 'lease', ARGV[2])

@@ -102,8 +102,42 @@ class PeerSettings(StrictModel):
     )
 
 
+class PeerLimits(StrictModel):
+    """What one peer (a certificate identity; without one, a caller host) may ask of a
+    prefill sidecar: rooms its Bootstrap calls open, and how fast it may call."""
+
+    max_rooms: int = Field(
+        # A decode sidecar bootstraps a room as its engine schedules the request, usually
+        # moments before the prefill engine sends the first chunk; 4096 waiting rooms per
+        # peer is far beyond that, and 16 peers at the cap still leave max_rooms room.
+        default=4096,
+        ge=0,
+        description="Rooms one peer's Bootstraps may hold that the prefill engine has not "
+        "sent a chunk for yet. At the cap its oldest finished one is forgotten; with none "
+        "finished the Bootstrap is RESOURCE_EXHAUSTED. 0: no cap.",
+    )
+    bootstrap_rps: float = Field(
+        # Two orders of magnitude above what one decode engine schedules per second.
+        default=2000.0,
+        ge=0,
+        description="Bootstrap calls per second per peer (token bucket); beyond it "
+        "RESOURCE_EXHAUSTED with a retry delay. 0: no limit.",
+    )
+    bootstrap_burst: int = Field(
+        default=4096,
+        ge=0,
+        description="Bucket size of bootstrap_rps (a decode sidecar starting with a queue of "
+        "rooms); 0: one second's worth.",
+    )
+    max_peers: int = Field(
+        default=10_000,
+        ge=1,
+        description="Peers tracked at once; beyond it one without rooms is forgotten.",
+    )
+
+
 class XferLimits(StrictModel):
-    """Per-client limits of the gRPC port."""
+    """Per-client limits of the gRPC port, per-peer limits, and the TCP data port's."""
 
     per_client: ClientLimits = Field(
         # The local engine pipelines one AddTransferRequest per chunk
@@ -118,6 +152,20 @@ class XferLimits(StrictModel):
         ge=4096,
         description="Largest gRPC message; grpc answers RESOURCE_EXHAUSTED for a larger one "
         "(a transfer request names pages, never carries them: 4 MiB is ample).",
+    )
+    per_peer: PeerLimits = Field(default_factory=PeerLimits)
+    tcp_handshake_timeout_s: float = Field(
+        # A sidecar's handshake is two small messages on the cluster network.
+        default=10.0,
+        gt=0,
+        description="TCP transport: a data connection that has not proved it holds the key "
+        "within this time is closed.",
+    )
+    tcp_max_handshakes: int = Field(
+        default=64,
+        ge=1,
+        description="TCP transport: data connections still in their handshake at once; one "
+        "more is closed at once (each holds a thread until it authenticates).",
     )
 
 
@@ -235,6 +283,10 @@ class XferConfig(StrictModel):
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be finite")
+        if not math.isfinite(self.limits.tcp_handshake_timeout_s):
+            raise ValueError("limits.tcp_handshake_timeout_s: must be finite")
+        if not math.isfinite(self.limits.per_peer.bootstrap_rps):
+            raise ValueError("limits.per_peer.bootstrap_rps: must be finite")
         return self
 
     def peer_tls(self) -> ClientTLS:

@@ -11,14 +11,20 @@ one role:
   the last chunk also carries the aux slot) and keep up to
   ``max_inflight_per_queue`` writes in flight. A room succeeds when every chunk
   up to the last is written.
-- **decode**: :meth:`XferLogic.register_room` assigns the room a generation;
+- **decode**: :meth:`XferLogic.register_room` assigns the room a random
+  generation (only the room's engine and its prefill sidecar learn it);
   :meth:`XferLogic.on_notification` counts the chunks whose tags carry the
   current generation and come from the prefill agent the room was
   bootstrapped with (:meth:`XferLogic.bootstrap_done` records it; tags that
   arrive before it are held until then). Success needs every chunk and the
   aux slot. A transport that sees a write before it lands (TCP) asks
   :meth:`XferLogic.authorize_write` first: only the tagged rooms' own pages,
-  from their own agent.
+  from their own agent (a write for a room whose Bootstrap answer is still
+  to come waits for it).
+
+What a peer sends and the sidecar refuses is counted by reason
+(:data:`PEER_REFUSAL_REASONS`); a prefill sidecar also bounds what each peer's
+Bootstraps may open (:mod:`xfer.quota`).
 
 Status: ``Failed=0, Bootstrapping=1, WaitingForInput=2, Transferring=3,
 Success=4``; forward-only, Failed reachable from any non-terminal state and
@@ -30,9 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 import zlib
@@ -48,11 +54,13 @@ from kvmesh.errors import (
     KvmeshError,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
 )
 from kvmesh.metrics import ComponentRegistry
 from kvmesh.tracing import inject_context, tracing_enabled
 from xfer.config import XferConfig
 from xfer.pool import KVPool, PoolGeometry
+from xfer.quota import PeerQuota
 from xfer.transport import Transport
 from xfer.wire import FLAG_AUX, FLAG_LAST, Tag, byte_runs, decode_tags, encode_tags, merge_runs
 
@@ -76,6 +84,48 @@ class RoomStatus(enum.IntEnum):
 
 
 _TERMINAL = (RoomStatus.FAILED, RoomStatus.SUCCESS)
+
+#: Why a sidecar refused what a peer sent: ``kvmesh_xfer_peer_refusals_total{reason}``.
+PEER_REFUSAL_REASONS: dict[str, str] = {
+    "not_admitted": "a peer method (Bootstrap, Abort, Heartbeat) called by a caller that is no "
+    "admitted peer: not in the policy, not role peer, not in peers.allowed_identities, "
+    "no or a wrong peer secret",
+    "not_owner": "a peer acting on another peer's room or agent: Abort of a room another "
+    "identity bootstrapped, Bootstrap under another identity's agent name, Bootstrap of a "
+    "room another peer bootstrapped",
+    "foreign_agent": "a notification or TCP write naming a room bootstrapped with another "
+    "prefill agent",
+    "stale_generation": "a notification, TCP write or Abort naming a generation that is not "
+    "the room's current one, or a finished or unknown room",
+    "out_of_range": "a page index, aux index, pool geometry or byte run outside the pool "
+    "(Bootstrap against the claimed geometry and the peer's registered pool; TCP runs)",
+    "outside_room": "a TCP run inside the pool but outside the tagged rooms' pages and aux "
+    "slots (or off a page boundary)",
+    "malformed": "a notification that is not kvmesh's, unparsable transport metadata, a TCP "
+    "frame with more runs than any chunk has",
+    "write_to_prefill": "a TCP write to a prefill sidecar, which receives none",
+    "tcp_no_key": "a TCP data connection without a key proof: no hello within "
+    "limits.tcp_handshake_timeout_s, another protocol or version, or an empty proof",
+    "tcp_wrong_key": "a TCP data connection whose key proof does not verify",
+    "tcp_replayed_key": "a TCP data connection replaying the key proof of an earlier one",
+    "tcp_handshake_limit": "a TCP data connection beyond limits.tcp_max_handshakes still "
+    "in their handshake",
+    "room_limit": "a Bootstrap beyond limits.per_peer.max_rooms waiting rooms of its peer",
+    "room_rate": "a Bootstrap beyond limits.per_peer.bootstrap_rps of its peer",
+}
+
+
+def _new_generation(previous: int) -> int:
+    """A room registration's generation: 63 random bits (never 0 nor ``previous``).
+
+    Random, not counted: the tag of every write and an Abort carry it, and only
+    the room's engine and the prefill sidecar it was bootstrapped with learn it,
+    so no other peer can guess a room's current generation from its own rooms'.
+    """
+    while True:
+        g = secrets.randbits(63)
+        if g and g != previous:
+            return g
 
 
 class XferMetrics:
@@ -131,6 +181,14 @@ class XferMetrics:
             ["method", "code"],
             registry=r,
         )
+        self.peer_refusals = Counter(
+            "kvmesh_xfer_peer_refusals",
+            "What peers sent that this sidecar refused, by reason (see docs/xfer.md, Security)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in PEER_REFUSAL_REASONS:
+            self.peer_refusals.labels(reason).inc(0)
         self.add_request_seconds = Histogram(
             "kvmesh_xfer_add_request_seconds",
             "Time add_transfer_request takes to check and queue a chunk",
@@ -139,6 +197,10 @@ class XferMetrics:
         )
         for s in RoomStatus:
             self.rooms.labels(s.name.lower()).set(0)
+
+    def refuse(self, reason: str) -> None:
+        """Count one refusal of ``reason`` (a key of :data:`PEER_REFUSAL_REASONS`)."""
+        self.peer_refusals.labels(reason).inc()
 
 
 @dataclasses.dataclass(eq=False)
@@ -160,6 +222,9 @@ class Room:
     #: Prefill: certificate identity of the decode sidecar that bootstrapped the
     #: room ("" without mutual TLS); only it may abort the room.
     peer_identity: str = ""
+    #: Prefill: the peer whose Bootstrap opened the room, while the engine has not
+    #: claimed it (added a chunk): the room counts against that peer's quota.
+    quota_key: str = ""
     #: Decode: notifications that arrived before the Bootstrap answer named the
     #: prefill agent, as (agent, tag); replayed or dropped by bootstrap_done.
     early: list[tuple[str, Tag]] = dataclasses.field(default_factory=list)
@@ -223,7 +288,10 @@ class XferLogic:
         self.metrics = metrics or XferMetrics()
         self._rooms: dict[int, Room] = {}
         self._lock = threading.Lock()
-        self._gen = itertools.count(int(time.time() * 1000) << 16)
+        #: Notified whenever a room changes state or goes (writes held for a room's
+        #: Bootstrap answer wait on it).
+        self._changed = threading.Condition(self._lock)
+        self._quota = PeerQuota(config.limits.per_peer)
         self._peer_addresses: dict[str, str] = {}  # prefill: peer name -> gRPC address
         # Prefill: peer name -> certificate identity that first bootstrapped with it,
         # so one peer cannot bootstrap under another's agent name.
@@ -237,8 +305,11 @@ class XferLogic:
         # Decided once: with tracing off no room span is built at all.
         self._tracer = trace.get_tracer("kvmesh.xfer") if tracing_enabled() else None
         transport.set_notif_handler(self.on_notification)
+        transport.set_refusal_hook(self._transport_refused)
         if config.role == "decode":
             transport.set_write_check(self.authorize_write)
+        else:
+            transport.set_write_check(self._refuse_every_write)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -293,6 +364,7 @@ class XferLogic:
         m.rooms.labels(status.name.lower()).inc()
         r.status = status
         r.progress_at = time.monotonic()
+        self._changed.notify_all()
         if status == RoomStatus.FAILED:
             r.reason = reason
             log.info("room %d failed: %s", r.room, reason)
@@ -333,13 +405,28 @@ class XferLogic:
             r = self._rooms.pop(room, None)
             if r is None:
                 raise NotFound(f"unknown room {room}", field="room")
-            self.metrics.rooms.labels(r.status.name.lower()).dec()
+            self._forget(r)
             unfinished = r.status not in _TERMINAL
             if r.span is not None:
                 r.span.set_attribute("kvmesh.xfer.status", "CLEARED")
                 r.span.end()
                 r.span = None
         return r if unfinished else None
+
+    def _forget(self, r: Room) -> None:
+        """Bookkeeping of a room just removed from the table (lock held)."""
+        self.metrics.rooms.labels(r.status.name.lower()).dec()
+        if r.quota_key:
+            self._quota.release(r.quota_key, r.room)
+        self._changed.notify_all()
+
+    def _refused(self, reason: str, err: KvmeshError) -> KvmeshError:
+        """Count a refusal of ``reason``; returns ``err`` to raise."""
+        self.metrics.refuse(reason)
+        return err
+
+    def _transport_refused(self, reason: str) -> None:
+        self.metrics.refuse(reason)
 
     def room_generation(self, room: int) -> int | None:
         """Generation of a tracked room (``None`` if unknown)."""
@@ -402,66 +489,83 @@ class XferLogic:
         geometry: PoolGeometry,
         transport_kind: str,
         identity: str = "",
+        client: str = "",
     ) -> None:
         """Prefill: record a room's destination from the decode sidecar.
 
         ``identity`` is the caller's certificate identity ("" without mutual
         TLS): an agent name stays bound to the identity that first used it, and
-        only that identity may abort the room.
+        only that identity may abort the room. ``client`` names the caller for
+        its quota (:mod:`xfer.quota`; default the identity, else the agent
+        name): the rooms it opens that the engine has not claimed yet. Its
+        Bootstrap rate is :meth:`admit_bootstrap`'s, which the gRPC server
+        calls first.
         """
         self._require("prefill")
-        mine = self.pool.geometry
+        quota_key = client or identity or peer_name
         if transport_kind != self.transport.kind:
             raise FailedPrecondition(
                 f"decode uses transport {transport_kind!r}, this sidecar {self.transport.kind!r}",
                 field="transport",
             )
-        if geometry.page_size != mine.page_size:
-            raise InvalidArgument(
-                f"decode page size {geometry.page_size} != prefill page size {mine.page_size}",
-                field="page_size",
-            )
-        if geometry.aux_count and (not mine.aux_count or geometry.aux_size != mine.aux_size):
-            raise InvalidArgument("aux slots differ between decode and prefill", field="aux_size")
-        if not peer_name:
-            raise InvalidArgument("peer_name is required", field="peer_name")
         if not dst_pages:
             raise InvalidArgument("no destination pages", field="dst_page_indices")
-        n = geometry.page_count
-        for i in dst_pages:
-            if not 0 <= i < n:
-                raise InvalidArgument(f"page index {i} outside [0, {n})", field="dst_page_indices")
-        if geometry.aux_count and not 0 <= aux_index < geometry.aux_count:
-            raise InvalidArgument(
-                f"aux index {aux_index} outside [0, {geometry.aux_count})", field="aux_index"
-            )
+        out_of_range = self._check_destination(geometry, dst_pages, aux_index)
+        if out_of_range is not None:
+            raise self._refused("out_of_range", out_of_range)
+        if not peer_name:
+            raise InvalidArgument("peer_name is required", field="peer_name")
         if identity:
             with self._lock:
                 owner = self._peer_identities.setdefault(peer_name, identity)
             if owner != identity:
-                raise PermissionDenied(
-                    f"agent {peer_name!r} was bootstrapped by another peer identity",
-                    field="peer_name",
+                raise self._refused(
+                    "not_owner",
+                    PermissionDenied(
+                        f"agent {peer_name!r} was bootstrapped by another peer identity",
+                        field="peer_name",
+                    ),
                 )
         if metadata:
             if not self.transport.has_peer(peer_name):
-                self.transport.add_peer(peer_name, metadata)
+                try:
+                    self.transport.add_peer(peer_name, metadata)
+                except InvalidArgument as e:
+                    raise self._refused("malformed", e) from None
         elif not self.transport.has_peer(peer_name):
             raise FailedPrecondition(
                 f"unknown peer {peer_name}: its first bootstrap must carry agent metadata",
                 field="agent_metadata",
+            )
+        registered = self.transport.peer_pool_size(peer_name)
+        if registered is not None and geometry.total_bytes > registered:
+            # The claimed geometry decides every destination offset: it may not name
+            # bytes beyond the pool the peer's transport metadata registered.
+            raise self._refused(
+                "out_of_range",
+                InvalidArgument(
+                    f"decode pool geometry claims {geometry.total_bytes} bytes; its transport "
+                    f"registered {registered}",
+                    field="page_count",
+                ),
             )
         now = time.monotonic()
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.bootstrapped:
                 if r.status not in _TERMINAL or r.generation == generation:
-                    raise AlreadyExists(f"room {room} is already bootstrapped", field="room")
-                self.metrics.rooms.labels(r.status.name.lower()).dec()
+                    err = AlreadyExists(f"room {room} is already bootstrapped", field="room")
+                    if r.peer != peer_name or r.peer_identity != identity:
+                        raise self._refused("not_owner", err)
+                    raise err
                 del self._rooms[room]
+                self._forget(r)
                 r = None
             if r is None:
+                self._make_room_for(quota_key)
                 r = self._new_room(room, generation, RoomStatus.BOOTSTRAPPING, now)
+                r.quota_key = quota_key
+                self._quota.add(quota_key, room)
             elif r.status == RoomStatus.FAILED:
                 raise FailedPrecondition(f"room {room} failed: {r.reason}", field="room")
             elif r.span is not None:
@@ -484,6 +588,62 @@ class XferLogic:
             pending, r.pending = r.pending, []
             for c in pending:
                 self._enqueue(r, dataclasses.replace(c, generation=generation))
+
+    def admit_bootstrap(self, client: str) -> None:
+        """Prefill: count one Bootstrap call of peer ``client`` against its rate
+        (``limits.per_peer.bootstrap_rps``), or raise RESOURCE_EXHAUSTED (room_rate)."""
+        self._require("prefill")
+        with self._lock:
+            try:
+                self._quota.take(client)
+            except ResourceExhausted as e:
+                raise self._refused("room_rate", e) from None
+
+    def _check_destination(
+        self, geometry: PoolGeometry, dst_pages: Sequence[int], aux_index: int
+    ) -> InvalidArgument | None:
+        """Why a Bootstrap's geometry, pages or aux slot are out of range (``None``: fine)."""
+        mine = self.pool.geometry
+        if geometry.page_size != mine.page_size:
+            return InvalidArgument(
+                f"decode page size {geometry.page_size} != prefill page size {mine.page_size}",
+                field="page_size",
+            )
+        if geometry.aux_count and (not mine.aux_count or geometry.aux_size != mine.aux_size):
+            return InvalidArgument("aux slots differ between decode and prefill", field="aux_size")
+        n = geometry.page_count
+        for i in dst_pages:
+            if not 0 <= i < n:
+                return InvalidArgument(f"page index {i} outside [0, {n})", field="dst_page_indices")
+        if geometry.aux_count and not 0 <= aux_index < geometry.aux_count:
+            return InvalidArgument(
+                f"aux index {aux_index} outside [0, {geometry.aux_count})", field="aux_index"
+            )
+        return None
+
+    def _make_room_for(self, quota_key: str) -> None:
+        """Lock held: let ``quota_key`` open one more room, forgetting its oldest finished
+        one at the cap, or raise RESOURCE_EXHAUSTED when all of its rooms are open."""
+        if not self._quota.full(quota_key):
+            return
+        for room in self._quota.rooms(quota_key):
+            old = self._rooms.get(room)
+            if old is None or old.quota_key != quota_key:
+                self._quota.release(quota_key, room)
+                return
+            if old.status in _TERMINAL:
+                del self._rooms[room]
+                self._forget(old)
+                return
+        cap = self.config.limits.per_peer.max_rooms
+        raise self._refused(
+            "room_limit",
+            ResourceExhausted(
+                f"peer {quota_key!r} holds {cap} open rooms the prefill engine has not sent "
+                "yet (limits.per_peer.max_rooms)",
+                field="limits.per_peer.max_rooms",
+            ),
+        )
 
     @staticmethod
     def _check_slice(c: Chunk, n_dst: int) -> None:
@@ -545,6 +705,9 @@ class XferLogic:
             if r.bootstrapped:
                 self._check_slice(chunk, len(r.dst_pages))
             r.chunk_ids.add(chunk_id)
+            if r.quota_key:  # the engine claims a room a peer's Bootstrap opened
+                self._quota.release(r.quota_key, room)
+                r.quota_key = ""
             if is_last:
                 r.last_chunk = chunk_id
             r.progress_at = time.monotonic()
@@ -561,15 +724,29 @@ class XferLogic:
         q.put(chunk)
 
     def abort(self, room: int, generation: int, reason: str, identity: str = "") -> bool:
-        """Prefill: the decode side gave up on a room. With mutual TLS only the identity
-        that bootstrapped the room may abort it (PERMISSION_DENIED otherwise)."""
+        """The other side gave up on a room: fail it (only its current generation).
+
+        Prefill: with mutual TLS only the identity that bootstrapped the room may
+        abort it (PERMISSION_DENIED otherwise). Decode: the generation is the
+        proof (random per registration, known only to the room's engine and the
+        prefill sidecar it was bootstrapped with). An Abort naming another
+        generation of a tracked room is ignored and counted as stale."""
         with self._lock:
             r = self._rooms.get(room)
-            if r is not None and r.peer_identity and identity != r.peer_identity:
-                raise PermissionDenied(
-                    f"room {room} was bootstrapped by another peer identity", field="room"
+            if r is None:
+                return False
+            if self.role == "prefill" and r.peer_identity and identity != r.peer_identity:
+                raise self._refused(
+                    "not_owner",
+                    PermissionDenied(
+                        f"room {room} was bootstrapped by another peer identity", field="room"
+                    ),
                 )
-        return self.fail(room, f"aborted by decode: {reason}", generation)
+            if r.generation != generation:
+                self.metrics.refuse("stale_generation")
+                return False
+            side = "decode" if self.role == "prefill" else "prefill"
+            return self._set(r, RoomStatus.FAILED, f"aborted by {side}: {reason}")
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -750,9 +927,10 @@ class XferLogic:
             if old is not None:
                 if old.status not in _TERMINAL:
                     raise AlreadyExists(f"room {room} is in use; clear it first", field="room")
-                self.metrics.rooms.labels(old.status.name.lower()).dec()
                 del self._rooms[room]
-            r = self._new_room(room, next(self._gen), RoomStatus.BOOTSTRAPPING, time.monotonic())
+                self._forget(old)
+            gen = _new_generation(old.generation if old is not None else 0)
+            r = self._new_room(room, gen, RoomStatus.BOOTSTRAPPING, time.monotonic())
             r.dst_pages = list(dst_pages)
             r.aux_index = aux_index
             r.peer = prefill_address
@@ -781,6 +959,7 @@ class XferLogic:
             r.peer_agent = peer_agent
             r.bootstrapped = True
             self._set(r, RoomStatus.WAITING_FOR_INPUT)
+            self._changed.notify_all()  # writes held for this answer may be judged now
             for agent, tag in early:
                 self._arrived(agent, tag)
 
@@ -790,6 +969,7 @@ class XferLogic:
         tags = decode_tags(data)
         if tags is None:
             self.metrics.stale_notifications.inc()
+            self.metrics.refuse("malformed")
             return
         with self._lock:
             for tag in tags:
@@ -797,6 +977,7 @@ class XferLogic:
 
     def _foreign(self, agent: str, room: int) -> None:
         self.metrics.foreign_notifications.inc()
+        self.metrics.refuse("foreign_agent")
         now = time.monotonic()
         if now - self._last_foreign_log >= 10.0:  # at most one line per 10 s
             self._last_foreign_log = now
@@ -811,6 +992,7 @@ class XferLogic:
         r = self._rooms.get(tag.room)
         if r is None or r.generation != tag.generation or r.status in _TERMINAL:
             m.stale_notifications.inc()
+            m.refuse("stale_generation")
             return
         if r.status == RoomStatus.BOOTSTRAPPING and not r.bootstrapped:
             # The prefill side answered Bootstrap and wrote at once; its answer,
@@ -853,50 +1035,96 @@ class XferLogic:
     def authorize_write(self, agent: str, data: bytes, runs: Sequence[tuple[int, int]]) -> str:
         """Decode: may ``agent`` write ``runs`` ``(offset, length)`` tagged ``data``?
         ``""`` if so, else why not (the transport then drops the bytes unwritten);
-        a refusal is counted and logged.
+        a refusal is counted under its reason and logged.
 
         A write may only touch the destination pages (and, flagged, the aux
         slot) of the rooms its tags name, each of the current generation,
-        unfinished, and bootstrapped with ``agent`` (before the Bootstrap answer
-        names the agent, any agent writing the room's own pages passes; its
-        notification is still held until the answer).
+        unfinished, and bootstrapped with ``agent``. A write for a room whose
+        Bootstrap answer (naming its agent) has not been processed yet waits
+        for it, at most ``bootstrap_timeout_s``: until then no agent is known
+        to be the room's, so nothing may land in its pages.
         """
-        reason = self._write_refusal(agent, data, runs)
-        if reason:
-            self.metrics.refused_writes.inc()
-            now = time.monotonic()
+        verdict = self._write_refusal(agent, data, runs)
+        if verdict is None:
+            return ""
+        reason, why = verdict
+        self.metrics.refused_writes.inc()
+        self.metrics.refuse(reason)
+        now = time.monotonic()
+        with self._lock:
             if now - self._last_refusal_log >= 10.0:  # at most one line per 10 s
                 self._last_refusal_log = now
-                log.warning("refused a write from agent %r: %s", agent, reason)
-        return reason
+                log.warning("refused a write from agent %r: %s", agent, why)
+        return why
 
-    def _write_refusal(self, agent: str, data: bytes, runs: Sequence[tuple[int, int]]) -> str:
+    def _write_refusal(
+        self, agent: str, data: bytes, runs: Sequence[tuple[int, int]]
+    ) -> tuple[str, str] | None:
+        """``(reason, why)`` a write is refused, ``None`` when it may land."""
         tags = decode_tags(data)
         if tags is None:
-            return "not a kvmesh notification"
+            return "malformed", "not a kvmesh notification"
+        g = self.pool.geometry
+        for off, n in runs:
+            if off < 0 or n <= 0 or off + n > g.total_bytes:
+                return "out_of_range", f"run at {off} ({n} bytes) is outside the pool"
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        with self._lock:
+            while True:
+                verdict = self._judge_write(agent, tags, runs)
+                if verdict != "wait":
+                    return verdict if isinstance(verdict, tuple) else None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "foreign_agent", "no Bootstrap answer named the room's agent in time"
+                self._changed.wait(left)
+
+    def _judge_write(
+        self, agent: str, tags: Sequence[Tag], runs: Sequence[tuple[int, int]]
+    ) -> tuple[str, str] | str | None:
+        """Lock held: the refusal of a write, ``None`` to allow it, or ``"wait"`` while a
+        tagged room's Bootstrap answer is still to come."""
         g = self.pool.geometry
         pages: set[int] = set()
         aux: set[int] = set()
-        with self._lock:
-            for t in tags:
-                r = self._rooms.get(t.room)
-                if r is None or r.generation != t.generation or r.status in _TERMINAL:
-                    return f"room {t.room} generation {t.generation} is not expected"
-                if r.peer_agent is not None and r.peer_agent != agent:
-                    return f"room {t.room} was bootstrapped with another agent"
-                pages.update(r.dst_pages)
-                if t.flags & FLAG_AUX and g.aux_count:
-                    aux.add(g.kv_bytes + r.aux_index * g.aux_size)
+        for t in tags:
+            r = self._rooms.get(t.room)
+            if r is None or r.generation != t.generation or r.status in _TERMINAL:
+                return (
+                    "stale_generation",
+                    f"room {t.room} generation {t.generation} is not expected",
+                )
+            if r.status == RoomStatus.BOOTSTRAPPING and not r.bootstrapped:
+                return "wait"
+            if r.peer_agent is not None and r.peer_agent != agent:
+                return "foreign_agent", f"room {t.room} was bootstrapped with another agent"
+            pages.update(r.dst_pages)
+            if t.flags & FLAG_AUX and g.aux_count:
+                aux.add(g.kv_bytes + r.aux_index * g.aux_size)
         ps = g.page_size
         for off, n in runs:
             if off in aux and n == g.aux_size:
                 continue
-            if off % ps or n % ps or n <= 0:
-                return f"run at {off} ({n} bytes) is not whole pages of a tagged room"
+            if off % ps or n % ps:
+                return "outside_room", f"run at {off} ({n} bytes) is not whole pages of a room"
             first = off // ps
             if any(p not in pages for p in range(first, first + n // ps)):
-                return f"run at {off} ({n} bytes) is outside the tagged rooms' pages"
-        return ""
+                return (
+                    "outside_room",
+                    f"run at {off} ({n} bytes) is outside the tagged rooms' pages",
+                )
+        return None
+
+    def _refuse_every_write(self, agent: str, data: bytes, runs: Sequence[tuple[int, int]]) -> str:
+        """Prefill: the write check of the TCP data port. A prefill sidecar only sends and
+        never hands its key out; should one arrive, nothing lands."""
+        self.metrics.refuse("write_to_prefill")
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_refusal_log >= 10.0:
+                self._last_refusal_log = now
+                log.warning("refused a write from agent %r: a prefill sidecar receives none", agent)
+        return "a prefill sidecar receives no writes"
 
     def _require(self, role: str) -> None:
         if self.role != role:

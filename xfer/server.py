@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import sys
@@ -89,6 +90,14 @@ XFER_RULES: dict[str, MethodRule] = {
     "Abort": MethodRule(("peer",)),
     "Heartbeat": MethodRule(("peer",)),
 }
+
+
+#: Peer methods: their callers must also pass the peer admission.
+_PEER_METHODS = frozenset(m for m, rule in XFER_RULES.items() if rule.roles == ("peer",))
+
+#: Set once the current call's caller passed the peer admission: a refusal after it
+#: (another peer's room or agent) is counted by its own reason, not as not_admitted.
+_ADMITTED: contextvars.ContextVar[bool] = contextvars.ContextVar("xfer_admitted", default=False)
 
 
 def _auth_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[list[str], bool]:
@@ -169,7 +178,10 @@ class XferServicer(pb_grpc.XferServiceServicer):
     ) -> pb.BootstrapResponse:
         """A decode sidecar names a room's destination (peer method, admitted first)."""
         identity = self.server.admit_peer(context)
+        client = identity or peer_host(context.peer() or "")
+        self.logic.admit_bootstrap(client)
         self.logic.bootstrap(
+            client=client,
             room=request.room,
             generation=request.generation,
             dst_pages=list(request.dst_page_indices),
@@ -194,12 +206,7 @@ class XferServicer(pb_grpc.XferServiceServicer):
     ) -> pb.AbortResponse:
         """The other side fails a room (peer method, admitted first)."""
         identity = self.server.admit_peer(context)
-        if self.logic.role == "prefill":
-            self.logic.abort(request.room, request.generation, request.reason, identity)
-        else:
-            self.logic.fail(
-                request.room, f"aborted by prefill: {request.reason}", request.generation
-            )
+        self.logic.abort(request.room, request.generation, request.reason, identity)
         return pb.AbortResponse()
 
     @observed
@@ -258,6 +265,8 @@ class XferServer:
             ),
             nixl_threads=config.nixl_threads,
             nixl_progress_thread=config.nixl_progress_thread,
+            tcp_handshake_timeout_s=config.limits.tcp_handshake_timeout_s,
+            tcp_max_handshakes=config.limits.tcp_max_handshakes,
         )
         self.metrics = XferMetrics()
         register_tracing_metrics(self.metrics.registry)
@@ -272,6 +281,7 @@ class XferServer:
         )
         refusals = self.metrics.refusals
         self.guard.on_refusal(lambda method, code: refusals.labels(method, code).inc())
+        self.guard.on_refusal(self._count_not_admitted)
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", config.limits.max_message_bytes),
@@ -335,7 +345,19 @@ class XferServer:
         for k, v in context.invocation_metadata() or ():
             if k == SECRET_METADATA:
                 secret = v.encode() if isinstance(v, str) else bytes(v)
-        return self.admission.admit(sans, secure, secret)
+        identity = self.admission.admit(sans, secure, secret)
+        _ADMITTED.set(True)
+        return identity
+
+    def _count_not_admitted(self, method: str, code: str) -> None:
+        """Refusal hook of the guard: a peer method refused before its caller was admitted
+        (policy, role, peer admission) is a not_admitted peer refusal."""
+        if (
+            method in _PEER_METHODS
+            and code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
+            and not _ADMITTED.get()
+        ):
+            self.metrics.refuse("not_admitted")
 
     def _peer_metadata(
         self, extra: tuple[tuple[str, str], ...] = ()

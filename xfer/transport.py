@@ -9,9 +9,11 @@ handler receives the tag. Both check every run against the pools before any
 byte moves.
 
 What a receiver can refuse differs. A TCP receiver reads each frame's runs
-and tag before its bytes: it refuses a sender that does not present the key
-its metadata carried, and asks the write check (:meth:`Transport.set_write_check`,
-the decode logic's room rules) before writing a byte. A NIXL WRITE is
+and tag before its bytes: it refuses a sender that cannot prove it holds the
+key its metadata carried (a challenge-response per connection, so a recorded
+handshake cannot be replayed), and asks the write check
+(:meth:`Transport.set_write_check`, the decode logic's room rules) before
+writing a byte. A NIXL WRITE is
 one-sided: the bytes land in the registered pool before the receiver hears
 of them, so only the notification can be judged (by its sending agent's
 name). See docs/xfer.md, "Security".
@@ -25,7 +27,9 @@ thread.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
+import hashlib
 import hmac
 import importlib
 import itertools
@@ -55,6 +59,10 @@ NotifHandler = Callable[[str, bytes], None]
 #: before an incoming write lands; returns "" to allow it, else the reason.
 WriteCheck = Callable[[str, bytes, Sequence[tuple[int, int]]], str]
 
+#: Called with a reason of ``kvmesh_xfer_peer_refusals_total`` when the transport
+#: itself refuses a peer (a data connection, a malformed frame).
+RefusalHook = Callable[[str], None]
+
 
 class NixlUnavailable(RuntimeError):
     """NIXL cannot be used here; the message says why and names the fallback."""
@@ -72,6 +80,7 @@ class Transport(abc.ABC):
         self.name = name or f"kvx-{uuid.uuid4().hex[:12]}"
         self._handler: NotifHandler | None = None
         self._write_check: WriteCheck | None = None
+        self._refusal_hook: RefusalHook | None = None
 
     def set_notif_handler(self, handler: NotifHandler) -> None:
         """Route incoming notifications to ``handler`` (call before :meth:`start`)."""
@@ -84,6 +93,14 @@ class Transport(abc.ABC):
         (TCP); NIXL's one-sided writes cannot be stopped by the receiver.
         """
         self._write_check = check
+
+    def set_refusal_hook(self, hook: RefusalHook) -> None:
+        """Report what the transport itself refuses to ``hook`` (call before :meth:`start`)."""
+        self._refusal_hook = hook
+
+    def _refused(self, reason: str) -> None:
+        if self._refusal_hook is not None:
+            self._refusal_hook(reason)
 
     def _notify(self, peer: str, tag: bytes) -> None:
         if self._handler is not None:
@@ -111,6 +128,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def remove_peer(self, name: str) -> None:
         """Forget a peer (e.g. it died or restarted)."""
+
+    def peer_pool_size(self, name: str) -> int | None:
+        """Bytes of the pool the peer's metadata registered (``None``: unknown peer, or a
+        transport whose metadata does not say)."""
+        return None
 
     @abc.abstractmethod
     def post(self, peer: str, runs: Sequence[tuple[int, int, int]], tag: bytes) -> Any:
@@ -249,6 +271,11 @@ class NixlTransport(Transport):
         """Whether the peer's metadata is loaded."""
         return name in self._peers
 
+    def peer_pool_size(self, name: str) -> int | None:
+        """The pool size the peer's metadata gave."""
+        entry = self._peers.get(name)
+        return None if entry is None else entry[2]
+
     def remove_peer(self, name: str) -> None:
         """Invalidate the peer's metadata (disconnects)."""
         with self._lock:
@@ -308,18 +335,36 @@ class NixlTransport(Transport):
 
 # -- TCP --------------------------------------------------------------------------------
 
-_HELLO = struct.Struct("<4sHH")  # magic, sender name length, receiver key length
+# Wire version 3. The sender opens with a nonce; the receiver answers with a nonce of
+# its own (the challenge); the sender sends its name and an HMAC-SHA256 under the
+# receiver's key (from its metadata) over both nonces and the name; the receiver
+# answers with its own HMAC. Each side proves it holds the key, and a recorded
+# handshake proves nothing on another connection (the challenge is new). The key
+# itself never travels on the data port. A receiver that refuses closes the
+# connection without a word.
+_OPEN = struct.Struct("<4s32s")  # magic, sender nonce
+_CHALLENGE = struct.Struct("<4s32s")  # magic, receiver nonce
+_HELLO = struct.Struct("<HH")  # sender name length, proof length; name, proof follow
+_WELCOME = struct.Struct("<4s32s")  # magic, receiver proof
 _FRAME = struct.Struct("<QIH")  # request id, run count, tag length
 _RUN = struct.Struct("<QQ")  # destination offset, length
 _ACK = struct.Struct("<QB")  # request id, status (0 ok, 1 rejected)
-#: Wire version 2: the hello carries the receiver's key (from its metadata).
-_TCP_MAGIC = b"kvt2"
-#: Longest sender name or key a hello may carry.
+_TCP_MAGIC = b"kvt3"
+_PROOF_SIZE = hashlib.sha256().digest_size
+#: Longest sender name a hello may carry.
 _MAX_HELLO_FIELD = 256
+#: Accepted proofs remembered, to tell a replayed handshake from a wrong key (hours
+#: of reconnections of a fleet's worth of peers, at 32 bytes each).
+_SEEN_PROOFS = 4096
 
 #: Largest run count of one frame; a frame claiming more is malformed and the
 #: connection is dropped (a real chunk has at most one run per page).
 _MAX_RUNS = 1 << 20
+
+
+def _proof(key: str, side: bytes, first: bytes, second: bytes, name: bytes) -> bytes:
+    msg = b"kvmesh xfer tcp v3 " + side + first + second + name
+    return hmac.new(key.encode(), msg, hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -337,16 +382,43 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def open_tcp_link(
+    host: str, port: int, name: str, key: str, timeout_s: float = 5.0
+) -> socket.socket:
+    """A data connection to a TCP receiver at ``host:port``, opened as sender ``name`` with
+    the receiver's ``key`` (from its metadata; ``""`` presents no proof, which the receiver
+    refuses): frames may follow at once. :class:`ConnectionError` when the receiver refuses
+    the handshake or cannot prove it holds the key."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = secrets.token_bytes(32)
+        sock.sendall(_OPEN.pack(_TCP_MAGIC, nonce))
+        magic, challenge = _CHALLENGE.unpack(_recv_exact(sock, _CHALLENGE.size))
+        if magic != _TCP_MAGIC:
+            raise ConnectionError(f"{host}:{port} is not a kvmesh TCP receiver of this version")
+        nb = name.encode()
+        proof = _proof(key, b"sender", challenge, nonce, nb) if key else b""
+        sock.sendall(_HELLO.pack(len(nb), len(proof)) + nb + proof)
+        magic, answer = _WELCOME.unpack(_recv_exact(sock, _WELCOME.size))
+        expected = _proof(key, b"receiver", nonce, challenge, nb)
+        if magic != _TCP_MAGIC or not hmac.compare_digest(answer, expected):
+            raise ConnectionError(f"{host}:{port} did not prove it holds the key")
+        sock.settimeout(None)
+    except BaseException as e:
+        sock.close()
+        if isinstance(e, OSError | struct.error) and not isinstance(e, ConnectionError):
+            raise ConnectionError(f"handshake with {host}:{port} failed: {e}") from e
+        raise
+    return sock
+
+
 class _TcpPeer:
     """Sender side of one peer connection: frames out, acks in."""
 
     def __init__(self, name: str, host: str, port: int, my_name: str, key: str) -> None:
         self.name = name
-        self.sock = socket.create_connection((host, port), timeout=5)
-        self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nb, kb = my_name.encode(), key.encode()
-        self.sock.sendall(_HELLO.pack(_TCP_MAGIC, len(nb), len(kb)) + nb + kb)
+        self.sock = open_tcp_link(host, port, my_name, key)
         self.send_lock = threading.Lock()
         self.state: dict[int, XferState] = {}
         self.dead = False
@@ -378,9 +450,13 @@ class TcpTransport(Transport):
     """Plain TCP: each frame carries its runs, tag and bytes; the receiver writes
     them straight into its pool (after checking every run) and acknowledges.
 
-    A connection must open with the receiver's key, a random value of this
-    instance that only its metadata carries (given to peers by Bootstrap), so
-    a client that never bootstrapped cannot send frames at all.
+    A connection must prove it holds the receiver's key, a random value of
+    this instance that only its metadata carries (given to peers by
+    Bootstrap), so a client that never bootstrapped cannot send frames at
+    all; the proof answers a fresh challenge, so one recorded on the wire
+    cannot be replayed. A connection that has not proved it within
+    ``handshake_timeout_s`` is closed, and beyond ``max_handshakes``
+    connections in their handshake a new one is closed at once.
     """
 
     kind = "tcp"
@@ -392,8 +468,15 @@ class TcpTransport(Transport):
         *,
         host: str = "127.0.0.1",
         advertise_host: str = "",
+        handshake_timeout_s: float = 10.0,
+        max_handshakes: int = 64,
     ) -> None:
         super().__init__(pool, name)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_handshakes = max_handshakes
+        self._handshaking = 0
+        self._seen: set[bytes] = set()
+        self._seen_order: collections.deque[bytes] = collections.deque()
         self._lsock = socket.create_server((host, 0))
         #: The host peers dial (the bind host unless advertised otherwise: a
         #: sidecar bound to 0.0.0.0 advertises its pod IP).
@@ -405,8 +488,10 @@ class TcpTransport(Transport):
         self._ids = itertools.count(1)
         self._closed = False
         self._conns: set[socket.socket] = set()
+        self._last_refusal_log = -1e9
         self._key = secrets.token_hex(16)
-        #: Connections closed because the hello had the wrong magic or key.
+        #: Connections closed in their handshake (no, a wrong or a replayed key proof;
+        #: over the handshake cap).
         self.refused_connections = 0
 
     def start(self) -> None:
@@ -419,26 +504,81 @@ class TcpTransport(Transport):
                 conn, _ = self._lsock.accept()
             except OSError:
                 return
+            with self._lock:
+                full = self._handshaking >= self.max_handshakes
+                if not full:
+                    self._handshaking += 1
+            if full:
+                self._refuse_connection(
+                    "tcp_handshake_limit",
+                    f"{self.max_handshakes} connections are already in their handshake",
+                )
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conns.add(conn)
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+
+    def _handshake(self, conn: socket.socket) -> str | None:
+        """The sender's name once it proved it holds the key; ``None`` (refused, counted)."""
+        try:
+            conn.settimeout(self.handshake_timeout_s)
+            magic, nonce = _OPEN.unpack(_recv_exact(conn, _OPEN.size))
+            if magic != _TCP_MAGIC:
+                self._refuse_connection("tcp_no_key", "not a kvmesh TCP sender of this version")
+                return None
+            challenge = secrets.token_bytes(32)
+            conn.sendall(_CHALLENGE.pack(_TCP_MAGIC, challenge))
+            nlen, plen = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            if nlen > _MAX_HELLO_FIELD or plen not in (0, _PROOF_SIZE):
+                self._refuse_connection("tcp_no_key", "a malformed hello")
+                return None
+            name = _recv_exact(conn, nlen)
+            proof = _recv_exact(conn, plen)
+        except (OSError, struct.error):
+            self._refuse_connection("tcp_no_key", "no hello before the handshake timeout")
+            return None
+        peer = name.decode("utf-8", "replace")
+        if not proof:
+            self._refuse_connection("tcp_no_key", f"{peer!r} presented no key")
+            return None
+        if not hmac.compare_digest(proof, _proof(self._key, b"sender", challenge, nonce, name)):
+            with self._lock:
+                replayed = proof in self._seen
+            if replayed:
+                self._refuse_connection("tcp_replayed_key", f"{peer!r} replayed a handshake")
+            else:
+                self._refuse_connection("tcp_wrong_key", f"{peer!r} did not prove this key")
+            return None
+        with self._lock:
+            self._seen.add(proof)
+            self._seen_order.append(proof)
+            if len(self._seen_order) > _SEEN_PROOFS:
+                self._seen.discard(self._seen_order.popleft())
+        answer = _proof(self._key, b"receiver", nonce, challenge, name)
+        try:
+            conn.sendall(_WELCOME.pack(_TCP_MAGIC, answer))
+            conn.settimeout(None)
+        except OSError:
+            return None
+        return peer
 
     def _serve_conn(self, conn: socket.socket) -> None:
         pool = self.pool
         total = pool.geometry.total_bytes
         try:
-            magic, nlen, klen = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            if magic != _TCP_MAGIC or nlen > _MAX_HELLO_FIELD or klen > _MAX_HELLO_FIELD:
-                self._refuse_connection("not a kvmesh TCP peer (wrong magic or version)")
-                return
-            peer = _recv_exact(conn, nlen).decode()
-            key = _recv_exact(conn, klen)
-            if not hmac.compare_digest(key, self._key.encode()):
-                self._refuse_connection(f"{peer!r} did not present this sidecar's key")
+            try:
+                peer = self._handshake(conn)
+            finally:
+                with self._lock:
+                    self._handshaking -= 1
+            if peer is None:
                 return
             while True:
                 rid, nruns, tlen = _FRAME.unpack(_recv_exact(conn, _FRAME.size))
                 if nruns > _MAX_RUNS:
+                    self._refused("malformed")
+                    log.warning("dropped the link of %s: a frame of %d runs", peer, nruns)
                     return
                 runs = [_RUN.unpack_from(b, 0) for b in _chunks(conn, nruns)]
                 tag = _recv_exact(conn, tlen)
@@ -457,15 +597,22 @@ class TcpTransport(Transport):
                     self._notify(peer, tag)
                 elif self._write_check is None:
                     log.warning("rejected a frame from %s with a run outside the pool", peer)
-        except (OSError, ConnectionError, struct.error, UnicodeDecodeError):
+        except (OSError, struct.error):
             pass
         finally:
             self._conns.discard(conn)
             conn.close()
 
-    def _refuse_connection(self, why: str) -> None:
-        self.refused_connections += 1
-        log.warning("refused a TCP data connection: %s", why)
+    def _refuse_connection(self, reason: str, why: str) -> None:
+        with self._lock:
+            self.refused_connections += 1
+            now = time.monotonic()
+            quiet = now - self._last_refusal_log < 10.0  # at most one line per 10 s
+            if not quiet:
+                self._last_refusal_log = now
+        self._refused(reason)
+        if not quiet:
+            log.warning("refused a TCP data connection: %s", why)
 
     def metadata(self) -> bytes:
         """The listening endpoint, pool size and connection key, as JSON."""
@@ -493,6 +640,11 @@ class TcpTransport(Transport):
     def has_peer(self, name: str) -> bool:
         """Whether the peer's endpoint is known."""
         return name in self._peer_md
+
+    def peer_pool_size(self, name: str) -> int | None:
+        """The pool size the peer's metadata gave."""
+        md = self._peer_md.get(name)
+        return None if md is None else int(json.loads(md)["size"])
 
     def remove_peer(self, name: str) -> None:
         """Forget the peer and close its connection."""
@@ -592,12 +744,20 @@ def make_transport(
     advertise_host: str = "",
     nixl_threads: int = 0,
     nixl_progress_thread: bool = False,
+    tcp_handshake_timeout_s: float = 10.0,
+    tcp_max_handshakes: int = 64,
 ) -> Transport:
     """The transport ``kind`` ("nixl" or "tcp") over ``pool``."""
     if kind == "nixl":
         return NixlTransport(pool, num_threads=nixl_threads, progress_thread=nixl_progress_thread)
     if kind == "tcp":
-        return TcpTransport(pool, host=host, advertise_host=advertise_host)
+        return TcpTransport(
+            pool,
+            host=host,
+            advertise_host=advertise_host,
+            handshake_timeout_s=tcp_handshake_timeout_s,
+            max_handshakes=tcp_max_handshakes,
+        )
     raise ValueError(f"unknown transport {kind!r}")
 
 

@@ -46,6 +46,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),
     ("replay",): ("lab.sim.replay", "replay a trace through routing policies"),
+    ("trace", "synth"): ("lab.synth", "write a Mooncake-format trace of a named family"),
     ("up",): ("lab.up", "run the whole cluster on this machine and drive it with the trace"),
     ("xfer", "serve"): ("xfer.cli", "run a KV transfer sidecar"),
     ("certs",): ("lab.devcerts", "write a development CA, certificates and a policy"),

@@ -1,7 +1,7 @@
 """``kvmesh replay``: a trace through routing policies, in virtual time.
 
-Each trace request arrives at its trace time at one of ``R`` routers (chosen
-at random per request with the seed), each router a
+Each trace request arrives at its trace time (divided by ``--speed``) at one
+of ``R`` routers (chosen at random per request with the seed), each router a
 :class:`router_client.Router` of its own, and is routed to one of ``W``
 simulated engines (:mod:`lab.sim.engine`) by the policy under test:
 
@@ -12,14 +12,39 @@ simulated engines (:mod:`lab.sim.engine`) by the policy under test:
   per-router tree), scored by router_client's cost;
 - ``cache_shared``: router_client over the kvmesh indexer, which the engines
   feed with their real KV events (in-process memory backend; ``--indexer
-  ADDR`` drives a live indexer over gRPC instead).
+  ADDR`` drives a live indexer over gRPC instead). An engine publishes a
+  request's events when its prefill ends plus ``--event-lag-ms``, so a
+  request arriving earlier with the same new prefix is routed without them,
+  as a real router would route it.
 
 Everything runs on one discrete-event queue, so a run is fast and, with the
 in-process index, deterministic for a seed. Hit rates count prompt blocks
 found cached on the chosen worker; the bounds are one LRU cache of ``W x
 capacity`` blocks fed the whole stream in order (pooled) and an unbounded
-one (infinite). Worker CV is the coefficient of variation of requests per
-worker (load CV: of the time-averaged requests in flight).
+one (infinite). Request CV is the coefficient of variation of requests per
+worker; load CV, of the time-averaged requests in flight.
+
+**Load.** The service model (:class:`lab.sim.engine.ServiceModel`: prefill
+tokens per second, decode seconds per token, requests running at once; each
+a flag) makes the trace's requests a known amount of work: prefill seconds
+of the uncached prompt tokens (one prefill at a time per engine) and slot
+seconds (prefill + decode, ``max_running`` slots per engine). The fleet's
+utilisation is the larger of the two over the fleet's capacity during the
+trace's arrival span; both scale with the arrival rate. ``--load U`` sets
+``--speed`` so that it is ``U`` with the hits of a basis: ``p2c`` (the
+default: the hits P2C routing finds at speed 1, so the cache-blind baseline
+runs ``U`` busy and a policy that finds more hits runs cooler), ``pooled``
+(the hits of the pooled bound: only a policy as good as the caches allow
+stays at ``U``, every other one runs hotter, often past 1) or ``cold`` (no
+hits at all). Each policy reports the utilisation it really caused
+(``util``). Dividing the trace's times also shortens the gaps between a
+conversation's turns; the replay reports the share of requests that arrive
+before the previous turn of their conversation finished (conversations as
+:func:`lab.synth.measure` reads them), which is 0 in a real fleet.
+
+**TTFT.** Queueing delay is the wait from arrival to prefill start; TTFT adds
+the prefill. Goodput is the share of requests whose TTFT is within
+``--ttft-slo-s``.
 """
 
 from __future__ import annotations
@@ -31,9 +56,9 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc.aio
 from prometheus_client import CollectorRegistry
@@ -47,6 +72,7 @@ from lab.bench.report import write_report
 from lab.sim.clock import VirtualClock
 from lab.sim.engine import ServiceModel, SimEngine, SimRequest
 from lab.sim.publish import GrpcPublisher, MemoryPublisher
+from lab.synth import measure
 from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_block_key
 from router_client.config import DEFAULT_BALANCE, RouterConfig
 from router_client.indexer_client import (
@@ -65,10 +91,28 @@ POLICIES = ("round_robin", "random", "p2c", "cache_local", "cache_shared")
 #: Model name the simulated engines register under.
 REPLAY_MODEL = "kvmesh-replay"
 
+#: What a run without a trace path replays.
+BUNDLED_TRACE = "mooncake conversation (bundled)"
+
+#: The default TTFT SLO of goodput. A chat budget for prompts of several
+#: thousand tokens: the bundled trace's median prompt (6.9k tokens) prefills in
+#: 0.7 s at the default prefill rate, so 2 s leaves room for a short queue and
+#: fails a request stuck behind a long one.
+DEFAULT_TTFT_SLO_S = 2.0
+
+LoadBasis = Literal["p2c", "pooled", "cold"]
+LOAD_BASES: tuple[LoadBasis, ...] = ("p2c", "pooled", "cold")
+
 
 @dataclass(slots=True)
 class ReplaySettings:
-    """One replay's parameters (the command-line flags)."""
+    """One replay's parameters (the command-line flags).
+
+    ``speed`` divides the trace's times; ``load``, when set, is the target
+    utilisation :func:`run_replay` turns into a speed (module docstring).
+    ``event_lag_s``: engines publish a request's events this long after its
+    prefill ends. ``trace`` names the trace in the table and the plot.
+    """
 
     routers: int = 4
     workers: int = 16
@@ -77,6 +121,29 @@ class ReplaySettings:
     balance: float = DEFAULT_BALANCE
     indexer: str | None = None
     service: ServiceModel = field(default_factory=ServiceModel)
+    speed: float = 1.0
+    load: float | None = None
+    load_basis: LoadBasis = "p2c"
+    event_lag_s: float = 0.0
+    ttft_slo_s: float = DEFAULT_TTFT_SLO_S
+    trace: str = BUNDLED_TRACE
+
+
+@dataclass(frozen=True, slots=True)
+class Utilisation:
+    """A fleet's utilisation by resource: prefill seconds and request slots."""
+
+    prefill: float
+    slots: float
+
+    @property
+    def fleet(self) -> float:
+        """The busier resource's utilisation."""
+        return max(self.prefill, self.slots)
+
+    def scaled(self, speed: float) -> Utilisation:
+        """The same work arriving ``speed`` times faster."""
+        return Utilisation(self.prefill * speed, self.slots * speed)
 
 
 @dataclass(slots=True)
@@ -93,6 +160,24 @@ class PolicyResult:
     reasons: dict[str, int]
     requests_per_worker: list[int]
     seconds: float
+    ttft_p99_ms: float = 0.0
+    queue_mean_ms: float = 0.0
+    queue_p95_ms: float = 0.0
+    #: Share of requests whose TTFT is within the SLO.
+    goodput: float = 0.0
+    #: Prefill seconds this policy caused over the fleet's prefill capacity.
+    prefill_util: float = 0.0
+    #: Slot seconds (prefill + decode) it caused over the fleet's slots.
+    slot_util: float = 0.0
+    #: Share of requests arriving before the previous turn of their conversation finished.
+    early_turns: float = 0.0
+    #: Hit blocks of every request, in trace order.
+    request_hits: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def utilisation(self) -> float:
+        """The busier resource's utilisation."""
+        return max(self.prefill_util, self.slot_util)
 
 
 @dataclass(slots=True)
@@ -104,6 +189,8 @@ class ReplayResult:
     pooled_bound: float
     infinite_bound: float
     results: list[PolicyResult]
+    #: Utilisation of the trace at ``settings.speed`` on the load basis.
+    offered: Utilisation = Utilisation(0.0, 0.0)
 
     def params(self) -> dict[str, Any]:
         """What was replayed (the ``params`` of ``--json``): settings, requests, policies."""
@@ -118,12 +205,25 @@ class ReplayResult:
         out: dict[str, float] = {
             "pooled_bound_hit_rate": self.pooled_bound,
             "infinite_cache_bound": self.infinite_bound,
+            "speed": self.settings.speed,
+            "offered_utilisation": self.offered.fleet,
+            "offered_prefill_utilisation": self.offered.prefill,
+            "offered_slot_utilisation": self.offered.slots,
         }
         for r in self.results:
             out[f"{r.policy}_hit_rate"] = r.hit_rate
             out[f"{r.policy}_bound_fraction"] = r.bound_fraction
             out[f"{r.policy}_worker_cv"] = r.worker_cv
+            out[f"{r.policy}_load_cv"] = r.load_cv
+            out[f"{r.policy}_ttft_p50_ms"] = r.ttft_p50_ms
             out[f"{r.policy}_ttft_p95_ms"] = r.ttft_p95_ms
+            out[f"{r.policy}_ttft_p99_ms"] = r.ttft_p99_ms
+            out[f"{r.policy}_queue_mean_ms"] = r.queue_mean_ms
+            out[f"{r.policy}_queue_p95_ms"] = r.queue_p95_ms
+            out[f"{r.policy}_goodput"] = r.goodput
+            out[f"{r.policy}_prefill_utilisation"] = r.prefill_util
+            out[f"{r.policy}_slot_utilisation"] = r.slot_util
+            out[f"{r.policy}_early_turns"] = r.early_turns
         return out
 
 
@@ -144,13 +244,53 @@ def trace_keys(trace: Sequence[TraceRequest]) -> list[list[int]]:
 
 def bounds(keys: Sequence[Sequence[int]], workers: int, capacity: int) -> tuple[float, float]:
     """(pooled, infinite) hit rates of the stream (see the module docstring)."""
+    pooled, inf, _ = bounds_and_hits(keys, workers, capacity)
+    return pooled, inf
+
+
+def bounds_and_hits(
+    keys: Sequence[Sequence[int]], workers: int, capacity: int
+) -> tuple[float, float, list[int]]:
+    """:func:`bounds` and the pooled cache's hit blocks of every request."""
     pooled = pooled_cache([capacity] * workers)
     inf = infinite_cache()
     ps, fs = HitStats(), HitStats()
+    hits = []
     for k in keys:
-        ps.add(len(k), pooled.access(k).hits)
+        h = pooled.access(k).hits
+        hits.append(h)
+        ps.add(len(k), h)
         fs.add(len(k), inf.access(k).hits)
-    return ps.hit_rate, fs.hit_rate
+    return ps.hit_rate, fs.hit_rate, hits
+
+
+def arrival_span_s(trace: Sequence[TraceRequest]) -> float:
+    """Seconds from the trace's first arrival to its last (at speed 1)."""
+    if len(trace) < 2:
+        return 0.0
+    return (trace[-1].timestamp - trace[0].timestamp) / 1000.0
+
+
+def offered_utilisation(
+    trace: Sequence[TraceRequest],
+    hit_blocks: Sequence[int],
+    workers: int,
+    service: ServiceModel,
+    block_size: int = MOONCAKE_BLOCK_SIZE,
+) -> Utilisation:
+    """The fleet's utilisation by the trace at speed 1, ``hit_blocks[i]`` of request
+    ``i``'s blocks cached (module docstring). Zero for a trace without a span."""
+    span = arrival_span_s(trace)
+    if span <= 0 or workers <= 0:
+        return Utilisation(0.0, 0.0)
+    prefill_s = slot_s = 0.0
+    for req, hits in zip(trace, hit_blocks, strict=True):
+        p = service.prefill_s(max(0, req.input_length - hits * block_size))
+        prefill_s += p
+        slot_s += p + service.decode_s(req.output_length)
+    return Utilisation(
+        prefill_s / (workers * span), slot_s / (workers * service.max_running * span)
+    )
 
 
 Chooser = Callable[[int, Router, RouteRequest, Sequence[int]], Awaitable[Choice]]
@@ -164,11 +304,14 @@ async def run_policy(
     pooled_bound: float,
     *,
     on_request: Callable[[int], Awaitable[None]] | None = None,
+    previous_turn: Sequence[int | None] | None = None,
 ) -> PolicyResult:
     """Replay the trace through one policy and return its figures.
 
     ``on_request(i)`` is awaited after the ``i``-th request was routed (tests
     use it to inject faults, e.g. stop the indexer mid-replay).
+    ``previous_turn[i]`` is the request before ``i`` in its conversation
+    (None for a first turn), for the early-turn share (0 without it).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
@@ -210,25 +353,35 @@ async def run_policy(
         for n in names:
             await publisher.register(n)
 
+    publishes = policy == "cache_shared"
     engines = {
         n: SimEngine(
             name=n,
             capacity=settings.capacity,
             block_size=MOONCAKE_BLOCK_SIZE,
-            publish=publisher.publish if policy == "cache_shared" else _no_publish,
+            publish=publisher.publish if publishes else _no_publish,
             schedule=sim.schedule,
             on_load=on_load,
-            on_finish=lambda req, at: _finish(finished_by, req),
+            on_finish=lambda req, at: _finish(finished_by, finished_at, req, at),
             model=settings.service,
+            event_lag_s=settings.event_lag_s if publishes else None,
         )
         for n in names
     }
+    fleet = list(engines.values())
+    finished_at = [0.0] * len(trace)
+    arrivals = [0.0] * len(trace)
+    request_hits = [0] * len(trace)
     choose = _chooser(policy, names, settings, index, reasons)
     rng = random.Random(settings.seed)
     stats = HitStats()
+    speed = settings.speed
     for i, (treq, k) in enumerate(zip(trace, keys, strict=True)):
-        t = treq.timestamp / 1000.0
+        t = treq.timestamp / 1000.0 / speed
         sim.run_until(t)
+        for e in fleet:
+            if e.outbox:
+                await e.flush()
         ri = rng.randrange(len(routers))
         router = routers[ri]
         rreq = RouteRequest(
@@ -243,9 +396,13 @@ async def run_policy(
         sreq = SimRequest(i, t, k, treq.input_length, treq.output_length)
         hits = await engines[choice.worker].admit(sreq, t)
         stats.add(len(k), hits)
+        arrivals[i] = t
+        request_hits[i] = hits
         if on_request is not None:
             await on_request(i)
     sim.run_until(float("inf"))
+    for e in fleet:
+        await e.flush()
     for r in routers:
         for (stage, why), count in r.decisions.items():
             if stage == "prefill":
@@ -256,20 +413,42 @@ async def run_policy(
             r.indexer = None
         await channel.close()
     end = max(sim.now, 1e-9)
-    per_worker = [engines[n].served for n in names]
-    ttfts = [x for n in names for x in engines[n].ttfts] or [0.0]  # 0 for an empty trace
+    per_worker = [e.served for e in fleet]
+    ttfts = [x for e in fleet for x in e.ttfts] or [0.0]  # 0 for an empty trace
+    queued = [x for e in fleet for x in e.queue_delays] or [0.0]
+    span = arrival_span_s(trace) / speed
+    capacity_s = len(fleet) * span
+    early = 0
+    if previous_turn is not None:
+        early = sum(
+            1
+            for i, prev in enumerate(previous_turn)
+            if prev is not None and arrivals[i] < finished_at[prev]
+        )
     hit = stats.hit_rate
     return PolicyResult(
         policy=policy,
         hit_rate=hit,
         bound_fraction=hit / pooled_bound if pooled_bound else 0.0,
         worker_cv=worker_cv(per_worker),
-        load_cv=worker_cv(engines[n].load_area / end for n in names),
+        load_cv=worker_cv(e.load_area / end for e in fleet),
         ttft_p50_ms=percentile(ttfts, 0.5) * 1000.0,
         ttft_p95_ms=percentile(ttfts, 0.95) * 1000.0,
         reasons=dict(sorted(reasons.items())),
         requests_per_worker=per_worker,
         seconds=time.perf_counter() - t0,
+        ttft_p99_ms=percentile(ttfts, 0.99) * 1000.0,
+        queue_mean_ms=sum(queued) / len(queued) * 1000.0,
+        queue_p95_ms=percentile(queued, 0.95) * 1000.0,
+        goodput=sum(1 for x in ttfts if x <= settings.ttft_slo_s) / len(ttfts),
+        prefill_util=sum(e.prefill_busy_s for e in fleet) / capacity_s if span > 0 else 0.0,
+        slot_util=(
+            sum(e.slot_work_s for e in fleet) / (capacity_s * settings.service.max_running)
+            if span > 0
+            else 0.0
+        ),
+        early_turns=early / len(trace) if trace else 0.0,
+        request_hits=request_hits,
     )
 
 
@@ -277,7 +456,13 @@ async def _no_publish(batch: object) -> None:
     return None
 
 
-def _finish(finished_by: dict[int, tuple[Router, RouteRequest]], req: SimRequest) -> None:
+def _finish(
+    finished_by: dict[int, tuple[Router, RouteRequest]],
+    finished_at: list[float],
+    req: SimRequest,
+    at: float,
+) -> None:
+    finished_at[req.id] = at
     router, rreq = finished_by.pop(req.id)
     router.finished(rreq)
 
@@ -365,14 +550,60 @@ async def run_replay(
     *,
     on_request: Callable[[str, int], Awaitable[None]] | None = None,
 ) -> ReplayResult:
-    """Replay ``trace`` through each policy; ``on_request(policy, i)`` as in :func:`run_policy`."""
+    """Replay ``trace`` through each policy; ``on_request(policy, i)`` as in :func:`run_policy`.
+
+    With ``settings.load`` set, the replay runs at the speed that makes the
+    trace's utilisation that load on ``settings.load_basis`` (the result's
+    ``settings.speed``; the ``p2c`` basis first replays P2C at speed 1 for its
+    hits); raises ``ValueError`` when the trace has no arrival span to scale.
+    """
     keys = trace_keys(trace)
-    pooled, inf = bounds(keys, settings.workers, settings.capacity)
+    pooled, inf, pooled_hits = bounds_and_hits(keys, settings.workers, settings.capacity)
+    previous = previous_turns(trace)
+    service, workers = settings.service, settings.workers
+
+    async def p2c_hits(at: ReplaySettings) -> list[int]:
+        base = await run_policy("p2c", trace, keys, at, pooled)
+        return base.request_hits
+
+    at_one: Utilisation | None = None
+    if settings.load_basis == "pooled":
+        at_one = offered_utilisation(trace, pooled_hits, workers, service)
+    elif settings.load_basis == "cold":
+        at_one = offered_utilisation(trace, [0] * len(trace), workers, service)
+    if settings.load is not None:
+        if at_one is None:
+            hits = await p2c_hits(replace(settings, speed=1.0, load=None))
+            at_one = offered_utilisation(trace, hits, workers, service)
+        if at_one.fleet <= 0:
+            raise ValueError("--load needs a trace whose requests span some time")
+        settings = replace(settings, speed=settings.load / at_one.fleet)
     results = []
     for p in policies:
         hook = None if on_request is None else _bind(on_request, p)
-        results.append(await run_policy(p, trace, keys, settings, pooled, on_request=hook))
-    return ReplayResult(settings, len(trace), pooled, inf, results)
+        results.append(
+            await run_policy(
+                p, trace, keys, settings, pooled, on_request=hook, previous_turn=previous
+            )
+        )
+    if at_one is None:
+        # The p2c basis at the given speed: the run's own P2C hits, or a run for them.
+        ran = next((r for r in results if r.policy == "p2c"), None)
+        hits = ran.request_hits if ran is not None else await p2c_hits(settings)
+        at_one = offered_utilisation(trace, hits, workers, service)
+    offered = at_one.scaled(settings.speed)
+    return ReplayResult(settings, len(trace), pooled, inf, results, offered)
+
+
+def previous_turns(trace: Sequence[TraceRequest]) -> list[int | None]:
+    """The request before each one in its conversation (None for a first turn), as
+    :func:`lab.synth.measure` reads conversations."""
+    last: dict[int, int] = {}
+    out: list[int | None] = []
+    for i, c in enumerate(measure(trace).conversation_of):
+        out.append(last.get(c))
+        last[c] = i
+    return out
 
 
 def _bind(
@@ -384,25 +615,51 @@ def _bind(
     return hook
 
 
+def trace_name(path: str | Path | None) -> str:
+    """How the table and the plot name a trace: its file name, or the bundled one."""
+    return BUNDLED_TRACE if path is None else Path(path).name
+
+
 def format_table(result: ReplayResult) -> str:
     """The policy table printed by ``kvmesh replay``."""
     s = result.settings
+    m = s.service
+    o = result.offered
+    pace = f"speed {s.speed:.3g}x" + (f" for load {s.load:g}" if s.load is not None else "")
     lines = [
-        f"{result.requests} requests, R={s.routers} routers, W={s.workers} workers, "
+        f"{s.trace}: {result.requests} requests, R={s.routers} routers, W={s.workers} workers, "
         f"{s.capacity} blocks/worker, seed {s.seed}, balance {s.balance}",
+        f"{pace}: utilisation {o.fleet:.2f} on the {s.load_basis} basis (prefill "
+        f"{o.prefill:.2f}, slots {o.slots:.2f}); service: prefill "
+        f"{m.prefill_tokens_per_s:g} tokens/s, "
+        f"decode {m.decode_s_per_token * 1000:g} ms/token, {m.max_running} running; "
+        f"events at prefill end + {s.event_lag_s * 1000:g} ms; TTFT SLO {s.ttft_slo_s:g} s",
         f"bounds: pooled LRU ({s.workers}x{s.capacity} blocks) "
         f"{result.pooled_bound:.1%}, infinite cache {result.infinite_bound:.1%}",
         "",
-        f"{'policy':<13} {'hit':>6} {'of pool':>8} {'req CV':>7} {'load CV':>8} "
-        f"{'TTFT p50':>9} {'TTFT p95':>9}  decisions by reason",
+        f"{'policy':<13} {'hit':>6} {'of pool':>8} {'req CV':>7} {'load CV':>8} {'util':>5} "
+        f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'queue':>7} {'goodput':>8}  decisions by reason",
     ]
     for r in result.results:
         why = ", ".join(f"{k} {v}" for k, v in r.reasons.items())
         lines.append(
             f"{r.policy:<13} {r.hit_rate:>6.1%} {r.bound_fraction:>8.1%} {r.worker_cv:>7.3f} "
-            f"{r.load_cv:>8.3f} {r.ttft_p50_ms:>7.0f}ms {r.ttft_p95_ms:>7.0f}ms  {why}"
+            f"{r.load_cv:>8.3f} {r.utilisation:>5.2f} {_secs(r.ttft_p50_ms):>9} "
+            f"{_secs(r.ttft_p95_ms):>7} {_secs(r.ttft_p99_ms):>7} {_secs(r.queue_mean_ms):>7} "
+            f"{r.goodput:>8.1%}  {why}"
         )
+    early = ", ".join(f"{r.policy} {r.early_turns:.1%}" for r in result.results)
+    lines += [
+        "(util: the busier of prefill and slots, work caused over the fleet's capacity; "
+        "queue: mean wait for the prefill to start; goodput: TTFT within the SLO)",
+        f"requests arriving before their conversation's previous turn finished: {early}",
+    ]
     return "\n".join(lines)
+
+
+def _secs(ms: float) -> str:
+    """Milliseconds as a table cell in seconds."""
+    return f"{ms / 1000:.2f}s" if ms < 100_000 else f"{ms / 1000:,.0f}s"
 
 
 def plotting_available() -> bool:
@@ -415,25 +672,46 @@ def plotting_available() -> bool:
 
 
 def plot(result: ReplayResult, path: str | Path) -> None:
-    """Bar charts of hit rate (with the bounds) and Worker CV per policy, as a PNG."""
+    """A PNG of four panels per policy: hit rate (with the bounds), request and load CV,
+    TTFT p50/p95/p99 (with the SLO) and goodput; the title names the trace and the load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r.policy for r in result.results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.bar(names, [r.hit_rate * 100 for r in result.results], color="tab:blue")
+    res = result.results
+    names = [r.policy for r in res]
+    xs = list(range(len(names)))
+    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(12, 8))
+    ax1.bar(names, [r.hit_rate * 100 for r in res], color="tab:blue")
     ax1.axhline(result.pooled_bound * 100, color="tab:green", ls="--", label="pooled bound")
     ax1.axhline(result.infinite_bound * 100, color="tab:gray", ls=":", label="infinite cache")
     ax1.set_ylabel("block hit rate (%)")
     ax1.legend(loc="lower right")
-    ax2.bar(names, [r.worker_cv for r in result.results], color="tab:orange")
-    ax2.set_ylabel("Worker CV (requests per worker)")
+    w = 0.4
+    ax2.bar([x - w / 2 for x in xs], [r.worker_cv for r in res], w, label="requests")
+    ax2.bar([x + w / 2 for x in xs], [r.load_cv for r in res], w, label="load (in flight)")
+    ax2.set_ylabel("CV across workers")
+    ax2.legend(loc="upper right")
+    w = 0.27
+    for j, q in enumerate(("p50", "p95", "p99")):
+        values = [getattr(r, f"ttft_{q}_ms") / 1000 for r in res]
+        ax3.bar([x + (j - 1) * w for x in xs], values, w, label=q)
+    ax3.axhline(result.settings.ttft_slo_s, color="tab:red", ls="--", label="TTFT SLO")
+    ax3.set_yscale("log")
+    ax3.set_ylabel("TTFT (s)")
+    ax3.legend(loc="upper right")
+    ax4.bar(names, [r.goodput * 100 for r in res], color="tab:purple")
+    ax4.set_ylim(0, 100)
+    ax4.set_ylabel(f"goodput (% with TTFT <= {result.settings.ttft_slo_s:g} s)")
+    for ax in (ax1, ax2, ax3, ax4):
+        ax.set_xticks(xs, names, rotation=20)
     s = result.settings
-    fig.suptitle(f"R={s.routers} W={s.workers} capacity={s.capacity} blocks/worker")
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(
+        f"{s.trace}: R={s.routers} W={s.workers} capacity={s.capacity} blocks/worker; "
+        f"speed {s.speed:.3g}x, utilisation {result.offered.fleet:.2f} on the "
+        f"{s.load_basis} basis; event lag {s.event_lag_s * 1000:g} ms"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -443,9 +721,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvmesh replay``."""
     p = argparse.ArgumentParser(
         prog="kvmesh replay",
-        description="Replay a trace through routing policies, in virtual time.",
+        description="Replay a trace through routing policies, in virtual time, at a chosen "
+        "load: hit rate against the pooled bound, request and load CV, TTFT, queueing "
+        "and goodput per policy.",
         formatter_class=HelpFormatter,
     )
+    defaults = ServiceModel()
     p.add_argument(
         "trace", nargs="?", default=None, help="Mooncake JSONL trace (default: the bundled one)"
     )
@@ -471,6 +752,58 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="replay only the first N requests (default: all)",
     )
+    p.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        metavar="U",
+        help="target fleet utilisation, e.g. 0.5, 0.7, 0.9: sets the speed so that the "
+        "service model's busier resource is U busy (default: the trace's own times)",
+    )
+    p.add_argument(
+        "--load-basis",
+        choices=LOAD_BASES,
+        default="p2c",
+        help="whose hits --load counts: P2C's at speed 1 (the cache-blind baseline runs at "
+        "the load), the pooled bound's, or none (cold)",
+    )
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="divide the trace's arrival times by this (not with --load)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=defaults.prefill_tokens_per_s,
+        help="service model: uncached prompt tokens an engine prefills per second, one "
+        "prefill at a time",
+    )
+    p.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=defaults.decode_s_per_token * 1000.0,
+        help="service model: milliseconds per output token of each running request",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=defaults.max_running,
+        help="service model: requests an engine runs at once (the rest queue FIFO)",
+    )
+    p.add_argument(
+        "--event-lag-ms",
+        type=float,
+        default=0.0,
+        help="engines publish a request's KV events this long after its prefill ends",
+    )
+    p.add_argument(
+        "--ttft-slo-s",
+        type=float,
+        default=DEFAULT_TTFT_SLO_S,
+        help="TTFT SLO of goodput, seconds",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write figures here")
     p.add_argument(
         "--plot",
@@ -487,6 +820,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, or None."""
+    if args.routers < 1 or args.workers < 2 or args.capacity < 0:
+        return "need --routers >= 1, --workers >= 2, --capacity >= 0"
+    if not 0.0 <= args.balance <= 1.0:
+        return "--balance must lie in [0, 1]"
+    if args.load is not None and args.load <= 0:
+        return "--load must be > 0"
+    if args.load is not None and args.speed != 1.0:
+        return "give --load or --speed, not both"
+    if args.speed <= 0:
+        return "--speed must be > 0"
+    if args.prefill_tokens_per_s <= 0 or args.decode_ms_per_token < 0 or args.max_running < 1:
+        return "need --prefill-tokens-per-s > 0, --decode-ms-per-token >= 0, --max-running >= 1"
+    if args.event_lag_ms < 0 or args.ttft_slo_s <= 0:
+        return "need --event-lag-ms >= 0 and --ttft-slo-s > 0"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvmesh replay``; returns the exit code."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -495,13 +847,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad or not policies:
         print(f"kvmesh replay: unknown policy {bad}; choose from {POLICIES}", file=sys.stderr)
         return 2
-    if args.routers < 1 or args.workers < 2 or args.capacity < 0:
-        print(
-            "kvmesh replay: need --routers >= 1, --workers >= 2, --capacity >= 0", file=sys.stderr
-        )
-        return 2
-    if not 0.0 <= args.balance <= 1.0:
-        print("kvmesh replay: --balance must lie in [0, 1]", file=sys.stderr)
+    problem = _check(args)
+    if problem is not None:
+        print(f"kvmesh replay: {problem}", file=sys.stderr)
         return 2
     if args.plot_path and not plotting_available():
         print(
@@ -522,6 +870,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         balance=args.balance,
         indexer=args.indexer,
+        service=ServiceModel(
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_s_per_token=args.decode_ms_per_token / 1000.0,
+            max_running=args.max_running,
+        ),
+        speed=args.speed,
+        load=args.load,
+        load_basis=args.load_basis,
+        event_lag_s=args.event_lag_ms / 1000.0,
+        ttft_slo_s=args.ttft_slo_s,
+        trace=trace_name(args.trace),
     )
     started: dict[str, float] = {}
 
@@ -532,7 +891,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.phase(f"{policy} ({n}/{len(policies)}): {len(trace):,} requests")
         progress.tick(lambda: f"{policy}: {i + 1:,}/{len(trace):,} requests")
 
-    result = asyncio.run(run_replay(trace, settings, policies, on_request=report))
+    try:
+        result = asyncio.run(run_replay(trace, settings, policies, on_request=report))
+    except ValueError as e:
+        print(f"kvmesh replay: {e}", file=sys.stderr)
+        return 2
     print(format_table(result))
     if args.json_path:
         write_report(args.json_path, result.figures(), result.params())

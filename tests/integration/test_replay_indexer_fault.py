@@ -32,5 +32,10 @@ async def test_indexer_killed_mid_replay() -> None:
     assert stopped
     assert sum(r.reasons.values()) == 240 == sum(r.requests_per_worker)
     assert r.reasons.get("indexer_unavailable", 0) >= 100  # every decision after the stop
-    assert r.reasons.get("cache_candidate", 0) > 0  # the indexer did answer before it
+    # the indexer did answer before it: the first 120 prompts share block 0 alone, which
+    # every engine holds by the time its prefills' events arrive, so the answers tie
+    # (no_cache_candidate); a Match past its 5 ms deadline on a busy host counts as
+    # indexer_unavailable, hence no more than "some answered"
+    answered = r.reasons.get("cache_candidate", 0) + r.reasons.get("no_cache_candidate", 0)
+    assert answered > 0, r.reasons
     assert r.hit_rate > 0

@@ -71,6 +71,19 @@ the instance and the reaper frees its blocks. On start, an instance the
 index already holds (redis backend, a replica restart) is adopted with its
 incarnation and applied sequence, so the subscriber resumes from the next
 batch instead of resetting it.
+
+Where it runs: the subscriber feeds an :class:`indexer.kvevents.sink.EventSink`,
+the indexer's own logic (``engine_events.endpoints`` of a replica) or, in
+``kvmesh bridge`` beside the engine, a gRPC link to the indexer Service
+(indexer/bridge/). :class:`SubscriberOptions` holds what differs: the
+default lease, whether applies need the loop to take turns, the incarnation
+prefix and whether an instance registered by someone else may be adopted,
+and an optional bounded buffer between the socket and the stream logic
+(indexer/kvevents/buffer.py). With the buffer, a reader task only moves
+messages from the socket into it; when it is full a message is dropped and
+counted, and the gap it leaves is settled like any other (replay, else
+``on_unrecoverable_gap``): by the next message that shows it, or, once the
+buffer runs empty with drops pending, at once.
 """
 
 from __future__ import annotations
@@ -90,7 +103,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.config import EngineEventSettings, ZmqEndpointSettings
 from indexer.instrumented import backend_of
+from indexer.kvevents.buffer import BufferLimits, FrameBuffer
 from indexer.kvevents.decode import MalformedFrame, decode_batch, decode_seq
+from indexer.kvevents.sink import EventSink
 from indexer.logic import IndexerLogic
 from indexer.memory import MemoryIndex
 from indexer.model import BatchOutcome, EventBatch, InstanceId, InstanceSpec
@@ -169,8 +184,40 @@ def _digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
-def _new_incarnation() -> str:
-    return f"zmq-{uuid.uuid4().hex[:12]}"
+def _new_incarnation(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+#: Longest pause between restarts of a subscriber that keeps failing. A
+#: refusal that does not fix itself (a policy that does not give this identity
+#: the instance) then costs one log line every half minute, not every second.
+_RESTART_CAP_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberOptions:
+    """How an endpoint subscriber runs, besides its endpoint's settings (see the module doc)."""
+
+    #: Lease of an endpoint whose ``lease_ttl_s`` is 0.
+    default_lease_ttl_s: float = 30.0
+    #: The sink applies without awaiting I/O (the memory backend): the
+    #: subscribers of a loop take turns (:func:`indexer.pacing.loop_turns`).
+    applies_inline: bool = False
+    #: Incarnations this subscriber registers are ``<prefix>-<random>``.
+    incarnation_prefix: str = "zmq"
+    #: On start, adopt the instance whatever incarnation the index holds for it;
+    #: False: only one of this prefix (another is someone else's stream: reset it).
+    adopt_foreign: bool = True
+    #: Read the socket into a bounded buffer (None: straight from ZMQ's queue).
+    buffer: BufferLimits | None = None
+
+
+def logic_options(logic: IndexerLogic) -> SubscriberOptions:
+    """The options of the subscribers an indexer replica runs on its own logic."""
+    return SubscriberOptions(
+        default_lease_ttl_s=logic.config.default_lease_ttl_s,
+        applies_inline=isinstance(backend_of(logic.index), MemoryIndex),
+    )
 
 
 class EndpointSubscriber:
@@ -178,19 +225,27 @@ class EndpointSubscriber:
 
     def __init__(
         self,
-        logic: IndexerLogic,
+        logic: EventSink,
         endpoint: ZmqEndpointSettings,
         settings: EngineEventSettings,
         context: zmq.asyncio.Context,
         pacer: Pacer | None = None,
+        options: SubscriberOptions | None = None,
     ) -> None:
+        if options is None:
+            options = (
+                logic_options(logic) if isinstance(logic, IndexerLogic) else SubscriberOptions()
+            )
         self.logic = logic
+        self.options = options
         self._pacer = pacer
         self.endpoint = endpoint
         self.settings = settings
         self.instance = InstanceId(endpoint.worker_id, endpoint.dp_rank)
         self.counters = SubscriberCounters()
-        self.lease_ttl_s = endpoint.lease_ttl_s or logic.config.default_lease_ttl_s
+        self.lease_ttl_s = endpoint.lease_ttl_s or options.default_lease_ttl_s
+        #: Messages between the socket reader and the stream logic (None: unbuffered).
+        self.buffer = FrameBuffer(options.buffer) if options.buffer is not None else None
         #: The sequence expected next; None before the first batch of a stream.
         self.next_seq: int | None = None
         self.incarnation = ""
@@ -205,7 +260,7 @@ class EndpointSubscriber:
         self._replayed: dict[int, bytes] = {}
         self._last_live: int | None = None
         self._engine_hash_keys = endpoint.keys == "engine_hashes"
-        self._cpu_bound = isinstance(backend_of(logic.index), MemoryIndex)
+        self._cpu_bound = options.applies_inline
         self._warned_rank = False
         self._stopping = False
         # Set when the index reset the instance this subscriber fed: rebuild it.
@@ -262,6 +317,14 @@ class EndpointSubscriber:
             ]
             # The same socket without asyncio: non-blocking reads, no future each.
             queued: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+            if self.buffer is not None:
+                tasks.append(
+                    asyncio.create_task(
+                        self._read_into(sub, queued, self.buffer),
+                        name=f"kvmesh-zmq-reader-{ep.worker_id}",
+                    )
+                )
+                await self._drain(self.buffer)
             while True:
                 frames = await sub.recv_multipart()
                 await self.pacer.pace()
@@ -285,6 +348,56 @@ class EndpointSubscriber:
                 sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    @staticmethod
+    async def _read_into(
+        sub: zmq.asyncio.Socket, queued: zmq.Socket[bytes], buffer: FrameBuffer
+    ) -> None:
+        """Move every message from the socket into ``buffer`` (which drops when full)."""
+        while True:
+            buffer.put(await sub.recv_multipart())
+            for _ in range(_RECV_BATCH - 1):
+                try:
+                    buffer.put(queued.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+
+    async def _drain(self, buffer: FrameBuffer) -> None:
+        """The stream logic over buffered messages; settles drops once the buffer is empty."""
+        while True:
+            if not buffer:
+                dropped, through = buffer.take_drops()
+                if dropped:
+                    async with self._lock:
+                        await self._settle_drops(through)
+                    continue
+            frames = await buffer.get()
+            await self.pacer.pace()
+            async with self._lock:
+                await self._on_live(frames)
+                for _ in range(_RECV_BATCH - 1):
+                    await self.pacer.pace()
+                    more = buffer.get_nowait()
+                    if more is None:
+                        break
+                    await self._on_live(more)
+
+    async def _settle_drops(self, through: int | None) -> None:
+        """The buffer dropped batches up to ``through`` and nothing after them came:
+        fill the gap from replay now, else handle it as an unrecoverable one, so the
+        index does not wait for the engine's next batch to learn of the loss."""
+        await self._ensure_registered()
+        await self._rebuild()
+        if through is None or (self.next_seq is not None and through < self.next_seq):
+            return  # a later message showed the gap and it was settled then
+        if self.next_seq is not None:
+            self.counters.gaps += 1
+        await self._catch_up(self.next_seq or 0)
+        await self._rebuild()
+        expected = 0 if self.next_seq is None else self.next_seq
+        if through >= expected:
+            await self._lost(expected, through + 1)
+            self.next_seq = through + 1
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         """Track whether the engine is connected, from the socket monitor."""
@@ -338,6 +451,17 @@ class EndpointSubscriber:
                 await asyncio.sleep(_BACKOFF_CAP_S)
         for st in states:
             if st.spec.instance == self.instance:
+                if not self.options.adopt_foreign and not st.spec.incarnation.startswith(
+                    f"{self.options.incarnation_prefix}-"
+                ):
+                    log.info(
+                        "%s: the index holds it with incarnation %r, not one of this "
+                        "subscriber's (%s-...): registering it anew",
+                        self.instance,
+                        st.spec.incarnation,
+                        self.options.incarnation_prefix,
+                    )
+                    return
                 self.incarnation = st.spec.incarnation
                 if st.applied_sequence is not None:
                     self.next_seq = st.applied_sequence + 1
@@ -355,7 +479,7 @@ class EndpointSubscriber:
         Returns whether the index reset the instance (or did not hold it).
         """
         if new or not self.incarnation:
-            self.incarnation = _new_incarnation()
+            self.incarnation = _new_incarnation(self.options.incarnation_prefix)
         ep = self.endpoint
         spec = InstanceSpec(
             instance=self.instance,
@@ -658,15 +782,22 @@ class EndpointSubscriber:
 
 
 class EngineEventSubscribers:
-    """Every configured endpoint subscriber, started and stopped with the server."""
+    """Every configured endpoint subscriber, started and stopped with their process
+    (an indexer replica, or ``kvmesh bridge``)."""
 
-    def __init__(self, logic: IndexerLogic, settings: EngineEventSettings) -> None:
+    def __init__(
+        self,
+        logic: EventSink,
+        settings: EngineEventSettings,
+        options: SubscriberOptions | None = None,
+    ) -> None:
         self.settings = settings
         self._ctx = zmq.asyncio.Context()
         # The subscribers share the loop's budget (indexer.pacing.loop_pacer):
         # together, and with the memory backend's long applies, they give way to the loop.
         self.subscribers = [
-            EndpointSubscriber(logic, ep, settings, self._ctx) for ep in settings.endpoints
+            EndpointSubscriber(logic, ep, settings, self._ctx, options=options)
+            for ep in settings.endpoints
         ]
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -678,16 +809,23 @@ class EngineEventSubscribers:
 
     @staticmethod
     async def _run(s: EndpointSubscriber) -> None:
-        # A subscriber that fails for an unforeseen reason restarts after a
-        # pause: one broken endpoint must not stop the others or the server.
+        # A subscriber that fails restarts after a pause: one broken endpoint
+        # must not stop the others or the server. A refusal (a KvmeshError: the
+        # policy, a namespace cap) is one line, not a traceback; the pause
+        # doubles while it keeps failing without having applied anything.
+        pause = 1.0
         while True:
+            applied = s.counters.batches_applied
             try:
                 await s.run()
             except asyncio.CancelledError:
                 raise
+            except KvmeshError as e:
+                log.error("%s: subscriber stopped: %s; restarting in %.0fs", s.instance, e, pause)
             except Exception:
-                log.exception("%s: subscriber failed; restarting in 1s", s.instance)
-                await asyncio.sleep(1.0)
+                log.exception("%s: subscriber failed; restarting in %.0fs", s.instance, pause)
+            await asyncio.sleep(pause)
+            pause = 1.0 if s.counters.batches_applied > applied else min(pause * 2, _RESTART_CAP_S)
 
     def counters(self) -> SubscriberCounters:
         """Sum of every subscriber's counters."""

@@ -250,6 +250,17 @@ class Limits(StrictModel):
         "HTTP/2 settings) before the server closes it: a client that opens connections and "
         "never starts TLS cannot hold file descriptors for gRPC's default two minutes.",
     )
+    max_connections: int = Field(
+        default=4096,
+        ge=0,
+        description="Most client connections the gRPC port holds at once (authenticated or "
+        "still in their handshake); one more is closed as it is accepted. With "
+        "handshake_timeout_s it bounds what clients that open connections and never finish "
+        "a handshake can hold: at most this many file descriptors, each for at most the "
+        "timeout. It cannot tell them from real clients while the cap is full: keep it above "
+        "routers x replicas' channels plus bridges, and let a NetworkPolicy decide who may "
+        "connect. 0: no cap.",
+    )
     max_connection_age_s: float = Field(
         default=300.0,
         ge=0,

@@ -146,6 +146,24 @@ class Index(abc.ABC):
     async def dump(self) -> IndexDump:
         """The whole content in canonical form (for tests and debugging)."""
 
+    async def dump_blocks(
+        self, model: str, cap: int
+    ) -> tuple[list[tuple[Namespace, int, dict[InstanceId, int]]], bool]:
+        """At most ``cap`` blocks ``(namespace, key, {instance: tier mask})`` in
+        (namespace, key) order, of ``model``'s namespaces ("" = all), and whether
+        there were more. A backend overrides it to hold no more than ``cap``
+        blocks' holders at a time (this default reads the whole :meth:`dump`)."""
+        content = await self.dump()
+        out: list[tuple[Namespace, int, dict[InstanceId, int]]] = []
+        for ns in sorted(content.blocks):
+            if model and ns.model != model:
+                continue
+            for key in sorted(content.blocks[ns]):
+                if len(out) == cap:
+                    return out, True
+                out.append((ns, key, content.blocks[ns][key]))
+        return out, False
+
     async def ping(self) -> None:  # noqa: B027 - optional hook
         """Raise Unavailable when the backend cannot serve."""
 

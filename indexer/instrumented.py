@@ -254,6 +254,13 @@ class InstrumentedIndex(Index):
         with self._observe("dump"):
             return await self.inner.dump()
 
+    async def dump_blocks(
+        self, model: str, cap: int
+    ) -> tuple[list[tuple[Namespace, int, dict[InstanceId, int]]], bool]:
+        """See :meth:`Index.dump_blocks`."""
+        with self._observe("dump"):
+            return await self.inner.dump_blocks(model, cap)
+
     async def generation(self) -> int | None:
         """See :meth:`Index.generation`."""
         return await self.inner.generation()

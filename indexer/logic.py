@@ -1011,17 +1011,9 @@ class IndexerLogic:
         _check_name(model, "model", required=False)
         cap = max_blocks or DUMP_MAX_BLOCKS
         # No health change on failure: a debugging read without SCAN rights
-        # must not take the replica out of service.
-        content = await self.index.dump()
-        out: list[tuple[Namespace, int, dict[InstanceId, int]]] = []
-        for ns in sorted(content.blocks):
-            if model and ns.model != model:
-                continue
-            for key in sorted(content.blocks[ns]):
-                if len(out) == cap:
-                    return out, True
-                out.append((ns, key, content.blocks[ns][key]))
-        return out, False
+        # must not take the replica out of service. The backend holds at most
+        # ``cap`` blocks' holders, whatever the size of the index.
+        return await self.index.dump_blocks(model, cap)
 
     # -- stats ---------------------------------------------------------------
 

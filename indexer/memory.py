@@ -42,11 +42,12 @@ hold every Match and health probe until it is applied.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import chain, islice
 
 from indexer.index import Index
 from indexer.model import (
@@ -1048,6 +1049,30 @@ class MemoryIndex(Index):
             st.blocks += n_blocks
             st.block_instances += pairs
         return st
+
+    async def dump_blocks(
+        self, model: str, cap: int
+    ) -> tuple[list[tuple[Namespace, int, dict[InstanceId, int]]], bool]:
+        """See :meth:`Index.dump_blocks`: the keys of one namespace at a time
+        (ints), the holders of at most ``cap`` blocks; in one step, so the
+        answer is one moment of the index."""
+        ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
+        out: list[tuple[Namespace, int, dict[InstanceId, int]]] = []
+        for ns in sorted(self._blocks):
+            if model and ns.model != model:
+                continue
+            tables = self._blocks[ns]
+            shared = self._shared[ns]
+            want = cap - len(out)
+            # one more than fits: whether the answer is cut short
+            keys = heapq.nsmallest(want + 1, chain.from_iterable(tables))
+            for key in keys[:want]:
+                h = tables[key & _SHARD][key]
+                holders = _holders_dict(h, key, shared[key & _SHARD])
+                out.append((ns, key, {ids[i]: m for i, m in holders.items()}))
+            if len(keys) > want:
+                return out, True
+        return out, False
 
     async def dump(self) -> IndexDump:
         """The whole content in canonical form."""

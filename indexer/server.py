@@ -601,6 +601,11 @@ class IndexerServer:
                 ("grpc.so_reuseport", 0),
                 ("grpc.server_handshake_timeout_ms", int(lim.handshake_timeout_s * 1000)),
                 *(
+                    [("grpc.max_allowed_incoming_connections", lim.max_connections)]
+                    if lim.max_connections
+                    else []
+                ),
+                *(
                     [("grpc.max_concurrent_streams", lim.max_streams_per_connection)]
                     if lim.max_streams_per_connection
                     else []

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -482,6 +484,36 @@ async def test_a_connection_that_never_starts_tls_is_closed(pki: Pki) -> None:
         finally:
             writer.close()
     finally:
+        await s.stop(0)
+
+
+async def test_connections_that_never_start_tls_hold_at_most_the_cap(pki: Pki) -> None:
+    """200 connections that never send a ClientHello, against a cap of 16: the
+    server holds 16 file descriptors for them (closing the others as it accepts
+    them), and a real client gets in once the handshake timeout frees a slot."""
+    s = await start_server(config(pki, limits={"handshake_timeout_s": 1.0, "max_connections": 16}))
+    host, port = s.address.rsplit(":", 1)
+    socks: list[socket.socket] = []
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    base = fds()
+    caller = None
+    try:
+        for _ in range(200):
+            socks.append(socket.create_connection((host, int(port))))
+        await asyncio.sleep(0.5)
+        held = fds() - base - len(socks)  # our own ends are len(socks) of them
+        assert held <= 16 + 2, held  # the cap (+ what the server may open meanwhile)
+        caller = Caller(s.address, pki.client_tls("router-a"))
+        resp = await caller.stub.GetStats(pb.GetStatsRequest(), timeout=10, wait_for_ready=True)
+        assert resp is not None
+    finally:
+        for c in socks:
+            c.close()
+        if caller is not None:
+            await caller.close()
         await s.stop(0)
 
 

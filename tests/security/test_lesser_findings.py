@@ -28,29 +28,27 @@ def backend(request: pytest.FixtureRequest) -> dict[str, Any]:
 async def test_an_expired_instance_heartbeat_is_not_found(
     pki: Pki, backend: dict[str, Any]
 ) -> None:
-    async with serving(pki, reap_interval_s=0.1, **backend) as server:
-        async with callers(pki, server, "engine-a", "engine-b") as (owner, other):
-            await owner.stub.RegisterInstance(
-                pb.RegisterInstanceRequest(
-                    instance=ref("engine-a0"), model=MODEL, lease_ttl_seconds=0.3
-                ),
-                timeout=10,
-            )
-            await asyncio.sleep(1.0)  # expired, then reaped
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await owner.stub.Heartbeat(
-                    pb.HeartbeatRequest(instance=ref("engine-a0")), timeout=10
-                )
-            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
-            assert "model ''" not in (e.value.details() or "")
-            # and another engine still may not touch it
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await other.stub.Heartbeat(
-                    pb.HeartbeatRequest(instance=ref("engine-a0")), timeout=10
-                )
-            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            # registering again works, and so does the heartbeat after it
-            await owner.stub.RegisterInstance(
-                pb.RegisterInstanceRequest(instance=ref("engine-a0"), model=MODEL), timeout=10
-            )
+    async with (
+        serving(pki, reap_interval_s=0.1, **backend) as server,
+        callers(pki, server, "engine-a", "engine-b") as (owner, other),
+    ):
+        await owner.stub.RegisterInstance(
+            pb.RegisterInstanceRequest(
+                instance=ref("engine-a0"), model=MODEL, lease_ttl_seconds=0.3
+            ),
+            timeout=10,
+        )
+        await asyncio.sleep(1.0)  # expired, then reaped
+        with pytest.raises(grpc.aio.AioRpcError) as e:
             await owner.stub.Heartbeat(pb.HeartbeatRequest(instance=ref("engine-a0")), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+        assert "model ''" not in (e.value.details() or "")
+        # and another engine still may not touch it
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await other.stub.Heartbeat(pb.HeartbeatRequest(instance=ref("engine-a0")), timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # registering again works, and so does the heartbeat after it
+        await owner.stub.RegisterInstance(
+            pb.RegisterInstanceRequest(instance=ref("engine-a0"), model=MODEL), timeout=10
+        )
+        await owner.stub.Heartbeat(pb.HeartbeatRequest(instance=ref("engine-a0")), timeout=10)

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class KVIndexerStub:
-    """Missing associated documentation comment in .proto file."""
+    """SGLang's external KV indexer: workers' caches fed in, prefix matches out.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -67,40 +68,48 @@ class KVIndexerStub:
 
 
 class KVIndexerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """SGLang's external KV indexer: workers' caches fed in, prefix matches out.
+    """
 
     def ConfigureExpectedWorkers(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Declare the complete set of workers the caller feeds (register or renew
+        each, remove the ones it fed before and omits now).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReplaceExternalKvSnapshot(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Replace everything one worker holds and set its sequence checkpoint.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ApplyExternalKvBatch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Apply one ordered batch of a worker's cache changes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def MatchExternalKv(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Look up each hash on its own: every worker holding any, per tier.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def MatchExternalKvPrefix(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The workers holding the longest leading run of a prompt's blocks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetExternalKvHitCounts(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The hit counters of some hashes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -147,7 +156,8 @@ def add_KVIndexerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVIndexer:
-    """Missing associated documentation comment in .proto file."""
+    """SGLang's external KV indexer: workers' caches fed in, prefix matches out.
+    """
 
     @staticmethod
     def ConfigureExpectedWorkers(request,

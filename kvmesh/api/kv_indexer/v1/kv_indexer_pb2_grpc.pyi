@@ -36,68 +36,98 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class KVIndexerStub:
+    """SGLang's external KV indexer: workers' caches fed in, prefix matches out."""
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KVIndexerAsyncStub: ...
     ConfigureExpectedWorkers: _grpc.UnaryUnaryMultiCallable[_kv_indexer_pb2.ConfigureExpectedWorkersRequest, _kv_indexer_pb2.ConfigureExpectedWorkersResponse]
+    """Declare the complete set of workers the caller feeds (register or renew
+    each, remove the ones it fed before and omits now).
+    """
     ReplaceExternalKvSnapshot: _grpc.UnaryUnaryMultiCallable[_kv_indexer_pb2.ReplaceExternalKvSnapshotRequest, _kv_indexer_pb2.ReplaceExternalKvSnapshotResponse]
+    """Replace everything one worker holds and set its sequence checkpoint."""
     ApplyExternalKvBatch: _grpc.UnaryUnaryMultiCallable[_kv_indexer_pb2.ApplyExternalKvBatchRequest, _kv_indexer_pb2.ApplyExternalKvBatchResponse]
+    """Apply one ordered batch of a worker's cache changes."""
     MatchExternalKv: _grpc.UnaryUnaryMultiCallable[_kv_indexer_pb2.MatchExternalKvRequest, _kv_indexer_pb2.MatchExternalKvResponse]
+    """Look up each hash on its own: every worker holding any, per tier."""
     MatchExternalKvPrefix: _grpc.UnaryUnaryMultiCallable[_kv_indexer_pb2.MatchExternalKvPrefixRequest, _kv_indexer_pb2.MatchExternalKvPrefixResponse]
+    """The workers holding the longest leading run of a prompt's blocks."""
     GetExternalKvHitCounts: _grpc.UnaryUnaryMultiCallable[_kv_indexer_pb2.GetExternalKvHitCountsRequest, _kv_indexer_pb2.GetExternalKvHitCountsResponse]
+    """The hit counters of some hashes."""
 
 @_typing.type_check_only
 class KVIndexerAsyncStub(KVIndexerStub):
+    """SGLang's external KV indexer: workers' caches fed in, prefix matches out."""
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     ConfigureExpectedWorkers: _aio.UnaryUnaryMultiCallable[_kv_indexer_pb2.ConfigureExpectedWorkersRequest, _kv_indexer_pb2.ConfigureExpectedWorkersResponse]  # type: ignore[assignment]
+    """Declare the complete set of workers the caller feeds (register or renew
+    each, remove the ones it fed before and omits now).
+    """
     ReplaceExternalKvSnapshot: _aio.UnaryUnaryMultiCallable[_kv_indexer_pb2.ReplaceExternalKvSnapshotRequest, _kv_indexer_pb2.ReplaceExternalKvSnapshotResponse]  # type: ignore[assignment]
+    """Replace everything one worker holds and set its sequence checkpoint."""
     ApplyExternalKvBatch: _aio.UnaryUnaryMultiCallable[_kv_indexer_pb2.ApplyExternalKvBatchRequest, _kv_indexer_pb2.ApplyExternalKvBatchResponse]  # type: ignore[assignment]
+    """Apply one ordered batch of a worker's cache changes."""
     MatchExternalKv: _aio.UnaryUnaryMultiCallable[_kv_indexer_pb2.MatchExternalKvRequest, _kv_indexer_pb2.MatchExternalKvResponse]  # type: ignore[assignment]
+    """Look up each hash on its own: every worker holding any, per tier."""
     MatchExternalKvPrefix: _aio.UnaryUnaryMultiCallable[_kv_indexer_pb2.MatchExternalKvPrefixRequest, _kv_indexer_pb2.MatchExternalKvPrefixResponse]  # type: ignore[assignment]
+    """The workers holding the longest leading run of a prompt's blocks."""
     GetExternalKvHitCounts: _aio.UnaryUnaryMultiCallable[_kv_indexer_pb2.GetExternalKvHitCountsRequest, _kv_indexer_pb2.GetExternalKvHitCountsResponse]  # type: ignore[assignment]
+    """The hit counters of some hashes."""
 
 class KVIndexerServicer(metaclass=_abc_1.ABCMeta):
+    """SGLang's external KV indexer: workers' caches fed in, prefix matches out."""
+
     @_abc_1.abstractmethod
     def ConfigureExpectedWorkers(
         self,
         request: _kv_indexer_pb2.ConfigureExpectedWorkersRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kv_indexer_pb2.ConfigureExpectedWorkersResponse, _abc.Awaitable[_kv_indexer_pb2.ConfigureExpectedWorkersResponse]]: ...
+    ) -> _typing.Union[_kv_indexer_pb2.ConfigureExpectedWorkersResponse, _abc.Awaitable[_kv_indexer_pb2.ConfigureExpectedWorkersResponse]]:
+        """Declare the complete set of workers the caller feeds (register or renew
+        each, remove the ones it fed before and omits now).
+        """
 
     @_abc_1.abstractmethod
     def ReplaceExternalKvSnapshot(
         self,
         request: _kv_indexer_pb2.ReplaceExternalKvSnapshotRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kv_indexer_pb2.ReplaceExternalKvSnapshotResponse, _abc.Awaitable[_kv_indexer_pb2.ReplaceExternalKvSnapshotResponse]]: ...
+    ) -> _typing.Union[_kv_indexer_pb2.ReplaceExternalKvSnapshotResponse, _abc.Awaitable[_kv_indexer_pb2.ReplaceExternalKvSnapshotResponse]]:
+        """Replace everything one worker holds and set its sequence checkpoint."""
 
     @_abc_1.abstractmethod
     def ApplyExternalKvBatch(
         self,
         request: _kv_indexer_pb2.ApplyExternalKvBatchRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kv_indexer_pb2.ApplyExternalKvBatchResponse, _abc.Awaitable[_kv_indexer_pb2.ApplyExternalKvBatchResponse]]: ...
+    ) -> _typing.Union[_kv_indexer_pb2.ApplyExternalKvBatchResponse, _abc.Awaitable[_kv_indexer_pb2.ApplyExternalKvBatchResponse]]:
+        """Apply one ordered batch of a worker's cache changes."""
 
     @_abc_1.abstractmethod
     def MatchExternalKv(
         self,
         request: _kv_indexer_pb2.MatchExternalKvRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kv_indexer_pb2.MatchExternalKvResponse, _abc.Awaitable[_kv_indexer_pb2.MatchExternalKvResponse]]: ...
+    ) -> _typing.Union[_kv_indexer_pb2.MatchExternalKvResponse, _abc.Awaitable[_kv_indexer_pb2.MatchExternalKvResponse]]:
+        """Look up each hash on its own: every worker holding any, per tier."""
 
     @_abc_1.abstractmethod
     def MatchExternalKvPrefix(
         self,
         request: _kv_indexer_pb2.MatchExternalKvPrefixRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kv_indexer_pb2.MatchExternalKvPrefixResponse, _abc.Awaitable[_kv_indexer_pb2.MatchExternalKvPrefixResponse]]: ...
+    ) -> _typing.Union[_kv_indexer_pb2.MatchExternalKvPrefixResponse, _abc.Awaitable[_kv_indexer_pb2.MatchExternalKvPrefixResponse]]:
+        """The workers holding the longest leading run of a prompt's blocks."""
 
     @_abc_1.abstractmethod
     def GetExternalKvHitCounts(
         self,
         request: _kv_indexer_pb2.GetExternalKvHitCountsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kv_indexer_pb2.GetExternalKvHitCountsResponse, _abc.Awaitable[_kv_indexer_pb2.GetExternalKvHitCountsResponse]]: ...
+    ) -> _typing.Union[_kv_indexer_pb2.GetExternalKvHitCountsResponse, _abc.Awaitable[_kv_indexer_pb2.GetExternalKvHitCountsResponse]]:
+        """The hit counters of some hashes."""
 
 def add_KVIndexerServicer_to_server(servicer: KVIndexerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

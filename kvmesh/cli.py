@@ -42,6 +42,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "Match checked against vLLM's and SGLang's own caches",
     ),
     ("bench", "peer"): ("lab.bench.peer", "kvmesh's indexer beside Dynamo's on vLLM's events"),
+    ("bench", "abuse"): ("lab.bench.abuse", "attacks on a default install, victims measured"),
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
     ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -56,9 +57,11 @@ async def open_harness(config: IndexerConfig, index: Index | None = None) -> Har
 
 
 async def close_harness(h: Harness) -> None:
-    """Close the channel and stop the server at once."""
-    await h.channel.close()
-    await h.server.stop(0)
+    """Close the channel and stop the server at once (bounded: a stop that hangs
+    fails with the traceback of the await it hung in)."""
+    async with asyncio.timeout(30):
+        await h.channel.close()
+        await h.server.stop(0)
 
 
 @pytest.fixture

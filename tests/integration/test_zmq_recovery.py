@@ -107,6 +107,13 @@ async def publish_until_seen(h: Harness, pub: FakePublisher) -> None:
 
 
 async def _lose_and_rebuild(h: Harness, pub: FakePublisher, lose: Any) -> None:
+    # Bounded well inside the test timeout, so that a hang fails with the
+    # traceback of the await it hung in, not a timeout's thread dump.
+    async with asyncio.timeout(40):
+        await _lose_and_rebuild_unbounded(h, pub, lose)
+
+
+async def _lose_and_rebuild_unbounded(h: Harness, pub: FakePublisher, lose: Any) -> None:
     await eventually(lambda: sub(h).registered)
     t = blocks(4)
     await pub.publish(map_batch(stored([1], t[:4])))
@@ -240,7 +247,10 @@ class GatedIndex(MemoryIndex):
 
 
 async def test_a_backlog_gives_way_to_the_rest_of_the_process(ctx: zmq.asyncio.Context) -> None:
-    pub = FakePublisher(ctx)
+    # A publisher that queues rather than drops: under load a PUB socket at its
+    # high-water mark drops the last batches of the burst, and nothing after them
+    # would tell the subscriber they existed (here the stream ends with the burst).
+    pub = FakePublisher(ctx, sndhwm=0)
     index = GatedIndex()
     h = await start(pub, index)
     try:

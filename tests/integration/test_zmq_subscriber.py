@@ -53,11 +53,14 @@ class FakePublisher:
         pub: str = "tcp://127.0.0.1:*",
         replay: str = "tcp://127.0.0.1:*",
         echo_topic: bool = False,
+        sndhwm: int | None = None,
     ) -> None:
         self.topic = b"kv"
         self.echo_topic = echo_topic
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        if sndhwm is not None:  # 0: queue without bound, never drop at the publisher
+            self.pub.setsockopt(zmq.SNDHWM, sndhwm)
         _bind(self.pub, pub)
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)

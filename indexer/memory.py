@@ -42,7 +42,6 @@ hold every Match and health probe until it is applied.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -109,6 +108,8 @@ _U64 = (1 << 64) - 1
 #: Dicts per namespace table (a power of two): see "Shards" above.
 SHARDS = 64
 _SHARD = SHARDS - 1
+#: Blocks a capped dump resolves between two turns of the loop.
+DUMP_SLICE_BLOCKS = 4096
 
 #: A block table's entry: ``number << 3 | mask`` (one instance holds the
 #: block), or SHARED (several do: ``{number: mask}`` in the namespace's table
@@ -1053,25 +1054,49 @@ class MemoryIndex(Index):
     async def dump_blocks(
         self, model: str, cap: int
     ) -> tuple[list[tuple[Namespace, int, dict[InstanceId, int]]], bool]:
-        """See :meth:`Index.dump_blocks`: the keys of one namespace at a time
-        (ints), the holders of at most ``cap`` blocks; in one step, so the
-        answer is one moment of the index."""
-        ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
+        """See :meth:`Index.dump_blocks`: the smallest keys of one namespace at a
+        time (ints), the holders of at most ``cap`` blocks.
+
+        It gives way to the loop between shards and every
+        :data:`DUMP_SLICE_BLOCKS` blocks (a capped dump of a million-block index
+        held the loop for a second in one step, and every Match waited), so the
+        answer is not one moment of the index: a block or holder removed while
+        it runs is left out, and a block's holders are as they were when read.
+        """
         out: list[tuple[Namespace, int, dict[InstanceId, int]]] = []
         for ns in sorted(self._blocks):
             if model and ns.model != model:
                 continue
-            tables = self._blocks[ns]
-            shared = self._shared[ns]
             want = cap - len(out)
-            # one more than fits: whether the answer is cut short
-            keys = heapq.nsmallest(want + 1, chain.from_iterable(tables))
-            for key in keys[:want]:
-                h = tables[key & _SHARD][key]
+            # The want + 1 smallest keys (one more than fits: whether the answer
+            # is cut short), merged shard by shard: a sorted run plus one shard.
+            best: list[int] = []
+            for shard in range(SHARDS):
+                tables = self._blocks.get(ns)
+                if tables is None:
+                    break  # the namespace emptied meanwhile
+                best = sorted(chain(best, tables[shard]))[: want + 1]
+                await asyncio.sleep(0)
+            taken = 0
+            for i, key in enumerate(best):
+                if taken == want:
+                    return out, True
+                if i % DUMP_SLICE_BLOCKS == 0:
+                    if i:
+                        await asyncio.sleep(0)
+                    tables = self._blocks.get(ns)
+                    if tables is None:
+                        break
+                    shared = self._shared[ns]
+                    ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
+                h = tables[key & _SHARD].get(key)
+                if h is None:
+                    continue  # removed meanwhile
                 holders = _holders_dict(h, key, shared[key & _SHARD])
-                out.append((ns, key, {ids[i]: m for i, m in holders.items()}))
-            if len(keys) > want:
-                return out, True
+                named = {ids[n]: m for n, m in holders.items() if n in ids}
+                if named:
+                    out.append((ns, key, named))
+                    taken += 1
         return out, False
 
     async def dump(self) -> IndexDump:

@@ -4,16 +4,22 @@ The install: ``kvmesh indexer serve`` in a child process, memory backend,
 mutual TLS and the policy ``kvmesh certs`` writes (each engine identity owns
 exactly its own worker id), every limit and quota as shipped. The server
 config may be changed with ``--indexer-config JSON`` (merged over it), which
-is how a deliberately weakened install is measured. Each attack runs alone,
-against a fresh server; its victim makes calm calls (one in flight, at most
-:data:`VICTIM_RPS` a second, each with a :data:`VICTIM_TIMEOUT_S` deadline)
-first for a baseline without the attack, then while the attack runs. The
+is how a deliberately weakened install is measured. The ``http_*`` attacks
+target ``kvmesh cachesim serve`` instead, in a child process with mutual TLS
+on both ports and the same policy, every other setting as shipped except
+``http_body_timeout_s``, which ``--quick`` sets to 1.5 s (the shipped 30 s
+otherwise); ``--cachesim-config JSON`` is merged over its config. Each attack
+runs alone, against a fresh server; its victim makes calm calls (one in
+flight, at most :data:`VICTIM_RPS` a second, each with a
+:data:`VICTIM_TIMEOUT_S` deadline) first for a baseline without the attack,
+then while the attack runs. The
 attacker runs in this process beside the victim (its own thread and event
 loop), so its client work shares the interpreter with the victim's timing:
 latency ratios are upper bounds of what the server alone adds.
 
 Attacks, and what *refused* (``abuse_<attack>_refused`` = 1) means for each
-(bounds are the shipped defaults, whatever ``--indexer-config`` says):
+(bounds are the shipped defaults, whatever ``--indexer-config`` or
+``--cachesim-config`` says):
 
 - ``register_flood`` (finding 1): engine-1 registers its worker id under dp
   ranks 0.. and under made-up models. Victim: engine-2 registering its own
@@ -49,19 +55,40 @@ Attacks, and what *refused* (``abuse_<attack>_refused`` = 1) means for each
   most :data:`DUMP_CAP_BLOCKS` blocks, said it was truncated, and the
   server's RSS (sampled every 10 ms) grew by at most :data:`DUMP_RSS_BOUND_MB`
   during it.
+- ``http_nested_json`` (finding 5): router-0 (a caller the policy lets
+  ingest) posts ``nested_requests`` bodies of :data:`NESTING_DEPTH` nested
+  arrays or objects (under the body size limit) to ``/ingest_ids``. Victim:
+  tee-0 posting a valid ingest to the same simulator over a kept-alive
+  connection (its own per-client budget). Refused when every one is answered
+  400 (never 500, never a dropped connection), no reply is longer than
+  :data:`HTTP_REPLY_MAX_BYTES` (the input is not echoed), and the simulator
+  answers ``/healthz`` and is alive after.
+- ``http_oversize_body`` (finding 5): router-0 sends ``oversize_requests``
+  requests announcing ``Content-Length`` :data:`OVERSIZE_ANNOUNCED_BYTES`
+  (200 MiB), half with the first 15 bytes of a body, half with none, eight
+  at a time. Victim as above. Refused when each is answered 413 within
+  :data:`OVERSIZE_PROMPT_S` without the rest of its body having been sent,
+  and the simulator's RSS grew by at most :data:`HTTP_RSS_SLACK_MB` during
+  them.
+- ``http_slow_body`` (finding 5): router-0 opens ``slow_connections``
+  connections, each announcing a :data:`SLOW_ANNOUNCED_BYTES` body and
+  sending 15 bytes of it; half then send a byte every
+  ``slow_byte_interval_s``, half nothing more. Victim as above. Refused when
+  every one is answered 408 and closed by the simulator within the
+  ``http_body_timeout_s`` the bench sets (whatever ``--cachesim-config``
+  says) plus :data:`SLOW_SLACK_S`, and once that deadline passed the
+  simulator holds at most :data:`SLOW_FD_SLACK` more file descriptors than
+  before the attack.
 
 Per attack: ``abuse_<attack>_refused``, the victim's ok fraction during it
 (``_victim_ok_fraction``, a call that fails or misses its deadline is not
 ok) and at baseline, its p50/p99 during the attack (``_victim_p50_ms``,
 ``_victim_p99_ms``) and their ratio to the baseline (``_victim_p99_ratio``),
 and the server's RSS before and after (``_rss_before_mb``, ``_rss_after_mb``,
-``_rss_growth_mb``, from ``/proc/<pid>/status`` VmRSS of the child). The
+``_rss_growth_mb``, from ``/proc/<pid>/status`` VmRSS of the child: the
+indexer's, or the simulator's for the ``http_*`` attacks). The
 command exits 1 when an attack is not refused or a victim's ok fraction
 during an attack is below :data:`MIN_VICTIM_OK` (0.99).
-
-Not here yet: finding 5's attacks on the cache simulator's HTTP ingest
-(nested JSON, an announced 200 MiB body, a body that never completes), which
-tests/integration/test_tee_cachesim.py covers.
 """
 
 from __future__ import annotations
@@ -69,9 +96,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import math
 import socket
+import ssl
 import sys
 import tempfile
 import threading
@@ -81,6 +110,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -98,6 +128,9 @@ from lab.bench.report import fmt, table, write_report
 from lab.children import ChildProcess
 from lab.devcerts import main as certs_main
 from lab.redisproc import free_port
+from tee.cachesim.config import CacheSimConfig
+from tee.events import WORKER_HEADER
+from tee.httpsec import ClientSSL
 
 HOST = "127.0.0.1"
 MODEL = "abuse/model"
@@ -109,7 +142,8 @@ IDENTITIES = {
     "engine-1": "spiffe://kvmesh/engine/engine-1",  # the attacker
     "engine-2": "spiffe://kvmesh/engine/engine-2",  # the victim engine
     "engine-3": "spiffe://kvmesh/engine/engine-3",  # revoked mid-stream
-    "router-0": "spiffe://kvmesh/router/router-0",  # the victim router
+    "router-0": "spiffe://kvmesh/router/router-0",  # the victim router; cachesim's attacker
+    "tee-0": "spiffe://kvmesh/tee/tee-0",  # the cache simulator's victim
     "admin": "spiffe://kvmesh/admin/ops",
 }
 
@@ -141,6 +175,24 @@ DUMP_RSS_BOUND_MB = 256.0
 REVOKE_BATCH_INTERVAL_S = 0.1
 #: Seconds past the shipped policy reload interval the revoked stream may still apply.
 REVOKE_SLACK_S = 3.0
+#: http_nested_json: levels of each nested body (finding 5 sent 100,000).
+NESTING_DEPTH = 100_000
+#: Bytes an error reply may have: it names the fault, it does not echo the input.
+HTTP_REPLY_MAX_BYTES = 400
+#: http_oversize_body: the Content-Length announced (finding 5: 200 MiB) and
+#: the bytes of it sent before the reply is awaited.
+OVERSIZE_ANNOUNCED_BYTES = 200 << 20
+OVERSIZE_PREFIX = b'{"model": "m", '
+#: Seconds an announced oversize body may take to be answered 413.
+OVERSIZE_PROMPT_S = 1.0
+#: RSS growth the oversize requests may cause (none of their bodies is buffered).
+HTTP_RSS_SLACK_MB = 32.0
+#: http_slow_body: the body size announced, and seconds past the body timeout a
+#: slow connection may stay open (answered or not).
+SLOW_ANNOUNCED_BYTES = 1000
+SLOW_SLACK_S = 3.0
+#: Server file descriptors that may still be open once the slow connections' deadline passed.
+SLOW_FD_SLACK = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +212,15 @@ class Sizes:
     #: dump_under_cap: blocks in the index the admin dumps (10x the dump's cap;
     #: --quick 4x).
     dump_index_blocks: int = 1_000_000
+    #: The cache simulator attacks: nested bodies and oversize announcements
+    #: sent, slow connections opened (finding 5 opened 200).
+    nested_requests: int = 100
+    oversize_requests: int = 100
+    slow_connections: int = 200
+    #: The simulator's ``http_body_timeout_s`` the bench sets (None: the shipped
+    #: default), and seconds between two bytes of a slow body.
+    http_body_timeout_s: float | None = None
+    slow_byte_interval_s: float = 5.0
 
 
 FULL = Sizes()
@@ -170,9 +231,25 @@ QUICK = Sizes(
     flood_models=80,
     flood_s=3.0,
     dump_index_blocks=400_000,
+    nested_requests=20,
+    oversize_requests=20,
+    slow_connections=50,
+    http_body_timeout_s=1.5,
+    slow_byte_interval_s=0.5,
 )
 
-ATTACKS = ("register_flood", "block_flood", "revoked_stream", "tls_stall", "dump_under_cap")
+ATTACKS = (
+    "register_flood",
+    "block_flood",
+    "revoked_stream",
+    "tls_stall",
+    "dump_under_cap",
+    "http_nested_json",
+    "http_oversize_body",
+    "http_slow_body",
+)
+#: The attacks on the cache simulator's HTTP ingest (the others attack the indexer).
+HTTP_ATTACKS = ("http_nested_json", "http_oversize_body", "http_slow_body")
 
 
 # -- the install ---------------------------------------------------------------------
@@ -184,6 +261,7 @@ class Install:
 
     folder: Path
     overrides: dict[str, Any] = field(default_factory=dict)
+    cachesim_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         argv = ["--out", str(self.folder)]
@@ -220,30 +298,37 @@ class Install:
         }
         return merge(base, self.overrides)
 
+    def cachesim_config(self, http_port: int, grpc_port: int, sizes: Sizes) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "host": HOST,
+            "http_port": http_port,
+            "grpc_port": grpc_port,
+            "tls": {
+                "cert_file": str(self.folder / "server.crt"),
+                "key_file": str(self.folder / "server.key"),
+                "client_ca_file": self.ca,
+            },
+            "auth": {"policy_file": str(self.folder / "policy.yaml")},
+            "log_level": "WARNING",
+        }
+        if sizes.http_body_timeout_s is not None:
+            base["http_body_timeout_s"] = sizes.http_body_timeout_s
+        return merge(base, self.cachesim_overrides)
 
-class Indexer:
-    """``kvmesh indexer serve`` in a child process, with a policy file of its own."""
+    def ssl_context(self, name: str) -> ssl.SSLContext:
+        """A client SSL context presenting ``name``'s certificate."""
+        return ClientSSL(self.client(name), what="bench abuse").context
 
-    def __init__(self, install: Install, name: str) -> None:
-        self.policy = install.folder / f"policy-{name}.yaml"
-        self.policy.write_text((install.folder / "policy.yaml").read_text(), encoding="utf-8")
-        port, health = free_port(), free_port()
-        self.target = f"{HOST}:{port}"
-        self.health_target = f"{HOST}:{health}"
-        cfg = install.folder / f"indexer-{name}.json"
-        cfg.write_text(json.dumps(install.config(port, health, self.policy)), encoding="utf-8")
-        self.child = ChildProcess(
-            [sys.executable, "-m", "kvmesh.cli", "indexer", "serve", "--config", str(cfg)],
-            name=f"indexer ({name})",
-            log_path=install.folder / f"indexer-{name}.log",
-        )
+
+class Served:
+    """A server child process: started until ready, stopped, its RSS and open fds."""
+
+    child: ChildProcess
 
     def _healthy(self) -> bool:
-        with grpc.insecure_channel(self.health_target) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+        raise NotImplementedError
 
-    def __enter__(self) -> Indexer:
+    def __enter__(self) -> Any:
         self.child.start()
         try:
             self.child.wait_ready(self._healthy)
@@ -265,11 +350,59 @@ class Indexer:
         except OSError:
             return -1
 
+
+class Indexer(Served):
+    """``kvmesh indexer serve`` in a child process, with a policy file of its own."""
+
+    def __init__(self, install: Install, name: str) -> None:
+        self.policy = install.folder / f"policy-{name}.yaml"
+        self.policy.write_text((install.folder / "policy.yaml").read_text(), encoding="utf-8")
+        port, health = free_port(), free_port()
+        self.target = f"{HOST}:{port}"
+        self.health_target = f"{HOST}:{health}"
+        cfg = install.folder / f"indexer-{name}.json"
+        cfg.write_text(json.dumps(install.config(port, health, self.policy)), encoding="utf-8")
+        self.child = ChildProcess(
+            [sys.executable, "-m", "kvmesh.cli", "indexer", "serve", "--config", str(cfg)],
+            name=f"indexer ({name})",
+            log_path=install.folder / f"indexer-{name}.log",
+        )
+
+    def _healthy(self) -> bool:
+        with grpc.insecure_channel(self.health_target) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+
     def revoke(self, identity: str) -> None:
         """Remove ``identity`` from the policy file, as an operator would."""
         doc = yaml.safe_load(self.policy.read_text(encoding="utf-8"))
         doc["identities"] = [i for i in doc["identities"] if i["name"] != identity]
         self.policy.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+
+
+class CacheSim(Served):
+    """``kvmesh cachesim serve`` in a child process: mutual TLS on both ports, the run's policy."""
+
+    def __init__(self, install: Install, name: str, sizes: Sizes) -> None:
+        self.http_port, grpc_port = free_port(), free_port()
+        self.url = f"https://{HOST}:{self.http_port}"
+        self.config = install.cachesim_config(self.http_port, grpc_port, sizes)
+        cfg = install.folder / f"cachesim-{name}.json"
+        cfg.write_text(json.dumps(self.config), encoding="utf-8")
+        self._ssl = install.ssl_context("tee-0")
+        self.child = ChildProcess(
+            [sys.executable, "-m", "kvmesh.cli", "cachesim", "serve", "--config", str(cfg)],
+            name=f"cachesim ({name})",
+            log_path=install.folder / f"cachesim-{name}.log",
+        )
+
+    def _healthy(self) -> bool:
+        conn = http.client.HTTPSConnection(HOST, self.http_port, context=self._ssl, timeout=1)
+        try:
+            conn.request("GET", "/healthz")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
 
 
 # -- the victim -------------------------------------------------------------------------
@@ -278,8 +411,13 @@ class Indexer:
 class Victim:
     """Calm calls in a thread of their own until stopped; each one's outcome and latency."""
 
-    def __init__(self, op: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        op: Callable[[int], None],
+        errors: tuple[type[BaseException], ...] = (grpc.RpcError,),
+    ) -> None:
         self.op = op
+        self.errors = errors
         self.results: list[tuple[bool, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -292,7 +430,7 @@ class Victim:
             ok = True
             try:
                 self.op(self._i)
-            except grpc.RpcError:
+            except self.errors:
                 ok = False
             took = time.perf_counter() - t0
             self.results.append((ok and took <= VICTIM_TIMEOUT_S, took * 1000))
@@ -766,19 +904,318 @@ def attack_dump_under_cap(
     return victim, attack, judge
 
 
-RUNNERS = {
+# -- the cache simulator's HTTP ingest ---------------------------------------------------
+
+
+class HttpRefused(Exception):
+    """A victim's ingest answered other than 200."""
+
+
+#: The victim's ingest: 4 blocks of the simulator's default 16 tokens.
+VICTIM_INGEST = json.dumps({"model": MODEL, "input_ids": list(range(64))}).encode()
+
+
+class IngestVictim(Victim):
+    """tee-0 posting a valid ingest over one kept-alive connection (reopened after a failure)."""
+
+    def __init__(self, sim: CacheSim, install: Install) -> None:
+        super().__init__(self._post, errors=(OSError, http.client.HTTPException, HttpRefused))
+        self._sim = sim
+        self._ssl = install.ssl_context("tee-0")
+        self._conn: http.client.HTTPSConnection | None = None
+
+    def _post(self, i: int) -> None:
+        if self._conn is None:
+            self._conn = http.client.HTTPSConnection(
+                HOST, self._sim.http_port, context=self._ssl, timeout=VICTIM_TIMEOUT_S
+            )
+        try:
+            self._conn.request(
+                "POST",
+                "/ingest_ids",
+                body=VICTIM_INGEST,
+                headers={"Content-Type": "application/json", WORKER_HEADER: "w0"},
+            )
+            r = self._conn.getresponse()
+            r.read()
+        except BaseException:
+            self.close()
+            raise
+        if r.status != 200:
+            raise HttpRefused(f"HTTP {r.status}")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def body_timeout_s(sizes: Sizes) -> float:
+    """The body timeout the bench sets: the criterion's bound, whatever --cachesim-config says."""
+    if sizes.http_body_timeout_s is not None:
+        return sizes.http_body_timeout_s
+    return float(CacheSimConfig().http_body_timeout_s)
+
+
+def post_head(sim: CacheSim, length: int) -> bytes:
+    return (
+        f"POST /ingest_ids HTTP/1.1\r\nHost: {HOST}:{sim.http_port}\r\n"
+        f"Content-Type: application/json\r\n{WORKER_HEADER}: w9\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def nested_bodies(depth: int) -> list[bytes]:
+    """Arrays and objects nested ``depth`` levels (under the body size limit)."""
+    return [
+        b"[" * depth + b"]" * depth,
+        b'{"a":' * depth + b"1" + b"}" * depth,
+        b'{"model": "m", "input_ids": ' + b"[" * depth + b"]" * depth + b"}",
+    ]
+
+
+def attack_http_nested_json(
+    install: Install, sim: CacheSim, sizes: Sizes
+) -> tuple[Victim, Callable[[], dict[str, Any]], Callable[[dict[str, Any]], bool]]:
+    victim = IngestVictim(sim, install)
+    ctx = install.ssl_context("router-0")
+    bodies = nested_bodies(NESTING_DEPTH)
+
+    def attack() -> dict[str, Any]:
+        async def run() -> dict[str, Any]:
+            statuses: dict[str, int] = {}
+            longest = 0
+            errors = 0
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s:
+                for k in range(sizes.nested_requests):
+                    try:
+                        async with s.post(
+                            f"{sim.url}/ingest_ids",
+                            data=bodies[k % len(bodies)],
+                            headers={"Content-Type": "application/json"},
+                            timeout=aiohttp.ClientTimeout(total=30),
+                        ) as r:
+                            reply = await r.read()
+                        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+                        longest = max(longest, len(reply))
+                    except (aiohttp.ClientError, TimeoutError):
+                        errors += 1
+                async with s.get(f"{sim.url}/healthz", timeout=aiohttp.ClientTimeout(5)) as r:
+                    healthy = r.status == 200
+            return {
+                "requests": sizes.nested_requests,
+                "depth": NESTING_DEPTH,
+                "body_bytes_max": max(len(b) for b in bodies),
+                "statuses": statuses,
+                "client_errors": errors,
+                "reply_bytes_max": longest,
+                "healthy_after": healthy,
+            }
+
+        return asyncio.run(run())
+
+    def judge(out: dict[str, Any]) -> bool:
+        victim.close()
+        out["alive_after"] = sim.child.alive()
+        return bool(
+            out["statuses"] == {"400": sizes.nested_requests}
+            and out["reply_bytes_max"] <= HTTP_REPLY_MAX_BYTES
+            and out["healthy_after"]
+            and out["alive_after"]
+        )
+
+    return victim, attack, judge
+
+
+async def _status_line(reader: asyncio.StreamReader) -> int:
+    line = await reader.readline()
+    parts = line.split()
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else 0
+
+
+def attack_http_oversize_body(
+    install: Install, sim: CacheSim, sizes: Sizes
+) -> tuple[Victim, Callable[[], dict[str, Any]], Callable[[dict[str, Any]], bool]]:
+    victim = IngestVictim(sim, install)
+    ctx = install.ssl_context("router-0")
+    head = post_head(sim, OVERSIZE_ANNOUNCED_BYTES)
+
+    def attack() -> dict[str, Any]:
+        rss0 = sim.rss_mb()
+
+        async def run() -> dict[str, Any]:
+            statuses: dict[str, int] = {}
+            took: list[float] = []
+            gate = asyncio.Semaphore(8)
+
+            async def one(k: int) -> None:
+                async with gate:
+                    reader, writer = await asyncio.open_connection(HOST, sim.http_port, ssl=ctx)
+                    try:
+                        t0 = time.monotonic()
+                        # Half send a little of the body, half none of it.
+                        writer.write(head + (OVERSIZE_PREFIX if k % 2 else b""))
+                        await writer.drain()
+                        try:
+                            async with asyncio.timeout(10 * OVERSIZE_PROMPT_S):
+                                status = await _status_line(reader)
+                        except TimeoutError:
+                            status = 0
+                        took.append(time.monotonic() - t0)
+                        statuses[str(status)] = statuses.get(str(status), 0) + 1
+                    except OSError:
+                        statuses["error"] = statuses.get("error", 0) + 1
+                    finally:
+                        writer.close()
+
+            await asyncio.gather(*(one(k) for k in range(sizes.oversize_requests)))
+            return {
+                "requests": sizes.oversize_requests,
+                "announced_bytes": OVERSIZE_ANNOUNCED_BYTES,
+                "sent_body_bytes_max": len(OVERSIZE_PREFIX),
+                "statuses": statuses,
+                "answer_s_max": max(took) if took else math.nan,
+            }
+
+        out = asyncio.run(run())
+        out["rss_growth_mb"] = sim.rss_mb() - rss0
+        return out
+
+    def judge(out: dict[str, Any]) -> bool:
+        victim.close()
+        out.update(answer_s_bound=OVERSIZE_PROMPT_S, rss_growth_bound_mb=HTTP_RSS_SLACK_MB)
+        return bool(
+            out["statuses"] == {"413": sizes.oversize_requests}
+            and out["answer_s_max"] <= OVERSIZE_PROMPT_S
+            and out["rss_growth_mb"] <= HTTP_RSS_SLACK_MB
+        )
+
+    return victim, attack, judge
+
+
+def attack_http_slow_body(
+    install: Install, sim: CacheSim, sizes: Sizes
+) -> tuple[Victim, Callable[[], dict[str, Any]], Callable[[dict[str, Any]], bool]]:
+    victim = IngestVictim(sim, install)
+    ctx = install.ssl_context("router-0")
+    head = post_head(sim, SLOW_ANNOUNCED_BYTES)
+    deadline_s = body_timeout_s(sizes) + SLOW_SLACK_S
+
+    def attack() -> dict[str, Any]:
+        async def run() -> dict[str, Any]:
+            fds0 = sim.fds()
+            opened = asyncio.Event()
+            tried = 0
+            statuses: dict[str, int] = {}
+            answered: list[float] = []
+            closed: list[float] = []
+            writers: list[asyncio.StreamWriter] = []
+
+            async def dribble(writer: asyncio.StreamWriter) -> None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    while True:
+                        await asyncio.sleep(sizes.slow_byte_interval_s)
+                        writer.write(b" ")
+                        await writer.drain()
+
+            async def one(k: int) -> None:
+                nonlocal tried
+                try:
+                    reader, writer = await asyncio.open_connection(HOST, sim.http_port, ssl=ctx)
+                except OSError:
+                    statuses["connect_error"] = statuses.get("connect_error", 0) + 1
+                    return
+                finally:
+                    tried += 1
+                    if tried == sizes.slow_connections:
+                        opened.set()
+                t0 = time.monotonic()
+                writers.append(writer)
+                writer.write(head + OVERSIZE_PREFIX)
+                # Half send a byte every slow_byte_interval_s, half nothing more.
+                sender = asyncio.create_task(dribble(writer)) if k % 2 else None
+                status = 0
+                try:
+                    async with asyncio.timeout(deadline_s):
+                        status = await _status_line(reader)
+                        answered.append(time.monotonic() - t0)
+                        while await reader.read(65536):
+                            pass
+                    closed.append(time.monotonic() - t0)
+                except TimeoutError:
+                    pass
+                except (OSError, ssl.SSLError):
+                    closed.append(time.monotonic() - t0)
+                finally:
+                    statuses[str(status)] = statuses.get(str(status), 0) + 1
+                    if sender is not None:
+                        sender.cancel()
+
+            tasks = [asyncio.create_task(one(k)) for k in range(sizes.slow_connections)]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(opened.wait(), 30)
+            await asyncio.sleep(min(0.5, body_timeout_s(sizes) / 2))
+            peak = sim.fds() - fds0
+            _, pending = await asyncio.wait(tasks, timeout=deadline_s + 30)
+            for t in pending:
+                t.cancel()
+            # Past the deadline: what the server still holds before this end closes its own.
+            await asyncio.sleep(0.1)
+            left = sim.fds() - fds0
+            for w in writers:
+                w.close()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await asyncio.gather(
+                        *(w.wait_closed() for w in writers), return_exceptions=True
+                    )
+            return {
+                "connections": sizes.slow_connections,
+                "statuses": statuses,
+                "answered_s_max": max(answered) if answered else math.nan,
+                "closed_fraction": len(closed) / sizes.slow_connections,
+                "closed_s_max": max(closed) if closed else math.nan,
+                "server_fds_during": peak,
+                "server_fds_after": left,
+            }
+
+        return asyncio.run(run())
+
+    def judge(out: dict[str, Any]) -> bool:
+        victim.close()
+        out.update(deadline_s=deadline_s, body_timeout_s=body_timeout_s(sizes))
+        return bool(
+            out["statuses"] == {"408": sizes.slow_connections}
+            and out["closed_fraction"] == 1.0
+            and out["closed_s_max"] <= deadline_s
+            and out["server_fds_after"] <= SLOW_FD_SLACK
+        )
+
+    return victim, attack, judge
+
+
+RUNNERS: dict[str, Callable[..., Any]] = {
     "register_flood": attack_register_flood,
     "block_flood": attack_block_flood,
     "revoked_stream": attack_revoked_stream,
     "tls_stall": attack_tls_stall,
     "dump_under_cap": attack_dump_under_cap,
+    "http_nested_json": attack_http_nested_json,
+    "http_oversize_body": attack_http_oversize_body,
+    "http_slow_body": attack_http_slow_body,
 }
 
 
 def run_attack(name: str, install: Install, sizes: Sizes) -> tuple[dict[str, float], Any]:
     """One attack against a fresh server: baseline, attack with its victim, figures."""
-    progress.phase(f"{name}: starting the indexer")
-    with Indexer(install, name) as srv:
+    srv: Served
+    if name in HTTP_ATTACKS:
+        progress.phase(f"{name}: starting the cache simulator")
+        srv = CacheSim(install, name, sizes)
+    else:
+        progress.phase(f"{name}: starting the indexer")
+        srv = Indexer(install, name)
+    with srv:
         victim, attack, judge = RUNNERS[name](install, srv, sizes)
         progress.phase(f"{name}: victim baseline for {sizes.baseline_s:g} s")
         victim.measure(sizes.baseline_s)
@@ -819,7 +1256,7 @@ FIGURE_SUFFIXES = (
 
 def format_table(figures: dict[str, float], attacks: Sequence[str]) -> str:
     head = (
-        f"{'attack':<16} {'refused':>7} {'victim ok':>9} {'base ok':>8} {'p50 ms':>7} "
+        f"{'attack':<18} {'refused':>7} {'victim ok':>9} {'base ok':>8} {'p50 ms':>7} "
         f"{'p99 ms':>7} {'base p99':>8} {'p99 ratio':>9} {'RSS MB':>7} {'growth':>7}"
     )
     lines = []
@@ -829,7 +1266,7 @@ def format_table(figures: dict[str, float], attacks: Sequence[str]) -> str:
             return figures[f"abuse_{a}_{s}"]
 
         lines.append(
-            f"{a:<16} {'yes' if g('refused') else 'NO':>7} {g('victim_ok_fraction'):>9.3f} "
+            f"{a:<18} {'yes' if g('refused') else 'NO':>7} {g('victim_ok_fraction'):>9.3f} "
             f"{g('victim_baseline_ok_fraction'):>8.3f} {fmt(g('victim_p50_ms')):>7} "
             f"{fmt(g('victim_p99_ms')):>7} {fmt(g('victim_baseline_p99_ms')):>8} "
             f"{g('victim_p99_ratio'):>9.2f} {fmt(g('rss_after_mb')):>7} "
@@ -865,6 +1302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="merged over the indexer's config: a deliberately weakened install, e.g. "
         '\'{"quotas": {"max_instances_per_identity": 0}}\'',
     )
+    p.add_argument(
+        "--cachesim-config",
+        default="",
+        metavar="JSON",
+        help="merged over the cache simulator's config (the http_* attacks), e.g. "
+        "'{\"http_body_timeout_s\": 600}'",
+    )
     args = p.parse_args(argv)
     chosen = ",".join(ATTACKS) if args.attacks == "all" else args.attacks
     attacks = [a.strip() for a in chosen.split(",") if a.strip()]
@@ -877,12 +1321,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--indexer-config: not JSON: {e}")
     if not isinstance(overrides, dict):
         p.error("--indexer-config: must be a JSON object")
+    try:
+        sim_overrides = json.loads(args.cachesim_config) if args.cachesim_config else {}
+    except ValueError as e:
+        p.error(f"--cachesim-config: not JSON: {e}")
+    if not isinstance(sim_overrides, dict):
+        p.error("--cachesim-config: must be a JSON object")
     sizes = QUICK if args.quick else FULL
+    try:
+        CacheSimConfig.model_validate(sim_overrides)
+    except ValueError as e:  # pydantic's ValidationError, naming the field
+        p.error(f"--cachesim-config: {e}")
     t0 = time.perf_counter()
     figures: dict[str, float] = {}
     details: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-abuse-") as tmp:
-        install = Install(Path(tmp), overrides)
+        install = Install(Path(tmp), overrides, sim_overrides)
         for a in attacks:
             f, d = run_attack(a, install, sizes)
             figures.update(f)
@@ -891,7 +1345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hurt = [a for a in attacks if figures[f"abuse_{a}_victim_ok_fraction"] < MIN_VICTIM_OK]
     print(
         f"kvmesh bench abuse: {len(attacks)} attacks, memory backend, mutual TLS, policy of "
-        f"kvmesh certs{', config overridden' if overrides else ''}; "
+        f"kvmesh certs{', config overridden' if overrides or sim_overrides else ''}; "
         f"{time.perf_counter() - t0:.0f} s"
     )
     print(format_table(figures, attacks))
@@ -904,6 +1358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "attacks": attacks,
             "quick": args.quick,
             "indexer_config_overrides": overrides,
+            "cachesim_config_overrides": sim_overrides,
             "victim_rps": VICTIM_RPS,
             "victim_timeout_s": VICTIM_TIMEOUT_S,
             "min_victim_ok": MIN_VICTIM_OK,
@@ -914,6 +1369,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "flood_s": sizes.flood_s,
             "flood_dp_ranks": sizes.flood_dp_ranks,
             "dump_index_blocks": sizes.dump_index_blocks,
+            "nested_requests": sizes.nested_requests,
+            "nesting_depth": NESTING_DEPTH,
+            "oversize_requests": sizes.oversize_requests,
+            "oversize_announced_bytes": OVERSIZE_ANNOUNCED_BYTES,
+            "slow_connections": sizes.slow_connections,
+            "slow_byte_interval_s": sizes.slow_byte_interval_s,
+            "http_body_timeout_s": body_timeout_s(sizes),
         }
         write_report(args.json_path, figures, params, attacks=details)
     return 1 if not_refused or hurt else 0

@@ -40,6 +40,10 @@ from tee.events import DEFAULT_MAX_INPUT_IDS
 #: Prefix of the environment variables read by :func:`load_cachesim_config`.
 CACHESIM_ENV_PREFIX = "KVMESH_CACHESIM_"
 
+#: Default of ``http_body_timeout_s``: far above what a healthy tee takes to
+#: send the largest body it may (a few MB on a local network).
+BODY_READ_TIMEOUT_S = 30.0
+
 
 class CacheSimConfig(ServedSettings):
     """Configuration of ``kvmesh cachesim serve``."""
@@ -67,6 +71,13 @@ class CacheSimConfig(ServedSettings):
     max_input_ids: int = Field(default=DEFAULT_MAX_INPUT_IDS, ge=1)
     max_events_per_call: int = Field(default=4096, ge=1)
     max_message_bytes: int = Field(default=64 << 20, ge=4096)
+    http_body_timeout_s: float = Field(
+        default=BODY_READ_TIMEOUT_S,
+        gt=0,
+        le=3600,
+        description="Longest an HTTP client may take to send a request body; one that "
+        "announces a body and sends it slowly (or never) is answered 408.",
+    )
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=3600)
 
     @model_validator(mode="after")

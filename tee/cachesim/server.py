@@ -4,7 +4,8 @@ HTTP (aiohttp), SGLang's cache-sim wire: ``POST /ingest_ids``,
 ``POST /extend_ids`` (JSON body, worker in ``x-kvmesh-worker``), plus
 ``GET /report[?model=M]`` (JSON), ``GET /metrics`` (Prometheus),
 ``GET /healthz``. Errors answer JSON ``{"error": ..., "field": ...}`` with 400
-(malformed), 413 (over a cap) or 404 (unknown model).
+(malformed), 413 (over a cap), 408 (a body not sent within
+``http_body_timeout_s``) or 404 (unknown model).
 
 gRPC: ``kvmesh.tee.v1.TeeService`` (OfferEvents, StreamEvents: a tee's gRPC
 sink points here) and ``kvmesh.tee.v1.CacheSimService.GetReport``, with
@@ -59,6 +60,7 @@ from kvmesh.metrics import ComponentRegistry
 from kvmesh.runtime import host_port as _host_port
 from kvmesh.runtime import setup_logging
 from kvmesh.tls import add_port
+from tee.cachesim.config import BODY_READ_TIMEOUT_S as BODY_READ_TIMEOUT_S
 from tee.cachesim.config import CacheSimConfig
 from tee.cachesim.logic import CacheSimulator, SimSettings
 from tee.convert import events_from_pb
@@ -67,10 +69,12 @@ from tee.events import REQUEST_ID_HEADER, WORKER_HEADER, EventKind, from_body
 from tee.httpsec import HTTP_STATUS, HttpCall, ServerSSL
 from tee.metrics import refusal_counter
 
-#: Longest a client may take to send a request body: a client that announces a
-#: body and sends it slowly (or never) is answered 408 instead of holding a
-#: connection and its buffer.
-BODY_READ_TIMEOUT_S = 30.0
+#: Seconds the HTTP server keeps reading (and dropping) a request body it did
+#: not read, after answering (413, 408, a refusal), so that the client reads the
+#: reply before the connection closes. aiohttp's default of 10 s would let a
+#: client that never completes its body hold the connection that much past the
+#: 408.
+HTTP_LINGER_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -301,20 +305,25 @@ class CacheSimServer:
                 raise TooLarge(
                     f"request body of {announced} bytes, more than {self._max_body}", field="body"
                 )
+            # A client that announces a body and sends it slowly (or never) is
+            # answered 408 instead of holding a connection and its buffer.
+            timeout_s = self.config.http_body_timeout_s
             try:
-                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                async with asyncio.timeout(timeout_s):
                     raw = await request.read()
             except web.HTTPRequestEntityTooLarge as e:
                 raise TooLarge("request body too large", field="body") from e
             except TimeoutError:
                 self.events_total.labels("http", "rejected").inc()
-                return web.json_response(
+                resp = web.json_response(
                     {
-                        "error": f"request body not sent within {BODY_READ_TIMEOUT_S:g} s",
+                        "error": f"request body not sent within {timeout_s:g} s",
                         "field": "body",
                     },
                     status=408,
                 )
+                resp.force_close()  # the rest of the body is not read: the stream is lost
+                return resp
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
@@ -332,7 +341,10 @@ class CacheSimServer:
             blocks = self.sim.apply(event)
         except TeeError as e:
             self.events_total.labels("http", "rejected").inc()
-            return web.json_response({"error": str(e), "field": e.field}, status=e.http_status)
+            resp = web.json_response({"error": str(e), "field": e.field}, status=e.http_status)
+            if not request.content.is_eof():
+                resp.force_close()  # an oversize body left unread
+            return resp
         self.events_total.labels("http", "applied").inc()
         return web.json_response({"ok": True, "blocks": blocks})
 
@@ -376,7 +388,7 @@ class CacheSimServer:
                 "TLS) outside local development",
                 _host_port(c.host, c.http_port),
             )
-        self._runner = web.AppRunner(self._app(), access_log=None)
+        self._runner = web.AppRunner(self._app(), access_log=None, lingering_time=HTTP_LINGER_S)
         await self._runner.setup()
         ssl_context = self.http_tls.context if self.http_tls is not None else None
         await web.TCPSite(self._runner, c.host, c.http_port, ssl_context=ssl_context).start()

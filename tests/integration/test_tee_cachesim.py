@@ -131,18 +131,27 @@ async def test_http_refuses_an_announced_oversize_body_at_once(sim: CacheSimServ
     assert time.monotonic() - t0 < 5.0
 
 
-async def test_http_gives_up_on_a_body_that_stalls(
-    sim: CacheSimServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import tee.cachesim.server as server_mod
-
-    monkeypatch.setattr(server_mod, "BODY_READ_TIMEOUT_S", 0.5)
-    head = (
-        b"POST /ingest_ids HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 1000\r\n\r\n"
+async def test_http_gives_up_on_a_body_that_stalls() -> None:
+    cfg = CacheSimConfig(
+        http_port=0,
+        grpc_port=0,
+        block_size=BLOCK,
+        worker_capacity_blocks=8,
+        window_s=60,
+        http_body_timeout_s=0.5,
     )
-    status = await _raw_post(sim, head, b'{"model": "m", ')
-    assert status.startswith(b"HTTP/1.1 408"), status
+    sim = await CacheSimServer(cfg).start()
+    try:
+        head = (
+            b"POST /ingest_ids HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n"
+        )
+        t0 = time.monotonic()
+        status = await _raw_post(sim, head, b'{"model": "m", ')
+        assert status.startswith(b"HTTP/1.1 408"), status
+        assert time.monotonic() - t0 < 5.0  # the configured timeout, not the default 30 s
+    finally:
+        await sim.stop(0)
 
 
 async def test_http_errors_do_not_echo_huge_input(sim: CacheSimServer) -> None:

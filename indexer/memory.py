@@ -1072,11 +1072,13 @@ class MemoryIndex(Index):
             # is cut short), merged shard by shard: a sorted run plus one shard.
             best: list[int] = []
             for shard in range(SHARDS):
-                tables = self._blocks.get(ns)
-                if tables is None:
+                now = self._blocks.get(ns)
+                if now is None:
                     break  # the namespace emptied meanwhile
-                best = sorted(chain(best, tables[shard]))[: want + 1]
+                best = sorted(chain(best, now[shard]))[: want + 1]
                 await asyncio.sleep(0)
+            tables = self._blocks.get(ns) or []
+            shared = self._shared.get(ns) or []
             taken = 0
             for i, key in enumerate(best):
                 if taken == want:
@@ -1084,10 +1086,10 @@ class MemoryIndex(Index):
                 if i % DUMP_SLICE_BLOCKS == 0:
                     if i:
                         await asyncio.sleep(0)
-                    tables = self._blocks.get(ns)
-                    if tables is None:
-                        break
-                    shared = self._shared[ns]
+                    now = self._blocks.get(ns)
+                    if now is None:
+                        break  # the namespace emptied meanwhile
+                    tables, shared = now, self._shared[ns]
                     ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
                 h = tables[key & _SHARD].get(key)
                 if h is None:

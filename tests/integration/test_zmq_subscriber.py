@@ -100,8 +100,9 @@ class FakePublisher:
 
     async def close(self) -> None:
         self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        async with asyncio.timeout(10):  # a hang fails here, with its traceback
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         self.pub.close(linger=0)
         self.router.close(linger=0)
 

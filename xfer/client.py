@@ -5,11 +5,20 @@ Status codes map to exceptions with one fixed table (:data:`ERRORS`);
 Success=4). With a :class:`~kvmesh.tls.ClientTLS` the client dials with TLS
 (a client certificate for mutual TLS, or a bearer token); when the files
 change it opens a new channel for the following calls.
+
+Chunks go one per call (:meth:`XferClient.add_transfer_request`, pipelined by
+:meth:`~XferClient.add_transfer_request_nowait`), many in one all-or-nothing
+call (:meth:`~XferClient.add_transfer_requests`), or coalesced
+(:meth:`~XferClient.add_transfer_request_coalesced`): what callers hand the
+client within ``coalesce_window_s`` goes out in one AddTransferRequests call,
+and each caller still gets its own answer.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -19,6 +28,7 @@ import grpc
 from kvmesh.api.xfer.v1 import xfer_pb2 as pb
 from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.errors import (
+    ERROR_FIELD_METADATA,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -30,7 +40,7 @@ from kvmesh.errors import (
     Unavailable,
 )
 from kvmesh.tls import ChannelFactory, ClientTLS
-from xfer.logic import AlreadyExists, RoomStatus
+from xfer.logic import MAX_BATCH_ENTRIES, AlreadyExists, ChunkRequest, RoomStatus
 
 #: gRPC status -> exception raised by the client.
 ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {
@@ -50,10 +60,45 @@ ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {
 DEFAULT_TIMEOUT_S = 5.0
 
 
-def _raise(e: grpc.RpcError) -> KvmeshError:
+#: How long a chunk handed to :meth:`XferClient.add_transfer_request_coalesced`
+#: waits for others to share its call: a fraction of one call's cost, so a
+#: scheduler handing over a step's chunks in a loop sends them in one call.
+DEFAULT_COALESCE_WINDOW_S = 0.0005
+
+#: Most chunks one coalesced call carries (the sidecar takes up to
+#: :data:`~xfer.logic.MAX_BATCH_ENTRIES`).
+DEFAULT_MAX_BATCH = 64
+
+
+def _field(e: grpc.RpcError) -> str:
+    """The offending field the sidecar named in the trailing metadata ("" if none)."""
+    if not isinstance(e, grpc.Call):
+        return ""
+    for k, v in e.trailing_metadata() or ():
+        if k == ERROR_FIELD_METADATA:
+            return v if isinstance(v, str) else bytes(v).decode("utf-8", "replace")
+    return ""
+
+
+def _raise(e: grpc.RpcError, field: str | None = None) -> KvmeshError:
+    """The exception of a failed call; ``field`` renames the offending field the
+    sidecar named (the entry's own name for a coalesced chunk)."""
     code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.INTERNAL
-    details = e.details() if isinstance(e, grpc.Call) else str(e)
-    return ERRORS.get(code, KvmeshError)(details or code.name)
+    details = (e.details() if isinstance(e, grpc.Call) else str(e)) or code.name
+    named = _field(e)
+    if named and details.startswith(f"{named}: "):
+        details = details[len(named) + 2 :]
+    return ERRORS.get(code, KvmeshError)(details, field=named if field is None else field)
+
+
+def _entry(field: str) -> tuple[int, str] | None:
+    """``(i, rest)`` of a field ``requests[i].rest`` (``None`` for any other)."""
+    if not field.startswith("requests["):
+        return None
+    index, _, rest = field[len("requests[") :].partition("]")
+    if not index.isdigit():
+        return None
+    return int(index), rest.removeprefix(".")
 
 
 class AddFuture:
@@ -70,11 +115,47 @@ class AddFuture:
             raise _raise(e) from None
 
 
+def _batch(entries: Sequence[ChunkRequest]) -> pb.AddTransferRequestsRequest:
+    """The AddTransferRequests request of ``entries`` (built in place: a third cheaper
+    than building each entry and copying it in)."""
+    req = pb.AddTransferRequestsRequest()
+    add = req.requests.add
+    for room, pages, (start, end), is_last, aux_index, chunk_id in entries:
+        add(
+            room=room,
+            page_indices=pages,
+            index_slice_start=start,
+            index_slice_end=end,
+            is_last=is_last,
+            aux_index=aux_index,
+            chunk_id=chunk_id,
+        )
+    return req
+
+
+class CoalescedAdd:
+    """The pending answer of :meth:`XferClient.add_transfer_request_coalesced`."""
+
+    def __init__(self) -> None:
+        self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the sidecar queued the chunk; raise its error for this chunk (or
+        the call's, when the call itself failed) as an exception."""
+        self._future.result(timeout)
+
+    def done(self) -> bool:
+        """Whether the answer is in."""
+        return self._future.done()
+
+
 class XferClient:
     """A connection to one sidecar. Thread-safe (grpc channels are).
 
     ``tls``: how to dial (default plaintext); a sidecar with authorization
-    expects an identity with role ``engine``.
+    expects an identity with role ``engine``. ``coalesce_window_s`` and
+    ``max_batch``: how long, and up to how many chunks, chunks handed to
+    :meth:`add_transfer_request_coalesced` gather before they go out in one call.
     """
 
     def __init__(
@@ -83,9 +164,27 @@ class XferClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         tls: ClientTLS | None = None,
+        coalesce_window_s: float = DEFAULT_COALESCE_WINDOW_S,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
+        if coalesce_window_s < 0:
+            raise ValueError(f"coalesce_window_s must be >= 0, not {coalesce_window_s}")
+        if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
+            raise ValueError(f"max_batch must be in [1, {MAX_BATCH_ENTRIES}], not {max_batch}")
         self.address = address
         self.timeout_s = timeout_s
+        self.coalesce_window_s = coalesce_window_s
+        self.max_batch = max_batch
+        #: AddTransferRequests calls the coalescing sent (a resend counts again).
+        self.coalesced_calls = 0
+        #: Chunks handed to :meth:`add_transfer_request_coalesced`.
+        self.coalesced_chunks = 0
+        self._cond = threading.Condition()
+        self._pending: list[tuple[ChunkRequest, CoalescedAdd]] = []
+        self._pending_since = 0.0
+        self._outstanding = 0
+        self._closing = False
+        self._flusher: threading.Thread | None = None
         self._factory = ChannelFactory(address, tls, what="xfer client")
         self._channel = self._factory.sync_channel()
         self._retired: grpc.Channel | None = None
@@ -172,6 +271,114 @@ class XferClient:
         req = self._add_request(room, page_indices, index_slice, is_last, aux_index, chunk_id)
         return AddFuture(self._stub.AddTransferRequest.future(req, timeout=self.timeout_s))
 
+    def add_transfer_requests(self, entries: Sequence[ChunkRequest]) -> None:
+        """Prefill: queue many chunks in one call, all or nothing. Each entry is
+        :meth:`add_transfer_request`'s arguments ``(room, page_indices, index_slice,
+        is_last, aux_index, chunk_id)``; an error names the first bad entry (field
+        ``requests[i]....``) and then no entry was queued."""
+        try:
+            self._stub.AddTransferRequests(_batch(entries), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _raise(e) from None
+
+    def add_transfer_request_coalesced(
+        self,
+        room: int,
+        page_indices: Sequence[int],
+        index_slice: tuple[int, int],
+        is_last: bool,
+        aux_index: int = 0,
+        chunk_id: int = 0,
+    ) -> CoalescedAdd:
+        """Like :meth:`add_transfer_request_nowait`, but the chunks handed to the client
+        within ``coalesce_window_s`` (up to ``max_batch``) go out in one
+        AddTransferRequests call. :meth:`CoalescedAdd.result` raises as the single
+        call would: when the sidecar refuses one entry, that caller gets the error
+        (its own field name, e.g. ``page_indices``) and the others are sent again."""
+        entry = (room, page_indices, index_slice, is_last, aux_index, chunk_id)
+        answer = CoalescedAdd()
+        with self._cond:
+            if self._closing:
+                raise Unavailable("the client is closed")
+            if self._flusher is None:
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="xfer-client-coalesce", daemon=True
+                )
+                self._flusher.start()
+            self.coalesced_chunks += 1
+            self._hold([(entry, answer)])
+        return answer
+
+    def _hold(self, entries: list[tuple[ChunkRequest, CoalescedAdd]]) -> None:
+        """Lock held: add ``entries`` to the chunks waiting for the next call."""
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending.extend(entries)
+        if len(self._pending) == len(entries) or len(self._pending) >= self.max_batch:
+            self._cond.notify_all()  # the flusher (close may wait on it too)
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._cond:
+                # Closing: runs until the answers are in (a refusal may resend chunks).
+                while not self._pending and not (self._closing and not self._outstanding):
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                deadline = self._pending_since + self.coalesce_window_s
+                while len(self._pending) < self.max_batch and not self._closing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                batch = self._pending[: self.max_batch]
+                del self._pending[: self.max_batch]
+                self.coalesced_calls += 1
+                self._outstanding += 1
+            self._send(batch)
+
+    def _send(self, batch: list[tuple[ChunkRequest, CoalescedAdd]]) -> None:
+        req = _batch([e for e, _ in batch])
+        try:
+            call = self._stub.AddTransferRequests.future(req, timeout=self.timeout_s)
+        except Exception as e:  # e.g. the channel closed under us
+            self._settle(batch, None, Unavailable(f"AddTransferRequests not sent: {e}"))
+            return
+        call.add_done_callback(lambda c: self._settle(batch, c, None))
+
+    def _settle(
+        self,
+        batch: list[tuple[ChunkRequest, CoalescedAdd]],
+        call: Any,
+        failure: KvmeshError | None,
+    ) -> None:
+        """Answer a coalesced call's callers; after a refusal naming one entry, that
+        entry's caller gets the error and the others wait for the next call."""
+        resend: list[tuple[ChunkRequest, CoalescedAdd]] = []
+        if failure is None:
+            try:
+                call.result()
+            except grpc.RpcError as e:
+                named = _entry(_field(e))
+                if named is not None and named[0] < len(batch):
+                    index, rest = named
+                    batch[index][1]._future.set_exception(_raise(e, rest))
+                    resend = batch[:index] + batch[index + 1 :]
+                else:
+                    for _, answer in batch:
+                        answer._future.set_exception(_raise(e))
+            else:
+                for _, answer in batch:
+                    answer._future.set_result(None)
+        else:
+            for _, answer in batch:
+                answer._future.set_exception(failure)
+        with self._cond:
+            self._outstanding -= 1
+            if resend:
+                self._hold(resend)
+            self._cond.notify_all()
+
     def poll_bytes(self, room: int) -> tuple[RoomStatus, str, int]:
         """``(status, failure reason, bytes moved so far)`` of a room."""
         try:
@@ -196,7 +403,22 @@ class XferClient:
             raise _raise(e) from None
 
     def close(self) -> None:
-        """Close the channel."""
+        """Send the chunks still waiting to be coalesced, wait (up to ``timeout_s``)
+        for the sidecar's answers to them, and close the channel."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            deadline = time.monotonic() + self.timeout_s
+            while self._pending or self._outstanding:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            for _, answer in self._pending:
+                answer._future.set_exception(Unavailable("the client closed before sending"))
+            self._pending.clear()
+        if self._flusher is not None:
+            self._flusher.join(timeout=1.0)
         self._channel.close()
         if self._retired is not None:
             self._retired.close()

@@ -5,7 +5,8 @@ one role:
 
 - **prefill**: :meth:`XferLogic.bootstrap` learns a room's destination (and,
   once per peer, the peer's transport metadata); :meth:`XferLogic.add_transfer_request`
-  checks a chunk and queues it, returning at once. ``queues`` worker threads,
+  checks a chunk and queues it, returning at once
+  (:meth:`XferLogic.add_transfer_requests`: many, all or none). ``queues`` worker threads,
   each owning the rooms of the peers hashed to it, merge the chunk's pages
   into runs contiguous on both sides, post one write (one descriptor per run,
   the last chunk also carries the aux slot) and keep up to
@@ -255,6 +256,21 @@ class Chunk:
     aux_index: int
     chunk_id: int
 
+
+def _at_entry(index: int, err: KvmeshError) -> KvmeshError:
+    """``err`` of entry ``index`` of a batch: its field becomes ``requests[index].field``."""
+    where = f"requests[{index}]"
+    err.field = f"{where}.{err.field}" if err.field else where
+    return err
+
+
+#: Arguments of one :meth:`XferLogic.add_transfer_request`: room, source pages,
+#: destination slice, is_last, aux slot, chunk id.
+ChunkRequest = tuple[int, Sequence[int], tuple[int, int], bool, int, int]
+
+#: Most entries one AddTransferRequests call may carry: ample for a request's
+#: chunks, and it bounds the work one call does under the rooms' lock.
+MAX_BATCH_ENTRIES = 1024
 
 _STOP = object()
 
@@ -655,7 +671,7 @@ class XferLogic:
                 field="index_slice_end",
             )
 
-    def add_transfer_request(
+    def _check_chunk(
         self,
         room: int,
         page_indices: Sequence[int],
@@ -663,10 +679,9 @@ class XferLogic:
         is_last: bool,
         aux_index: int,
         chunk_id: int,
-    ) -> None:
-        """Prefill: check one chunk and queue it; returns at once (never waits on I/O)."""
-        t0 = time.perf_counter()
-        self._require("prefill")
+    ) -> Chunk:
+        """The chunk an AddTransferRequest names, once its slice, pages and aux slot
+        are in range (the checks that need no room state)."""
         start, end = index_slice
         if start < 0 or end < start:
             raise InvalidArgument(
@@ -683,39 +698,138 @@ class XferLogic:
         self.pool.check_pages(page_indices, "page_indices")
         if is_last and self.pool.geometry.aux_count:
             self.pool.check_aux(aux_index, "aux_index")
-        chunk = Chunk(room, 0, tuple(page_indices), start, is_last, aux_index, chunk_id)
+        return Chunk(room, 0, tuple(page_indices), start, is_last, aux_index, chunk_id)
+
+    def _check_room(self, r: Room | None, chunk: Chunk, ids: set[int], last: int | None) -> None:
+        """Lock held: raise unless room ``r`` (``None``: not tracked yet) may take
+        ``chunk``, given the chunk ids it holds (``ids``) and its last chunk (``last``)."""
+        chunk_id = chunk.chunk_id
+        if r is not None and r.status in _TERMINAL:
+            what = f"failed: {r.reason}" if r.status == RoomStatus.FAILED else "finished"
+            raise FailedPrecondition(f"room {chunk.room} {what}", field="room")
+        if chunk_id in ids:
+            raise InvalidArgument(f"chunk {chunk_id} already added", field="chunk_id")
+        # Chunks may arrive in any order (pipelined calls); ids must fit under the last.
+        if last is not None and (chunk.is_last or chunk_id > last):
+            raise InvalidArgument(f"chunk {chunk_id} after the last chunk {last}", field="chunk_id")
+        if chunk.is_last and ids and max(ids) > chunk_id:
+            raise InvalidArgument(f"last chunk {chunk_id} below chunk {max(ids)}", field="chunk_id")
+        if r is not None and r.bootstrapped:
+            self._check_slice(chunk, len(r.dst_pages))
+
+    def _accept(self, chunk: Chunk, now: float) -> None:
+        """Lock held: record a checked chunk in its room (opened if new) and queue it,
+        or hold it until the room's Bootstrap."""
+        room = chunk.room
+        r = self._rooms.get(room)
+        if r is None:
+            r = self._new_room(room, 0, RoomStatus.BOOTSTRAPPING, now)
+        r.chunk_ids.add(chunk.chunk_id)
+        if r.quota_key:  # the engine claims a room a peer's Bootstrap opened
+            self._quota.release(r.quota_key, room)
+            r.quota_key = ""
+        if chunk.is_last:
+            r.last_chunk = chunk.chunk_id
+        r.progress_at = now
+        if r.bootstrapped:
+            c = chunk
+            # Built directly: dataclasses.replace costs several times more per chunk.
+            self._enqueue(
+                r,
+                Chunk(
+                    room,
+                    r.generation,
+                    c.src_pages,
+                    c.slice_start,
+                    c.is_last,
+                    c.aux_index,
+                    c.chunk_id,
+                ),
+            )
+        else:
+            r.pending.append(chunk)
+
+    def add_transfer_request(
+        self,
+        room: int,
+        page_indices: Sequence[int],
+        index_slice: tuple[int, int],
+        is_last: bool,
+        aux_index: int,
+        chunk_id: int,
+    ) -> None:
+        """Prefill: check one chunk and queue it; returns at once (never waits on I/O)."""
+        t0 = time.perf_counter()
+        self._require("prefill")
+        chunk = self._check_chunk(room, page_indices, index_slice, is_last, aux_index, chunk_id)
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
+                # Raises at max_rooms before anything is recorded.
                 r = self._new_room(room, 0, RoomStatus.BOOTSTRAPPING, time.monotonic())
-            if r.status in _TERMINAL:
-                what = f"failed: {r.reason}" if r.status == RoomStatus.FAILED else "finished"
-                raise FailedPrecondition(f"room {room} {what}", field="room")
-            if chunk_id in r.chunk_ids:
-                raise InvalidArgument(f"chunk {chunk_id} already added", field="chunk_id")
-            # Chunks may arrive in any order (pipelined calls); ids must fit under the last.
-            if r.last_chunk is not None and (is_last or chunk_id > r.last_chunk):
-                raise InvalidArgument(
-                    f"chunk {chunk_id} after the last chunk {r.last_chunk}", field="chunk_id"
-                )
-            if is_last and r.chunk_ids and max(r.chunk_ids) > chunk_id:
-                raise InvalidArgument(
-                    f"last chunk {chunk_id} below chunk {max(r.chunk_ids)}", field="chunk_id"
-                )
-            if r.bootstrapped:
-                self._check_slice(chunk, len(r.dst_pages))
-            r.chunk_ids.add(chunk_id)
-            if r.quota_key:  # the engine claims a room a peer's Bootstrap opened
-                self._quota.release(r.quota_key, room)
-                r.quota_key = ""
-            if is_last:
-                r.last_chunk = chunk_id
-            r.progress_at = time.monotonic()
-            if r.bootstrapped:
-                self._enqueue(r, dataclasses.replace(chunk, generation=r.generation))
-            else:
-                r.pending.append(chunk)
+            self._check_room(r, chunk, r.chunk_ids, r.last_chunk)
+            self._accept(chunk, time.monotonic())
         self.metrics.add_request_seconds.observe(time.perf_counter() - t0)
+
+    def add_transfer_requests(self, entries: Sequence[ChunkRequest]) -> None:
+        """Prefill: check many chunks, then queue all of them or, on any error, none.
+
+        ``entries`` are :meth:`add_transfer_request`'s arguments, 1 to
+        :data:`MAX_BATCH_ENTRIES` of them (INVALID_ARGUMENT, field ``requests``,
+        otherwise). Each entry gets that call's checks, in order, as if the
+        entries before it were queued (so one batch may carry a room's chunks up
+        to its last); an error is the one the single call raises, with its
+        field prefixed by the entry, e.g. ``requests[3].page_indices``."""
+        t0 = time.perf_counter()
+        self._require("prefill")
+        n = len(entries)
+        if not 0 < n <= MAX_BATCH_ENTRIES:
+            raise InvalidArgument(
+                f"{n} entries; a call carries 1 to {MAX_BATCH_ENTRIES}", field="requests"
+            )
+        chunks: list[Chunk] = []
+        try:
+            for e in entries:
+                chunks.append(self._check_chunk(*e))
+        except KvmeshError as err:
+            raise _at_entry(len(chunks), err) from None
+        with self._lock:
+            # Per room touched: (room or None, chunk ids, last chunk) as if the
+            # entries before were queued.
+            seen: dict[int, tuple[Room | None, set[int], int | None]] = {}
+            new_rooms = 0
+            for i, c in enumerate(chunks):
+                state = seen.get(c.room)
+                if state is None:
+                    r = self._rooms.get(c.room)
+                    if r is None:
+                        if len(self._rooms) + new_rooms >= self.config.max_rooms:
+                            raise _at_entry(
+                                i,
+                                FailedPrecondition(
+                                    f"{len(self._rooms)} rooms tracked and {new_rooms} more in "
+                                    "this call (max_rooms); clear finished rooms",
+                                    field="room",
+                                ),
+                            )
+                        new_rooms += 1
+                        state = (None, set(), None)
+                    else:
+                        state = (r, set(r.chunk_ids), r.last_chunk)
+                r, ids, last = state
+                try:
+                    self._check_room(r, c, ids, last)
+                except KvmeshError as err:
+                    raise _at_entry(i, err) from None
+                ids.add(c.chunk_id)
+                seen[c.room] = (r, ids, c.chunk_id if c.is_last else last)
+            # Every entry checked: queue them all (nothing below raises).
+            now = time.monotonic()
+            for c in chunks:
+                self._accept(c, now)
+        per_chunk = (time.perf_counter() - t0) / n
+        for _ in range(n):
+            self.metrics.add_request_seconds.observe(per_chunk)
 
     def _enqueue(self, r: Room, chunk: Chunk) -> None:
         # Sharded by destination: one peer's chunks stay in order on one worker,

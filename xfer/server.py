@@ -84,6 +84,7 @@ _PEER_CALL_TIMEOUT_S = 5.0
 XFER_RULES: dict[str, MethodRule] = {
     "RegisterRoom": MethodRule(("engine",)),
     "AddTransferRequest": MethodRule(("engine",)),
+    "AddTransferRequests": MethodRule(("engine",)),
     "Poll": MethodRule(("engine",)),
     "Clear": MethodRule(("engine",)),
     "Bootstrap": MethodRule(("peer",)),
@@ -153,6 +154,27 @@ class XferServicer(pb_grpc.XferServiceServicer):
             request.chunk_id,
         )
         return pb.AddTransferRequestResponse()
+
+    @observed
+    async def AddTransferRequests(
+        self, request: pb.AddTransferRequestsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AddTransferRequestsResponse:
+        """Queue many chunks at once: every entry is checked first, then all are queued
+        or, on an error naming the entry (``requests[i].…``), none is."""
+        self.logic.add_transfer_requests(
+            [
+                (
+                    e.room,
+                    e.page_indices,
+                    (e.index_slice_start, e.index_slice_end),
+                    e.is_last,
+                    e.aux_index,
+                    e.chunk_id,
+                )
+                for e in request.requests
+            ]
+        )
+        return pb.AddTransferRequestsResponse()
 
     @observed
     async def Poll(

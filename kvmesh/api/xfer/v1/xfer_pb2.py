@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/xfer/v1/xfer.proto\x12\x0ekvmesh.xfer.v1\"i\n\x13RegisterRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\"*\n\x14RegisterRoomResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xa9\x01\n\x19\x41\x64\x64TransferRequestRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\x12\x19\n\x11index_slice_start\x18\x03 \x01(\r\x12\x17\n\x0findex_slice_end\x18\x04 \x01(\r\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\x12\x11\n\taux_index\x18\x06 \x01(\r\x12\x10\n\x08\x63hunk_id\x18\x07 \x01(\r\"\x1c\n\x1a\x41\x64\x64TransferRequestResponse\"\x1b\n\x0bPollRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"a\n\x0cPollResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.kvmesh.xfer.v1.RoomStatus\x12\x16\n\x0e\x66\x61ilure_reason\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x1c\n\x0c\x43learRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"\x0f\n\rClearResponse\"\x81\x02\n\x10\x42ootstrapRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\x12\x11\n\tpeer_name\x18\x05 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x06 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\x04\x12\x12\n\npage_count\x18\t \x01(\r\x12\x10\n\x08\x61ux_size\x18\n \x01(\x04\x12\x11\n\taux_count\x18\x0b \x01(\r\x12\x11\n\ttransport\x18\x0c \x01(\t\"<\n\x11\x42ootstrapResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\"@\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"%\n\x10HeartbeatRequest\x12\x11\n\tpeer_name\x18\x01 \x01(\t\"(\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t*\x9d\x01\n\nRoomStatus\x12\x16\n\x12ROOM_STATUS_FAILED\x10\x00\x12\x1d\n\x19ROOM_STATUS_BOOTSTRAPPING\x10\x01\x12!\n\x1dROOM_STATUS_WAITING_FOR_INPUT\x10\x02\x12\x1c\n\x18ROOM_STATUS_TRANSFERRING\x10\x03\x12\x17\n\x13ROOM_STATUS_SUCCESS\x10\x04\x32\xc8\x04\n\x0bXferService\x12Y\n\x0cRegisterRoom\x12#.kvmesh.xfer.v1.RegisterRoomRequest\x1a$.kvmesh.xfer.v1.RegisterRoomResponse\x12k\n\x12\x41\x64\x64TransferRequest\x12).kvmesh.xfer.v1.AddTransferRequestRequest\x1a*.kvmesh.xfer.v1.AddTransferRequestResponse\x12\x41\n\x04Poll\x12\x1b.kvmesh.xfer.v1.PollRequest\x1a\x1c.kvmesh.xfer.v1.PollResponse\x12\x44\n\x05\x43lear\x12\x1c.kvmesh.xfer.v1.ClearRequest\x1a\x1d.kvmesh.xfer.v1.ClearResponse\x12P\n\tBootstrap\x12 .kvmesh.xfer.v1.BootstrapRequest\x1a!.kvmesh.xfer.v1.BootstrapResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.kvmesh.xfer.v1.AbortRequest\x1a\x1d.kvmesh.xfer.v1.AbortResponse\x12P\n\tHeartbeat\x12 .kvmesh.xfer.v1.HeartbeatRequest\x1a!.kvmesh.xfer.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/xfer/v1/xfer.proto\x12\x0ekvmesh.xfer.v1\"i\n\x13RegisterRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\"*\n\x14RegisterRoomResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xa9\x01\n\x19\x41\x64\x64TransferRequestRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\x12\x19\n\x11index_slice_start\x18\x03 \x01(\r\x12\x17\n\x0findex_slice_end\x18\x04 \x01(\r\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\x12\x11\n\taux_index\x18\x06 \x01(\r\x12\x10\n\x08\x63hunk_id\x18\x07 \x01(\r\"\x1c\n\x1a\x41\x64\x64TransferRequestResponse\"Y\n\x1a\x41\x64\x64TransferRequestsRequest\x12;\n\x08requests\x18\x01 \x03(\x0b\x32).kvmesh.xfer.v1.AddTransferRequestRequest\"\x1d\n\x1b\x41\x64\x64TransferRequestsResponse\"\x1b\n\x0bPollRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"a\n\x0cPollResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.kvmesh.xfer.v1.RoomStatus\x12\x16\n\x0e\x66\x61ilure_reason\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x1c\n\x0c\x43learRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"\x0f\n\rClearResponse\"\x81\x02\n\x10\x42ootstrapRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\x12\x11\n\tpeer_name\x18\x05 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x06 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\x04\x12\x12\n\npage_count\x18\t \x01(\r\x12\x10\n\x08\x61ux_size\x18\n \x01(\x04\x12\x11\n\taux_count\x18\x0b \x01(\r\x12\x11\n\ttransport\x18\x0c \x01(\t\"<\n\x11\x42ootstrapResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\"@\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"%\n\x10HeartbeatRequest\x12\x11\n\tpeer_name\x18\x01 \x01(\t\"(\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t*\x9d\x01\n\nRoomStatus\x12\x16\n\x12ROOM_STATUS_FAILED\x10\x00\x12\x1d\n\x19ROOM_STATUS_BOOTSTRAPPING\x10\x01\x12!\n\x1dROOM_STATUS_WAITING_FOR_INPUT\x10\x02\x12\x1c\n\x18ROOM_STATUS_TRANSFERRING\x10\x03\x12\x17\n\x13ROOM_STATUS_SUCCESS\x10\x04\x32\xb8\x05\n\x0bXferService\x12Y\n\x0cRegisterRoom\x12#.kvmesh.xfer.v1.RegisterRoomRequest\x1a$.kvmesh.xfer.v1.RegisterRoomResponse\x12k\n\x12\x41\x64\x64TransferRequest\x12).kvmesh.xfer.v1.AddTransferRequestRequest\x1a*.kvmesh.xfer.v1.AddTransferRequestResponse\x12n\n\x13\x41\x64\x64TransferRequests\x12*.kvmesh.xfer.v1.AddTransferRequestsRequest\x1a+.kvmesh.xfer.v1.AddTransferRequestsResponse\x12\x41\n\x04Poll\x12\x1b.kvmesh.xfer.v1.PollRequest\x1a\x1c.kvmesh.xfer.v1.PollResponse\x12\x44\n\x05\x43lear\x12\x1c.kvmesh.xfer.v1.ClearRequest\x1a\x1d.kvmesh.xfer.v1.ClearResponse\x12P\n\tBootstrap\x12 .kvmesh.xfer.v1.BootstrapRequest\x1a!.kvmesh.xfer.v1.BootstrapResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.kvmesh.xfer.v1.AbortRequest\x1a\x1d.kvmesh.xfer.v1.AbortResponse\x12P\n\tHeartbeat\x12 .kvmesh.xfer.v1.HeartbeatRequest\x1a!.kvmesh.xfer.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.xfer.v1.xfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROOMSTATUS']._serialized_start=1060
-  _globals['_ROOMSTATUS']._serialized_end=1217
+  _globals['_ROOMSTATUS']._serialized_start=1182
+  _globals['_ROOMSTATUS']._serialized_end=1339
   _globals['_REGISTERROOMREQUEST']._serialized_start=45
   _globals['_REGISTERROOMREQUEST']._serialized_end=150
   _globals['_REGISTERROOMRESPONSE']._serialized_start=152
@@ -41,26 +41,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADDTRANSFERREQUESTREQUEST']._serialized_end=366
   _globals['_ADDTRANSFERREQUESTRESPONSE']._serialized_start=368
   _globals['_ADDTRANSFERREQUESTRESPONSE']._serialized_end=396
-  _globals['_POLLREQUEST']._serialized_start=398
-  _globals['_POLLREQUEST']._serialized_end=425
-  _globals['_POLLRESPONSE']._serialized_start=427
-  _globals['_POLLRESPONSE']._serialized_end=524
-  _globals['_CLEARREQUEST']._serialized_start=526
-  _globals['_CLEARREQUEST']._serialized_end=554
-  _globals['_CLEARRESPONSE']._serialized_start=556
-  _globals['_CLEARRESPONSE']._serialized_end=571
-  _globals['_BOOTSTRAPREQUEST']._serialized_start=574
-  _globals['_BOOTSTRAPREQUEST']._serialized_end=831
-  _globals['_BOOTSTRAPRESPONSE']._serialized_start=833
-  _globals['_BOOTSTRAPRESPONSE']._serialized_end=893
-  _globals['_ABORTREQUEST']._serialized_start=895
-  _globals['_ABORTREQUEST']._serialized_end=959
-  _globals['_ABORTRESPONSE']._serialized_start=961
-  _globals['_ABORTRESPONSE']._serialized_end=976
-  _globals['_HEARTBEATREQUEST']._serialized_start=978
-  _globals['_HEARTBEATREQUEST']._serialized_end=1015
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1017
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1057
-  _globals['_XFERSERVICE']._serialized_start=1220
-  _globals['_XFERSERVICE']._serialized_end=1804
+  _globals['_ADDTRANSFERREQUESTSREQUEST']._serialized_start=398
+  _globals['_ADDTRANSFERREQUESTSREQUEST']._serialized_end=487
+  _globals['_ADDTRANSFERREQUESTSRESPONSE']._serialized_start=489
+  _globals['_ADDTRANSFERREQUESTSRESPONSE']._serialized_end=518
+  _globals['_POLLREQUEST']._serialized_start=520
+  _globals['_POLLREQUEST']._serialized_end=547
+  _globals['_POLLRESPONSE']._serialized_start=549
+  _globals['_POLLRESPONSE']._serialized_end=646
+  _globals['_CLEARREQUEST']._serialized_start=648
+  _globals['_CLEARREQUEST']._serialized_end=676
+  _globals['_CLEARRESPONSE']._serialized_start=678
+  _globals['_CLEARRESPONSE']._serialized_end=693
+  _globals['_BOOTSTRAPREQUEST']._serialized_start=696
+  _globals['_BOOTSTRAPREQUEST']._serialized_end=953
+  _globals['_BOOTSTRAPRESPONSE']._serialized_start=955
+  _globals['_BOOTSTRAPRESPONSE']._serialized_end=1015
+  _globals['_ABORTREQUEST']._serialized_start=1017
+  _globals['_ABORTREQUEST']._serialized_end=1081
+  _globals['_ABORTRESPONSE']._serialized_start=1083
+  _globals['_ABORTRESPONSE']._serialized_end=1098
+  _globals['_HEARTBEATREQUEST']._serialized_start=1100
+  _globals['_HEARTBEATREQUEST']._serialized_end=1137
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1139
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1179
+  _globals['_XFERSERVICE']._serialized_start=1342
+  _globals['_XFERSERVICE']._serialized_end=2038
 # @@protoc_insertion_point(module_scope)

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -57,6 +57,16 @@ class AddTransferRequestRequest(_message.Message):
     def __init__(self, room: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., index_slice_start: _Optional[int] = ..., index_slice_end: _Optional[int] = ..., is_last: _Optional[bool] = ..., aux_index: _Optional[int] = ..., chunk_id: _Optional[int] = ...) -> None: ...
 
 class AddTransferRequestResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AddTransferRequestsRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[AddTransferRequestRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[AddTransferRequestRequest, _Mapping]]] = ...) -> None: ...
+
+class AddTransferRequestsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

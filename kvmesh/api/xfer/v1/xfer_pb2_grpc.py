@@ -45,6 +45,11 @@ class XferServiceStub:
                 request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestResponse.FromString,
                 _registered_method=True)
+        self.AddTransferRequests = channel.unary_unary(
+                '/kvmesh.xfer.v1.XferService/AddTransferRequests',
+                request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestsResponse.FromString,
+                _registered_method=True)
         self.Poll = channel.unary_unary(
                 '/kvmesh.xfer.v1.XferService/Poll',
                 request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRequest.SerializeToString,
@@ -85,6 +90,13 @@ class XferServiceServicer:
 
     def AddTransferRequest(self, request, context):
         """Prefill: queue one chunk of a room; returns at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddTransferRequests(self, request, context):
+        """Prefill: queue many chunks at once, all or nothing; returns at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +149,11 @@ def add_XferServiceServicer_to_server(servicer, server):
                     servicer.AddTransferRequest,
                     request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestRequest.FromString,
                     response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestResponse.SerializeToString,
+            ),
+            'AddTransferRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddTransferRequests,
+                    request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestsRequest.FromString,
+                    response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestsResponse.SerializeToString,
             ),
             'Poll': grpc.unary_unary_rpc_method_handler(
                     servicer.Poll,
@@ -219,6 +236,33 @@ class XferService:
             '/kvmesh.xfer.v1.XferService/AddTransferRequest',
             kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestRequest.SerializeToString,
             kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddTransferRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.xfer.v1.XferService/AddTransferRequests',
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestsRequest.SerializeToString,
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.AddTransferRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

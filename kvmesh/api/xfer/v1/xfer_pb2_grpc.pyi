@@ -46,6 +46,8 @@ class XferServiceStub:
     """Decode: expect a room; bootstraps it with the prefill sidecar."""
     AddTransferRequest: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.AddTransferRequestRequest, _xfer_pb2.AddTransferRequestResponse]
     """Prefill: queue one chunk of a room; returns at once."""
+    AddTransferRequests: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.AddTransferRequestsRequest, _xfer_pb2.AddTransferRequestsResponse]
+    """Prefill: queue many chunks at once, all or nothing; returns at once."""
     Poll: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.PollRequest, _xfer_pb2.PollResponse]
     """Status of a room (NOT_FOUND for an unknown one)."""
     Clear: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.ClearRequest, _xfer_pb2.ClearResponse]
@@ -66,6 +68,8 @@ class XferServiceAsyncStub(XferServiceStub):
     """Decode: expect a room; bootstraps it with the prefill sidecar."""
     AddTransferRequest: _aio.UnaryUnaryMultiCallable[_xfer_pb2.AddTransferRequestRequest, _xfer_pb2.AddTransferRequestResponse]  # type: ignore[assignment]
     """Prefill: queue one chunk of a room; returns at once."""
+    AddTransferRequests: _aio.UnaryUnaryMultiCallable[_xfer_pb2.AddTransferRequestsRequest, _xfer_pb2.AddTransferRequestsResponse]  # type: ignore[assignment]
+    """Prefill: queue many chunks at once, all or nothing; returns at once."""
     Poll: _aio.UnaryUnaryMultiCallable[_xfer_pb2.PollRequest, _xfer_pb2.PollResponse]  # type: ignore[assignment]
     """Status of a room (NOT_FOUND for an unknown one)."""
     Clear: _aio.UnaryUnaryMultiCallable[_xfer_pb2.ClearRequest, _xfer_pb2.ClearResponse]  # type: ignore[assignment]
@@ -95,6 +99,14 @@ class XferServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_xfer_pb2.AddTransferRequestResponse, _abc.Awaitable[_xfer_pb2.AddTransferRequestResponse]]:
         """Prefill: queue one chunk of a room; returns at once."""
+
+    @_abc_1.abstractmethod
+    def AddTransferRequests(
+        self,
+        request: _xfer_pb2.AddTransferRequestsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_xfer_pb2.AddTransferRequestsResponse, _abc.Awaitable[_xfer_pb2.AddTransferRequestsResponse]]:
+        """Prefill: queue many chunks at once, all or nothing; returns at once."""
 
     @_abc_1.abstractmethod
     def Poll(

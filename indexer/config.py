@@ -491,6 +491,26 @@ class SglangApiSettings(StrictModel):
     )
 
 
+class WatchSettings(StrictModel):
+    """Followers of a memory replica (WatchIndex): routers that hold a copy of the index."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Serve WatchIndex (memory backend only; a Redis replica answers "
+        "FAILED_PRECONDITION).",
+    )
+    max_followers: int = Field(
+        default=64, ge=0, le=4096, description="Followers one replica serves at once."
+    )
+    buffer: int = Field(
+        default=4096,
+        ge=1,
+        le=1_000_000,
+        description="Changes a follower may fall behind before it is told to resync and "
+        "sent a new snapshot (bounds the replica's memory per follower).",
+    )
+
+
 class IndexerConfig(StrictModel):
     """Configuration of one indexer replica (``kvmesh indexer serve``).
 
@@ -537,6 +557,7 @@ class IndexerConfig(StrictModel):
     )
     engine_events: EngineEventSettings = Field(default_factory=EngineEventSettings)
     sglang: SglangApiSettings = Field(default_factory=SglangApiSettings)
+    watch: WatchSettings = Field(default_factory=WatchSettings)
     default_lease_ttl_s: float = Field(
         default=30.0, gt=0, description="Lease of a registration that asks for 0 seconds."
     )

@@ -22,6 +22,8 @@ from indexer.config import IndexerConfig
 from indexer.groups import FULL_KINDS, Filtered, GroupTracker, Prompt
 from indexer.index import Index
 from indexer.model import (
+    HYBRID_LORA,
+    HYBRID_MARKER,
     AllBlocksCleared,
     ApplyResult,
     BatchOutcome,
@@ -86,9 +88,6 @@ MODEL_CACHE_TTL_S = 1.0
 #: tells every other replica which instances it cannot judge, so it leaves
 #: them out of its answers (under-reporting) instead of answering their
 #: full-attention depth uncut (over-reporting).
-HYBRID_LORA = "kvmesh:hybrid"
-#: Engine hash and block key of the marker ("kvmesh-h" in ASCII).
-HYBRID_MARKER = 0x6B766D6573682D68
 #: Seconds a replica believes which instances of a model are hybrid: a
 #: hybrid instance another replica ingests may be answered uncut for up to
 #: this long after its first hybrid batch.

@@ -42,9 +42,10 @@ hold every Match and health probe until it is applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 
@@ -68,10 +69,12 @@ from indexer.model import (
     NamespaceStats,
     Quota,
     QuotaUsage,
+    Tier,
     encoded_extras,
     fenced_out,
 )
 from indexer.pacing import loop_pacer
+from indexer.watch import WatchHub
 from kvmesh.blockkeys import chain_keys, namespace_seed
 from kvmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
 
@@ -307,6 +310,9 @@ class MemoryIndex(Index):
         self._gen = 0
         #: Per identity, what its instances hold (quotas, indexer/index.py).
         self._owners: dict[str, _Owner] = {}
+        #: Followers of this index (WatchIndex): every applied change is
+        #: published here when set (see "Watching" below); None: nobody may watch.
+        self.watch: WatchHub | None = None
 
     # -- instances -----------------------------------------------------------
 
@@ -325,6 +331,7 @@ class MemoryIndex(Index):
         now = self._clock()
         iid = spec.instance
         inst = self._instances.get(iid)
+        old_model = inst.spec.model if inst is not None else None
         reset = False
         quota = spec.quota
         if quota is not None:
@@ -360,7 +367,14 @@ class MemoryIndex(Index):
         self._gen += 1
         if reset:
             self._dirty = True
-        return self._state(inst, now), reset
+        state = self._state(inst, now)
+        if self.watch is not None:
+            if old_model is not None and old_model != spec.model:
+                # Its followers of the old model see it leave (those of the new
+                # one see it registered, reset).
+                self.watch.publish("gone", Namespace(old_model), iid, 0, ("removed", now))
+            self.watch.publish("registered", Namespace(spec.model), iid, 0, (state, reset, now))
+        return state, reset
 
     async def heartbeat(self, instance: InstanceId) -> InstanceState:
         """Renew the lease; NotFound for an unknown instance."""
@@ -368,6 +382,8 @@ class MemoryIndex(Index):
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)
+        if self.watch is not None:
+            self.watch.publish("renewed", Namespace(inst.spec.model), instance, 0, now)
         return self._state(inst, now)
 
     async def remove_instance(self, instance: InstanceId) -> int:
@@ -379,6 +395,10 @@ class MemoryIndex(Index):
         del self._by_no[inst.no]
         self._dirty = True
         self._gen += 1
+        if self.watch is not None:
+            self.watch.publish(
+                "gone", Namespace(inst.spec.model), instance, 0, ("removed", self._clock())
+            )
         return removed
 
     async def generation(self) -> int | None:
@@ -405,6 +425,10 @@ class MemoryIndex(Index):
             self._clear(inst)
             self._quota_leave(inst)
             gone.append(inst.spec.instance)
+            if self.watch is not None:
+                self.watch.publish(
+                    "gone", Namespace(inst.spec.model), inst.spec.instance, 0, ("expired", now)
+                )
         if dead:
             self._dirty = True
             self._gen += 1
@@ -473,6 +497,8 @@ class MemoryIndex(Index):
                 cleared |= self._apply_event(inst, ev, batch.counts_copies, counts)
             result = self._applied(inst, seq, gap, cleared, counts)
             self._recount(inst)
+            if self.watch is not None:
+                self._watch_batch(inst, batch, now)
         return replace(result, blocks_over_quota=over) if over else result
 
     def _apply_event(
@@ -568,7 +594,10 @@ class MemoryIndex(Index):
                         assert isinstance(ev, BlockStored)
                         counts[2] += len(ev.block_hashes) - done
                         break
-        return self._applied(inst, batch.sequence, gap, cleared, counts)
+        result = self._applied(inst, batch.sequence, gap, cleared, counts)
+        if self.watch is not None:
+            self._watch_batch(inst, batch, self._clock())
+        return result
 
     def _slices(self, inst: _Instance, ev: Event) -> Iterator[Event | _ClearSlice]:
         """``ev`` as consecutive pieces of about :data:`SLICE_WORK` (see _apply_sliced)."""
@@ -774,6 +803,144 @@ class MemoryIndex(Index):
             old, _ = self._drop(ns, table, key, holders, no, ALL_TIERS_MASK)
             removed += _POPCOUNT[old]
         return removed
+
+    # -- watching (WatchIndex) -----------------------------------------------
+
+    def _watch_batch(self, inst: _Instance, batch: EventBatch, now: float) -> None:
+        """Publish a batch as applied: what the quota walk let through, without
+        its fences (its followers hold the registration it applied under)."""
+        assert self.watch is not None
+        applied = replace(batch, incarnation="", address="", quota=None)
+        self.watch.publish(
+            "batch", Namespace(inst.spec.model), inst.spec.instance, batch.sequence, (applied, now)
+        )
+
+    async def watch_snapshot(
+        self, models: frozenset[str]
+    ) -> AsyncIterator[tuple[int, float, InstanceState, EventBatch]]:
+        """Each instance of ``models`` (empty: all) as ``(position, time, state,
+        content)``: ``content`` the stores that give an empty instance its blocks
+        (see the proto's WatchedInstance), read while the instance's applies wait,
+        a slice at a time; ``position`` the hub's when it was read. Subscribe
+        first: a follower applies an instance's changes after its position only.
+
+        An instance registered after the call started is not in it: its changes
+        (its registration first) are all after the subscription. One reset or
+        removed while it is read is read again, or left out.
+        """
+        assert self.watch is not None
+        for key in sorted(self._instances):
+            while True:
+                inst = self._instances.get(key)
+                if inst is None or (models and inst.spec.model not in models):
+                    break
+                if inst.applying is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(inst.applying)
+                    continue
+                got = await self._read_instance(inst)
+                if got is not None:
+                    yield got
+                    break
+
+    async def _read_instance(
+        self, inst: _Instance
+    ) -> tuple[int, float, InstanceState, EventBatch] | None:
+        """One instance for :meth:`watch_snapshot`, or None when it was reset or
+        removed meanwhile. Its applies wait on ``inst.applying`` until it is read."""
+        assert self.watch is not None
+        gate: asyncio.Future[ApplyResult] = asyncio.get_running_loop().create_future()
+        inst.applying = gate
+        resets = inst.resets
+        try:
+            entries = list(inst.engine_hashes.items())
+            copies = list(inst.copies.items())
+            # (lora, tier) -> (hashes, keys)
+            runs: dict[tuple[str, Tier], tuple[list[int], list[int]]] = {}
+            ns_list = self._ns_list
+            no = inst.no
+            for lo in range(0, len(entries), DUMP_SLICE_BLOCKS):
+                if lo:
+                    await asyncio.sleep(0)
+                    if self._instances.get(inst.key) is not inst or inst.resets != resets:
+                        return None
+                for h, entry in entries[lo : lo + DUMP_SLICE_BLOCKS]:
+                    ns = ns_list[entry >> 64]
+                    key = entry & _U64
+                    tables = self._blocks.get(ns)
+                    if tables is None:
+                        continue
+                    held = tables[key & _SHARD].get(key)
+                    if held is None:
+                        continue
+                    if held:
+                        mask = held & 7 if held >> 3 == no else 0
+                    else:
+                        mask = self._shared[ns][key & _SHARD][key].get(no, 0)
+                    for tier in Tier:
+                        if mask & tier.bit:
+                            run = runs.setdefault((ns.lora_name, tier), ([], []))
+                            run[0].append(h)
+                            run[1].append(key)
+            events: list[Event] = [
+                BlockStored(
+                    block_hashes=tuple(hs),
+                    parent_block_hash=None,
+                    token_ids=(),
+                    block_size=0,
+                    lora_name=lora,
+                    tier=tier,
+                    block_keys=tuple(ks),
+                )
+                for (lora, tier), (hs, ks) in runs.items()
+            ]
+            for k, n in copies:
+                h, tier = k >> 2, Tier((k & 3) + 1)
+                found = inst.engine_hashes.get(h)
+                if found is None:
+                    continue
+                ns = ns_list[found >> 64]
+                events.append(
+                    BlockStored(
+                        block_hashes=(h,) * n,
+                        parent_block_hash=None,
+                        token_ids=(),
+                        block_size=0,
+                        lora_name=ns.lora_name,
+                        tier=tier,
+                        block_keys=(found & _U64,) * n,
+                    )
+                )
+            now = self._clock()
+            state = self._state(inst, now)
+            content = EventBatch(
+                inst.spec.instance, inst.applied_sequence or 0, tuple(events), counts_copies=True
+            )
+            return self.watch.position, now, state, content
+        finally:
+            inst.applying = None
+            gate.set_result(ApplyResult(BatchOutcome.DUPLICATE, inst.applied_sequence or 0))
+
+    async def load_instance(self, state: InstanceState, content: EventBatch) -> None:
+        """Hold an instance as a snapshot gave it (a follower's copy): registered
+        anew with ``state``'s spec, its blocks from ``content``, its applied
+        sequence and staleness as ``state`` says."""
+        spec = state.spec
+        if spec.instance in self._instances:
+            await self.remove_instance(spec.instance)  # it starts empty
+        await self.register(spec)
+        inst = self._get(spec.instance, NotFound)
+        if content.events:
+            counts = [0, 0, 0]
+            for ev in content.events:
+                self._apply_event(inst, ev, True, counts)
+            self._recount(inst)
+        inst.applied_sequence = state.applied_sequence
+        if state.stale != inst.stale:
+            inst.stale = state.stale
+            inst.depth1 = _no_depth1()
+            self._visible_until = -math.inf
+            self._dirty = True
 
     # -- quotas (indexer/index.py, "Quotas") ----------------------------------
 

@@ -32,6 +32,14 @@ class Tier(enum.IntEnum):
 
 ALL_TIERS_MASK = 0b111
 
+#: The namespace (LoRA name) of the marker a hybrid-attention instance holds
+#: (indexer/logic.py says why): a reader without its group presence, another
+#: replica or a router's follower, leaves such instances to the replica that
+#: ingests them.
+HYBRID_LORA = "kvmesh:hybrid"
+#: Engine hash and block key of the marker ("kvmesh-h" in ASCII).
+HYBRID_MARKER = 0x6B766D6573682D68
+
 
 def fastest_tier(mask: int) -> Tier:
     """The fastest tier present in a non-zero tier mask."""

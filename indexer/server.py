@@ -50,6 +50,7 @@ from grpc_health.v1 import health, health_pb2
 from opentelemetry import trace
 
 from indexer import convert
+from indexer.bridge import wire
 from indexer.config import IndexerConfig
 from indexer.factory import build_index
 from indexer.index import Index
@@ -60,17 +61,20 @@ from indexer.instrumented import (
     backend_of,
     configure_tracing,
 )
-from indexer.logic import IndexerLogic
+from indexer.logic import IndexerLogic, _check_name
 from indexer.memory import MemoryIndex
+from indexer.model import Namespace
 from indexer.rpc import IndexerCalls
 from indexer.sglang.compat import SglangCompat
 from indexer.sglang.server import SGLANG_SERVICE_NAME, SglangServicer, add_sglang_servicer
+from indexer.watch import Change, Resync, WatchHub
 from kvmesh import runtime
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.auth import Authorizer, Client, current_client
 from kvmesh.balancing import connection_age_options
 from kvmesh.errors import (
+    FailedPrecondition,
     InvalidArgument,
     KvmeshError,
     PermissionDenied,
@@ -217,7 +221,14 @@ INDEXER_RULES: dict[str, MethodRule] = {
     "GetStats": MethodRule(("router",)),
     "DumpIndex": MethodRule(("admin",)),
     "Ping": MethodRule(("*",)),
+    "WatchIndex": MethodRule(("router",)),
 }
+
+#: Converted watch changes kept for the next follower that reads them (each
+#: change is converted once, however many followers read it).
+WATCH_PB_CACHE = 8192
+#: Models one WatchIndex call may name at most.
+WATCH_MAX_MODELS = 1024
 
 
 def add_servicer(
@@ -281,6 +292,12 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         self.match_stream_inline = (
             _answers_without_io(logic.index) if match_stream_inline is None else match_stream_inline
         )
+        #: The backend WatchIndex follows (IndexerServer sets it for a memory
+        #: backend with watch.enabled); None: WatchIndex is refused.
+        self.watch_index: MemoryIndex | None = None
+        #: Followers told to resync since the start.
+        self.watch_resyncs = 0
+        self._watch_pb: dict[int, pb.WatchChange] = {}
         self._stream_seconds = metrics.rpc_seconds.labels(MATCH_STREAM_MATCH)
         self._stream_ok = metrics.rpcs.labels(MATCH_STREAM_MATCH, "OK")
 
@@ -559,6 +576,98 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 truncated=truncated and lo + chunk >= len(blocks),
             )
 
+    @observed
+    async def WatchIndex(
+        self, request: pb.WatchIndexRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.WatchIndexResponse]:
+        """A snapshot of the models asked for, then every change, batched per read
+        (indexer/watch.py says what a follower is owed)."""
+        index = self.watch_index
+        if index is None or index.watch is None:
+            raise FailedPrecondition(
+                "WatchIndex needs a memory-backend replica with watch.enabled",
+                field="backend",
+            )
+        models = list(request.models)
+        if len(models) > WATCH_MAX_MODELS:
+            raise InvalidArgument(
+                f"{len(models)} models, more than {WATCH_MAX_MODELS}", field="models"
+            )
+        for i, m in enumerate(models):
+            _check_name(m, f"models[{i}]")
+        hub = index.watch
+        watcher = hub.subscribe([Namespace(m) for m in models], request.max_buffer)
+        wanted = frozenset(models)
+        try:
+            while True:
+                sent = 0
+                async for pos, at, state, content in index.watch_snapshot(wanted):
+                    snap = pb.WatchedInstance(
+                        info=convert.state_to_pb(state), content=wire.batch_to_pb(content)
+                    )
+                    yield pb.WatchIndexResponse(
+                        changes=[pb.WatchChange(position=pos, applied_at=at, snapshot=snap)]
+                    )
+                    sent += 1
+                yield pb.WatchIndexResponse(
+                    changes=[
+                        pb.WatchChange(
+                            position=hub.position,
+                            applied_at=time.time(),
+                            synced=pb.WatchSynced(instances=sent),
+                        )
+                    ]
+                )
+                while True:
+                    got = await watcher.next()
+                    if isinstance(got, Resync):
+                        self.watch_resyncs += 1
+                        yield pb.WatchIndexResponse(
+                            changes=[
+                                pb.WatchChange(
+                                    position=got.position,
+                                    applied_at=time.time(),
+                                    resync=pb.WatchResync(),
+                                )
+                            ]
+                        )
+                        watcher.restart(hub.position)
+                        break
+                    yield pb.WatchIndexResponse(changes=[self._watch_change(c) for c in got])
+        finally:
+            hub.unsubscribe(watcher)
+
+    def _watch_change(self, c: Change) -> pb.WatchChange:
+        """``c`` as its message, converted once for every follower."""
+        cache = self._watch_pb
+        out = cache.get(c.position)
+        if out is not None:
+            return out
+        inst = convert.instance_to_pb(c.instance)
+        if c.kind == "batch":
+            batch, at = c.payload
+            out = pb.WatchChange(position=c.position, applied_at=at, batch=wire.batch_to_pb(batch))
+        elif c.kind == "registered":
+            state, reset, at = c.payload
+            out = pb.WatchChange(
+                position=c.position,
+                applied_at=at,
+                registered=pb.WatchRegistered(info=convert.state_to_pb(state), reset=reset),
+            )
+        elif c.kind == "renewed":
+            out = pb.WatchChange(position=c.position, applied_at=c.payload, renewed=inst)
+        else:
+            reason, at = c.payload
+            out = pb.WatchChange(
+                position=c.position,
+                applied_at=at,
+                gone=pb.WatchGone(instance=inst, reason=reason),
+            )
+        if len(cache) >= WATCH_PB_CACHE:
+            del cache[next(iter(cache))]  # the oldest first
+        cache[c.position] = out
+        return out
+
     async def Ping(
         self, request: pb.PingRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PingResponse:
@@ -615,6 +724,11 @@ class IndexerServer:
             ]
         )
         self.servicer = IndexerServicer(self.logic, self.metrics, self.guard)
+        if config.watch.enabled and isinstance(index, MemoryIndex):
+            index.watch = WatchHub(
+                max_watchers=config.watch.max_followers, buffer=config.watch.buffer
+            )
+            self.servicer.watch_index = index
         add_servicer(self.servicer, self._server, self.guard)
         #: Names whose health follows the backend ("" is the whole server).
         self._health_names = ["", SERVICE_NAME]

@@ -117,6 +117,11 @@ class ClientLimits(StrictModel):
     )
 
 
+#: Longest a server stream sends under a grant it was not checked against
+#: (seconds): the send side's recheck of the caller against the current policy.
+STREAM_RECHECK_S = 0.25
+
+
 @dataclass(frozen=True, slots=True)
 class MethodRule:
     """Who may call a method, and which rate class it counts against.
@@ -653,8 +658,18 @@ def _wrap(
             return await result if isinstance(result, Awaitable) else result
 
     async def stream(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        # What a stream sends is sent under the policy as it is now: a caller
+        # revoked (or narrowed out of the method) after it opened the stream is
+        # ended PERMISSION_DENIED before its next message, checked at most
+        # every STREAM_RECHECK_S (a follower's WatchIndex, an admin's dump).
+        authz = guard.authorizer
+        recheck = authz is not None and authz.enabled and not rule.open
         async with scoped(arg, context) as req:
+            checked = time.monotonic()
             async for item in inner(req, context):
+                if recheck and time.monotonic() - checked >= STREAM_RECHECK_S:
+                    checked = time.monotonic()
+                    guard.identify(method, rule, context)
                 yield item
 
     factory = HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]

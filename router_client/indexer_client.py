@@ -466,7 +466,9 @@ class IndexerClient:
     ``settings.load_balancing`` plus any ``channel_options``, or a ready
     ``channel`` (closed by the caller then; ``settings.tls`` and the balancing
     are not used and the channel is never replaced). Use from one asyncio event
-    loop.
+    loop. ``follower``: a :class:`router_client.follower.IndexFollower` (typed
+    loosely: that module imports this one) that answers Matches in process
+    while it is in sync; the others come here as before.
 
     ``channels_opened`` / ``channels_closed`` count this client's channels
     (a certificate rotation opens one and, once calls moved, closes one);
@@ -489,8 +491,14 @@ class IndexerClient:
         lora_name: str = "",
         clock: Callable[[], float] = time.monotonic,
         channel_options: Sequence[tuple[str, Any]] = (),
+        follower: Any = None,
     ) -> None:
         self.settings = settings or IndexerClientSettings()
+        #: A router_client.follower.IndexFollower answering Matches in process
+        #: while it is in sync (this client asks the indexer otherwise).
+        self.follower = follower
+        #: Matches the follower answered.
+        self.follower_matches = 0
         if target is None and channel is None and self.settings.target:
             target = self.settings.target
         if (target is None) == (channel is None):
@@ -557,6 +565,11 @@ class IndexerClient:
         """Match ``keys``; never raises for indexer trouble (see the module docstring)."""
         if not keys:
             return self._count(MatchOutcome(MatchStatus.OK))
+        if self.follower is not None:
+            local = self.follower.match(self._model, self._lora, keys)
+            if local is not None:
+                self.follower_matches += 1
+                return self._count(local)
         if self._factory is not None and self._replacing is None:
             self._maybe_replace_channel()
         if self.in_flight >= self.settings.max_in_flight:

@@ -49,6 +49,26 @@ def test_the_tree_keeps_its_layers() -> None:
     assert not broken, "imports against the layering rules:\n" + "\n".join(broken)
 
 
+def test_the_follower_core_imports_only_itself_of_the_indexer() -> None:
+    """router_client may import the index core a follower holds (FOLLOWER_CORE),
+    and that core nothing else of the indexer: no server, Redis or logic comes
+    into a router with it."""
+    _, found = layout.tree_imports(ROOT)
+    assert layout.allowed_closure_violations(found) == []
+    # It can fail: the memory backend importing the logic would be caught.
+    fake = layout.Import("indexer.memory", ROOT / "indexer/memory.py", 1, "indexer.logic")
+    assert layout.allowed_closure_violations([fake])
+    # And an import of the indexer beyond the core by router_client is a violation.
+    beyond = layout.Import(
+        "router_client.follower", ROOT / "router_client/follower.py", 1, "indexer.server"
+    )
+    assert layout.violations([beyond])
+    inside = layout.Import(
+        "router_client.follower", ROOT / "router_client/follower.py", 1, "indexer.memory"
+    )
+    assert not layout.violations([inside])
+
+
 def test_the_tree_has_no_import_circles() -> None:
     mods, found = layout.tree_imports(ROOT)
     found_circles = layout.circles(layout.graph_of(mods, found))
@@ -118,7 +138,7 @@ def test_the_checker_reports_violations_and_circles_of_a_synthetic_tree(
         "kvmesh/tls.py:4: kvmesh.tls imports lab.sim (the floor (kvmesh) imports no service "
         "and not lab)",
         "router_client/client.py:3: router_client.client imports xfer.logic (router_client "
-        "depends on kvmesh and grpcio only)",
+        "depends on kvmesh and grpcio only, and the index core a follower holds)",
         "tee/bench.py:1: tee.bench imports lab.bench.tee (a service never imports lab)",
     ], problems
     found_circles = [p for p in problems if p.startswith("import circle")]

@@ -452,3 +452,73 @@ class PingRequest(_message.Message):
 class PingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class WatchIndexRequest(_message.Message):
+    __slots__ = ("models", "max_buffer")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    max_buffer: int
+    def __init__(self, models: _Optional[_Iterable[str]] = ..., max_buffer: _Optional[int] = ...) -> None: ...
+
+class WatchedInstance(_message.Message):
+    __slots__ = ("info", "content")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    info: InstanceInfo
+    content: EventBatch
+    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., content: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+
+class WatchSynced(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: int
+    def __init__(self, instances: _Optional[int] = ...) -> None: ...
+
+class WatchRegistered(_message.Message):
+    __slots__ = ("info", "reset")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    info: InstanceInfo
+    reset: bool
+    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class WatchGone(_message.Message):
+    __slots__ = ("instance", "reason")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    reason: str
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WatchResync(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchChange(_message.Message):
+    __slots__ = ("position", "applied_at", "snapshot", "synced", "registered", "renewed", "batch", "gone", "resync")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_AT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    applied_at: float
+    snapshot: WatchedInstance
+    synced: WatchSynced
+    registered: WatchRegistered
+    renewed: InstanceRef
+    batch: EventBatch
+    gone: WatchGone
+    resync: WatchResync
+    def __init__(self, position: _Optional[int] = ..., applied_at: _Optional[float] = ..., snapshot: _Optional[_Union[WatchedInstance, _Mapping]] = ..., synced: _Optional[_Union[WatchSynced, _Mapping]] = ..., registered: _Optional[_Union[WatchRegistered, _Mapping]] = ..., renewed: _Optional[_Union[InstanceRef, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., gone: _Optional[_Union[WatchGone, _Mapping]] = ..., resync: _Optional[_Union[WatchResync, _Mapping]] = ...) -> None: ...
+
+class WatchIndexResponse(_message.Message):
+    __slots__ = ("changes",)
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[WatchChange]
+    def __init__(self, changes: _Optional[_Iterable[_Union[WatchChange, _Mapping]]] = ...) -> None: ...

@@ -90,6 +90,11 @@ class IndexerServiceStub:
                 request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PingRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.WatchIndex = channel.unary_stream(
+                '/kvmesh.indexer.v1.IndexerService/WatchIndex',
+                request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexResponse.FromString,
+                _registered_method=True)
 
 
 class IndexerServiceServicer:
@@ -178,6 +183,17 @@ class IndexerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchIndex(self, request, context):
+        """Follow the index of the models asked for (router or admin): a snapshot
+        (WatchedInstance per instance, then WatchSynced), then every change this
+        replica applies, in order. A follower that falls behind by more than its
+        buffer is told WatchResync and sent a new snapshot, never dropped
+        silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +251,11 @@ def add_IndexerServiceServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PingRequest.FromString,
                     response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PingResponse.SerializeToString,
+            ),
+            'WatchIndex': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchIndex,
+                    request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexRequest.FromString,
+                    response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +556,33 @@ class IndexerService:
             '/kvmesh.indexer.v1.IndexerService/Ping',
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PingRequest.SerializeToString,
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.indexer.v1.IndexerService/WatchIndex',
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexRequest.SerializeToString,
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

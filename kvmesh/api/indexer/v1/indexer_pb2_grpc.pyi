@@ -69,6 +69,13 @@ class IndexerServiceStub:
     """
     Ping: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.PingRequest, _indexer_pb2.PingResponse]
     """Does no work: the floor of a round trip to this server."""
+    WatchIndex: _grpc.UnaryStreamMultiCallable[_indexer_pb2.WatchIndexRequest, _indexer_pb2.WatchIndexResponse]
+    """Follow the index of the models asked for (router or admin): a snapshot
+    (WatchedInstance per instance, then WatchSynced), then every change this
+    replica applies, in order. A follower that falls behind by more than its
+    buffer is told WatchResync and sent a new snapshot, never dropped
+    silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+    """
 
 @_typing.type_check_only
 class IndexerServiceAsyncStub(IndexerServiceStub):
@@ -105,6 +112,13 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     """
     Ping: _aio.UnaryUnaryMultiCallable[_indexer_pb2.PingRequest, _indexer_pb2.PingResponse]  # type: ignore[assignment]
     """Does no work: the floor of a round trip to this server."""
+    WatchIndex: _aio.UnaryStreamMultiCallable[_indexer_pb2.WatchIndexRequest, _indexer_pb2.WatchIndexResponse]  # type: ignore[assignment]
+    """Follow the index of the models asked for (router or admin): a snapshot
+    (WatchedInstance per instance, then WatchSynced), then every change this
+    replica applies, in order. A follower that falls behind by more than its
+    buffer is told WatchResync and sent a new snapshot, never dropped
+    silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+    """
 
 class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The KV-cache indexer."""
@@ -204,5 +218,18 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_indexer_pb2.PingResponse, _abc.Awaitable[_indexer_pb2.PingResponse]]:
         """Does no work: the floor of a round trip to this server."""
+
+    @_abc_1.abstractmethod
+    def WatchIndex(
+        self,
+        request: _indexer_pb2.WatchIndexRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_indexer_pb2.WatchIndexResponse], _abc.AsyncIterator[_indexer_pb2.WatchIndexResponse]]:
+        """Follow the index of the models asked for (router or admin): a snapshot
+        (WatchedInstance per instance, then WatchSynced), then every change this
+        replica applies, in order. A follower that falls behind by more than its
+        buffer is told WatchResync and sent a new snapshot, never dropped
+        silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+        """
 
 def add_IndexerServiceServicer_to_server(servicer: IndexerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

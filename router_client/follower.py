@@ -1,0 +1,308 @@
+"""A router's own copy of the index, kept by WatchIndex: Match without a network hop.
+
+An :class:`IndexFollower` opens ``WatchIndex`` on one indexer replica (the
+memory backend), loads the snapshot into a :class:`indexer.memory.MemoryIndex`
+of its own (the same index code the replica runs, not a copy of it), then
+applies every change the replica streams, in order. While it is in sync,
+:meth:`IndexFollower.match` answers from that copy, in process; while it is
+not (connecting, loading a snapshot, told to resync, the stream broken, a
+hybrid-attention instance in the model), it answers None and the caller asks
+the indexer (:class:`router_client.indexer_client.IndexerClient` does so when
+given a follower), which falls back to load-only routing as it always does.
+
+What the follower answers is what the replica answered when the follower had
+applied the same changes: the same code, the same changes, in the same order
+(tests/integration/test_follower.py checks it against the replica's own Match
+on random workloads). It lags the replica by the stream's delay:
+:attr:`IndexFollower.lag_s` holds the last ones (arrival minus the replica's
+``applied_at``; on one host, or with synchronised clocks).
+
+Not followed: instances of a hybrid-attention model (sliding window, Mamba):
+their hits are cut by group presence that only the ingesting replica holds
+(indexer/groups.py), so their Matches go to the indexer. Each instance's
+lease is kept by the changes (registrations, heartbeats, batches) on the
+follower's own clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import grpc
+import grpc.aio
+
+from indexer.convert import batch_from_pb
+from indexer.memory import MemoryIndex
+from indexer.model import (
+    HYBRID_LORA,
+    HYBRID_MARKER,
+    InstanceId,
+    InstanceSpec,
+    InstanceState,
+    Namespace,
+)
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.errors import KvmeshError
+from kvmesh.tls import ChannelFactory, ClientTLS
+from router_client.indexer_client import MatchOutcome, MatchStatus, WorkerMatch, instance_name
+
+log = logging.getLogger(__name__)
+
+#: Lags kept for :attr:`IndexFollower.lag_s`.
+LAG_WINDOW = 4096
+#: Reconnect backoff: first and longest pause, seconds.
+BACKOFF_START_S = 0.05
+BACKOFF_CAP_S = 2.0
+
+
+def state_from_pb(info: pb.InstanceInfo) -> InstanceState:
+    """InstanceInfo -> InstanceState."""
+    return InstanceState(
+        spec=InstanceSpec(
+            instance=InstanceId(info.instance.worker_id, info.instance.dp_rank),
+            model=info.model,
+            address=info.address,
+            lease_ttl_s=info.lease_ttl_seconds,
+            incarnation=info.incarnation,
+        ),
+        lease_expires_at=info.lease_expires_at,
+        live=info.live,
+        stale=info.stale,
+        applied_sequence=info.applied_sequence if info.has_applied_sequence else None,
+        blocks=info.blocks,
+    )
+
+
+class IndexFollower:
+    """One replica's index for ``models`` (empty: every model), followed in process.
+
+    Pass ``target`` (``host:port``, dialled with ``tls``) or a ready ``channel``
+    (closed by the caller). :meth:`start` it on the router's event loop;
+    :meth:`close` it there.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        channel: grpc.aio.Channel | None = None,
+        models: Sequence[str] = (),
+        tls: ClientTLS | None = None,
+        max_buffer: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if (target is None) == (channel is None):
+            raise ValueError("pass exactly one of target and channel")
+        self._factory: ChannelFactory | None = None
+        if channel is None:
+            assert target is not None
+            self._factory = ChannelFactory(target, tls or ClientTLS(), what="router: follower")
+            channel = self._factory.channel()
+        self._channel = channel
+        self._stub = pb_grpc.IndexerServiceStub(channel)
+        self.models = tuple(models)
+        self._wanted = frozenset(models)
+        self._max_buffer = max_buffer
+        self._clock = clock
+        #: The copy Matches are answered from (replaced at each snapshot).
+        self.index = MemoryIndex(clock=clock)
+        self._staging: MemoryIndex | None = None
+        #: Per instance of the last snapshot, the position it was read at.
+        self._skip: dict[InstanceId, int] = {}
+        self._skip_until = 0
+        #: Whether Matches are answered here (the snapshot loaded, the stream up).
+        self.synced = False
+        #: Position of the last change applied.
+        self.position = 0
+        self.snapshots = 0
+        self.resyncs = 0
+        self.reconnects = 0
+        self.changes_applied = 0
+        #: Changes the copy could not apply as the replica had (an instance it
+        #: does not hold): counted, then the follower resyncs.
+        self.divergences = 0
+        self.local_matches = 0
+        #: The last lags, seconds (arrival minus the replica's applied_at).
+        self.lag_s: deque[float] = deque(maxlen=LAG_WINDOW)
+        self._hybrid: dict[str, bool] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._synced_event = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> IndexFollower:
+        """Start following (returns at once; :meth:`wait_synced` waits for the snapshot)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvmesh-follower")
+        return self
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Wait until the follower is in sync, at most ``timeout_s``; whether it is."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._synced_event.wait()
+        return self.synced
+
+    async def close(self) -> None:
+        """Stop following (and close the channel this follower opened)."""
+        self._set_synced(False)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._factory is not None:
+            await self._channel.close()
+
+    # -- Match -----------------------------------------------------------------
+
+    def match(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome | None:
+        """``keys``' hits from the copy, or None when it cannot answer (out of
+        sync, a model not followed, a hybrid-attention model): ask the indexer."""
+        if not self.synced or (self._wanted and model not in self._wanted):
+            return None
+        if self._is_hybrid(model):
+            return None
+        hits = self.index.match_sync(Namespace(model, lora_name), keys)
+        self.local_matches += 1
+        return MatchOutcome(
+            MatchStatus.OK,
+            {
+                instance_name(h.instance.worker_id, h.instance.dp_rank): WorkerMatch(
+                    h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens
+                )
+                for h in hits
+            },
+        )
+
+    def _is_hybrid(self, model: str) -> bool:
+        got = self._hybrid.get(model)
+        if got is None:
+            marked = self.index.match_sync(
+                Namespace(model, HYBRID_LORA), [HYBRID_MARKER], include_stale=True
+            )
+            got = self._hybrid[model] = bool(marked)
+        return got
+
+    # -- the stream ----------------------------------------------------------
+
+    def _set_synced(self, value: bool) -> None:
+        self.synced = value
+        if value:
+            self._synced_event.set()
+        else:
+            self._synced_event.clear()
+
+    async def _run(self) -> None:
+        delay = BACKOFF_START_S
+        while True:
+            req = pb.WatchIndexRequest(models=self.models, max_buffer=self._max_buffer)
+            call = self._stub.WatchIndex(req)
+            code: grpc.StatusCode | str | None = None
+            try:
+                async for resp in call:
+                    for ch in resp.changes:
+                        await self._on(ch)
+                    delay = BACKOFF_START_S
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            except _Diverged:
+                code = "diverged"
+            finally:
+                call.cancel()
+            self._set_synced(False)
+            self._staging = None
+            self.reconnects += 1
+            log.warning("follower: WatchIndex ended (%s); reconnecting in %.2fs", code, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_CAP_S)
+
+    async def _on(self, ch: pb.WatchChange) -> None:
+        kind = ch.WhichOneof("change")
+        now = self._clock()
+        if kind == "snapshot":
+            if self._staging is None:
+                self._staging = MemoryIndex(clock=self._clock)
+                self._skip = {}
+            state = state_from_pb(ch.snapshot.info)
+            await self._staging.load_instance(state, batch_from_pb(ch.snapshot.content))
+            self._skip[state.spec.instance] = ch.position
+            return
+        if kind == "synced":
+            self.index = (
+                self._staging if self._staging is not None else MemoryIndex(clock=self._clock)
+            )
+            self._staging = None
+            self._hybrid = {}
+            self._skip_until = max(self._skip.values(), default=0)
+            self.position = ch.position
+            self.snapshots += 1
+            self._set_synced(True)
+            return
+        if kind == "resync":
+            self.resyncs += 1
+            self._set_synced(False)  # the copy is void until the next snapshot
+            return
+        self.position = ch.position
+        if self._skip:
+            if ch.position > self._skip_until:
+                self._skip = {}
+            else:
+                iid = self._instance_of(ch, kind)
+                if ch.position <= self._skip.get(iid, 0):
+                    return  # the snapshot already held it
+        try:
+            await self._apply(ch, kind)
+        except KvmeshError as e:
+            # The copy does not hold what the replica held when it applied this:
+            # answer nothing from it until a new snapshot.
+            self.divergences += 1
+            log.warning("follower: change at %d did not apply (%s); resyncing", ch.position, e)
+            self._set_synced(False)
+            raise _Diverged from e
+        self.changes_applied += 1
+        if ch.applied_at:
+            self.lag_s.append(max(0.0, now - ch.applied_at))
+
+    @staticmethod
+    def _instance_of(ch: pb.WatchChange, kind: str | None) -> InstanceId:
+        if kind == "registered":
+            ref = ch.registered.info.instance
+        elif kind == "renewed":
+            ref = ch.renewed
+        elif kind == "batch":
+            ref = ch.batch.instance
+        else:
+            ref = ch.gone.instance
+        return InstanceId(ref.worker_id, ref.dp_rank)
+
+    async def _apply(self, ch: pb.WatchChange, kind: str | None) -> None:
+        idx = self.index
+        if kind == "registered":
+            state = state_from_pb(ch.registered.info)
+            await idx.register(state.spec)
+            self._hybrid.pop(state.spec.model, None)
+        elif kind == "renewed":
+            iid = InstanceId(ch.renewed.worker_id, ch.renewed.dp_rank)
+            with contextlib.suppress(KvmeshError):
+                await idx.heartbeat(iid)
+        elif kind == "batch":
+            batch = batch_from_pb(ch.batch)
+            await idx.apply(batch)
+            if any(getattr(ev, "lora_name", "") == HYBRID_LORA for ev in batch.events):
+                self._hybrid = {}
+        elif kind == "gone":
+            iid = InstanceId(ch.gone.instance.worker_id, ch.gone.instance.dp_rank)
+            with contextlib.suppress(KvmeshError):
+                await idx.remove_instance(iid)
+            self._hybrid = {}
+
+
+class _Diverged(Exception):
+    """The copy could not apply a change: the stream is dropped and opened again."""

@@ -473,6 +473,42 @@ async def test_revoking_an_engine_ends_the_stream_it_opened_before(
         await s.stop(0)
 
 
+async def test_revoking_a_router_ends_the_watch_it_opened_before(pki: Pki, tmp_path: Path) -> None:
+    """A WatchIndex (a server stream that only sends) opened before its identity
+    left the policy ends PERMISSION_DENIED before it sends another change."""
+    import yaml
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(Path(pki.policy).read_text())  # noqa: ASYNC240
+    s = await start_server(
+        config(pki, auth={"policy_file": str(policy), "reload_interval_s": 0.05})
+    )
+    router = Caller(s.address, pki.client_tls("router-a"))
+    engine = Caller(s.address, pki.client_tls("engine-a"))
+    try:
+        await register(engine.stub, "engine-a-0")
+        watch = router.stub.WatchIndex(pb.WatchIndexRequest(), timeout=20)
+        first = await watch.read()
+        assert first.changes[0].WhichOneof("change") == "snapshot"
+        assert (await watch.read()).changes[0].WhichOneof("change") == "synced"
+        doc = yaml.safe_load(policy.read_text())
+        doc["identities"] = [i for i in doc["identities"] if i["name"] != "router-a"]
+        policy.write_text(yaml.safe_dump(doc))
+        await asyncio.sleep(0.5)  # reloaded, and past the stream's recheck interval
+        await engine.stub.PublishEvents(
+            pb.PublishEventsRequest(batch=batch(0, stored([1], A), worker="engine-a-0"))
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while (resp := await watch.read()) is not grpc.aio.EOF:
+                kinds = [c.WhichOneof("change") for c in resp.changes]
+                assert "batch" not in kinds, "a revoked router was sent a change"
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await router.close()
+        await engine.close()
+        await s.stop(0)
+
+
 async def test_a_connection_that_never_starts_tls_is_closed(pki: Pki) -> None:
     s = await start_server(config(pki, limits={"handshake_timeout_s": 0.5}))
     host, port = s.address.rsplit(":", 1)

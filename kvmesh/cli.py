@@ -43,6 +43,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("bench", "peer"): ("lab.bench.peer", "kvmesh's indexer beside Dynamo's on vLLM's events"),
     ("bench", "abuse"): ("lab.bench.abuse", "attacks on a default install, victims measured"),
+    ("bench", "follower"): (
+        "lab.bench.follower",
+        "a router's follower beside gRPC Match and Dynamo's RadixTree",
+    ),
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
     ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),

@@ -1,0 +1,28 @@
+"""``kvmesh bench follower --quick``: a real indexer child process, a follower in
+this one, Dynamo's RadixTree in its own interpreter; every figure reported, the
+follower's answers equal to the indexer's, and Match without the network hop
+faster than the one over gRPC."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from lab.bench import follower
+
+
+def test_quick_run_reports_every_figure_and_no_wrong_answer(tmp_path: Path) -> None:
+    out = tmp_path / "follower.json"
+    assert follower.main(["--quick", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    for n in follower.PROMPT_BLOCKS:
+        for name in ("follower_match", "dynamo_inproc_match"):
+            assert figures[f"{name}_{n}_p50_us"] > 0
+            assert figures[f"{name}_{n}_p99_us"] >= figures[f"{name}_{n}_p50_us"]
+        assert figures[f"follower_match_{n}_p50_us"] < figures[f"remote_match_{n}_p50_us"]
+    assert figures["follower_wrong_answers"] == 0
+    assert figures["follower_lag_p99_ms"] >= figures["follower_lag_p50_ms"] > 0
+    # RSS over a few thousand pairs is noise at --quick sizes: only reported.
+    assert math.isfinite(figures["follower_bytes_per_block_instance"])
+    assert figures["ingest_blocks_per_s"] > 0

@@ -1140,6 +1140,8 @@ class MemoryIndex(Index):
             # each on the GPU alone (C-level checks), one counter stands for
             # everyone's GPU count; a walker takes it when it stops.
             common = 0
+            # {walker: GPU-only mask}: a block held exactly so is one C-level ==.
+            all_gpu = dict.fromkeys(active, 1)
             while active and depth < n_keys:
                 if len(active) == 1:
                     # The shared prefix is behind: the last walker goes on alone.
@@ -1162,11 +1164,7 @@ class MemoryIndex(Index):
                     if counts1 is not None:
                         counts1[_FASTEST[h & 7]] += 1
                         active[n1] = counts1
-                elif (
-                    len(hs := shareds[key & _SHARD][key]) == len(active)
-                    and hs.keys() == active.keys()
-                    and max(hs.values()) == 1
-                ):
+                elif (hs := shareds[key & _SHARD][key]) == all_gpu:
                     common += 1
                 else:
                     for n, counts in list(active.items()):
@@ -1177,6 +1175,8 @@ class MemoryIndex(Index):
                             del active[n]
                         else:
                             counts[_FASTEST[held]] += 1
+                    if len(all_gpu) != len(active):
+                        all_gpu = dict.fromkeys(active, 1)
                 depth += 1
             for counts in active.values():
                 counts[0] += common

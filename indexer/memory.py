@@ -1201,6 +1201,15 @@ class MemoryIndex(Index):
             out.append(hit)
         return out
 
+    def pairs_by_model(self) -> dict[str, int]:
+        """(block, instance) pairs held per model, every LoRA name together (cheap:
+        one counter per namespace)."""
+        out: dict[str, int] = {}
+        for ns, pairs in self._ns_pairs.items():
+            if pairs:
+                out[ns.model] = out.get(ns.model, 0) + pairs
+        return out
+
     async def stats(self) -> IndexStats:
         """Sizes of the whole index."""
         now = self._clock()

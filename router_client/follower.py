@@ -17,6 +17,12 @@ on random workloads). It lags the replica by the stream's delay:
 :attr:`IndexFollower.lag_s` holds the last ones (arrival minus the replica's
 ``applied_at``; on one host, or with synchronised clocks).
 
+Memory: ``max_pairs`` bounds the copy in (block, instance) pairs (about
+110 bytes each, docs/benchmarks.md). Past it, the model matched least
+recently (one never matched first) is dropped: the follower follows the
+others on a new stream and that model's Matches go to the indexer
+(:attr:`IndexFollower.dropped`); the last model is never dropped.
+
 Not followed: instances of a hybrid-attention model (sliding window, Mamba):
 their hits are cut by group presence that only the ingesting replica holds
 (indexer/groups.py), so their Matches go to the indexer. Each instance's
@@ -95,6 +101,7 @@ class IndexFollower:
         models: Sequence[str] = (),
         tls: ClientTLS | None = None,
         max_buffer: int = 0,
+        max_pairs: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if (target is None) == (channel is None):
@@ -131,6 +138,12 @@ class IndexFollower:
         #: The last lags, seconds (arrival minus the replica's applied_at).
         self.lag_s: deque[float] = deque(maxlen=LAG_WINDOW)
         self._hybrid: dict[str, bool] = {}
+        #: The copy's bound in (block, instance) pairs (0: none). Past it, the
+        #: model matched least recently is dropped and its Matches go remote.
+        self.max_pairs = max_pairs
+        #: Models dropped for the bound (their Matches go to the indexer).
+        self.dropped: set[str] = set()
+        self._matched_at: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._synced_event = asyncio.Event()
 
@@ -167,8 +180,9 @@ class IndexFollower:
         sync, a model not followed, a hybrid-attention model): ask the indexer."""
         if not self.synced or (self._wanted and model not in self._wanted):
             return None
-        if self._is_hybrid(model):
+        if model in self.dropped or self._is_hybrid(model):
             return None
+        self._matched_at[model] = time.monotonic()
         hits = self.index.match_sync(Namespace(model, lora_name), keys)
         self.local_matches += 1
         return MatchOutcome(
@@ -210,10 +224,15 @@ class IndexFollower:
                     for ch in resp.changes:
                         await self._on(ch)
                     delay = BACKOFF_START_S
+                    if self.max_pairs and self.synced:
+                        self._bound()
             except grpc.aio.AioRpcError as e:
                 code = e.code()
             except _Diverged:
                 code = "diverged"
+            except _Narrowed:
+                code = "narrowed"
+                delay = 0.0
             finally:
                 call.cancel()
             self._set_synced(False)
@@ -221,7 +240,31 @@ class IndexFollower:
             self.reconnects += 1
             log.warning("follower: WatchIndex ended (%s); reconnecting in %.2fs", code, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_CAP_S)
+            delay = min(max(delay, BACKOFF_START_S) * 2, BACKOFF_CAP_S)
+
+    def _bound(self) -> None:
+        """Past ``max_pairs``: drop the model matched least recently (never matched
+        first), and follow the others on a new stream."""
+        held = self.index.pairs_by_model()
+        if sum(held.values()) <= self.max_pairs or len(held) < 2:
+            return
+        victim = min(held, key=lambda m: (self._matched_at.get(m, 0.0), -held[m]))
+        self.dropped.add(victim)
+        kept = (
+            sorted(set(held) - self.dropped)
+            if not self.models
+            else [m for m in self.models if m not in self.dropped]
+        )
+        log.warning(
+            "follower: %d pairs, over max_pairs %d: %s goes to the indexer from now on",
+            sum(held.values()),
+            self.max_pairs,
+            victim,
+        )
+        self.models = tuple(kept)
+        self._wanted = frozenset(kept)
+        self._set_synced(False)
+        raise _Narrowed
 
     async def _on(self, ch: pb.WatchChange) -> None:
         kind = ch.WhichOneof("change")
@@ -302,6 +345,10 @@ class IndexFollower:
             with contextlib.suppress(KvmeshError):
                 await idx.remove_instance(iid)
             self._hybrid = {}
+
+
+class _Narrowed(Exception):
+    """The bound dropped a model: the stream is opened again for the others."""
 
 
 class _Diverged(Exception):

@@ -312,3 +312,40 @@ async def test_watch_index_refuses_what_it_cannot_serve() -> None:
         assert "models[1]" in (err.details() or "")
     finally:
         await close_harness(h)
+
+
+async def test_past_its_bound_the_follower_drops_the_model_matched_least_recently() -> None:
+    h = await open_harness(make_config(), MemoryIndex())
+    w = _World(random.Random(11))
+    try:
+        for key, model in ((("w0", 0), "m"), (("w1", 0), "m2")):
+            w.model[key] = model
+            await _register(h, w, key)
+        ref = {k: pb.InstanceRef(worker_id=k[0], dp_rank=k[1]) for k in (("w0", 0), ("w1", 0))}
+        hot = w.prompt()
+        for key in ref:
+            for _ in range(3):
+                batch = pb.EventBatch(
+                    instance=ref[key], sequence=w.seq[key], events=[_store(w, key)]
+                )
+                w.seq[key] += 1
+                await h.stub.PublishEvents(pb.PublishEventsRequest(batch=batch))
+        f = IndexFollower(h.server.address, max_pairs=10_000)
+        await f.start()
+        assert await f.wait_synced(10)
+        keys_m = block_keys(hot, BLOCK, "m")
+        assert f.match("m", "", keys_m) is not None  # m matched, m2 never
+        f.max_pairs = 1  # now over it: m2 (never matched) goes remote
+        store = pb.EventBatch(
+            instance=ref[("w0", 0)], sequence=w.seq[("w0", 0)], events=[_store(w, ("w0", 0))]
+        )
+        w.seq[("w0", 0)] += 1
+        await h.stub.PublishEvents(pb.PublishEventsRequest(batch=store))
+        await eventually(lambda: "m2" in f.dropped and f.synced, within=10.0)
+        assert f.match("m2", "", block_keys(hot, BLOCK, "m2")) is None
+        assert f.index.pairs_by_model().keys() <= {"m"}
+        resp = await h.stub.Match(pb.MatchRequest(model="m", block_keys=keys_m))
+        assert _outcome(resp) == _local(f.match("m", "", keys_m))
+        await f.close()
+    finally:
+        await close_harness(h)

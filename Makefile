@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test check lint fmt gen gen-check bench setup clean peer-venvs
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,helm,local]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,helm,local]'
 	# NIXL (DRAM<->DRAM over UCX on CPU hosts) without its torch dependency.
 	$(BIN)/pip install --quiet --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)

@@ -9,7 +9,13 @@ chunks. One run measures:
   engine waits for each chunk to land (Poll until its bytes show) before
   adding the next;
 - **async** (the design): ``queues`` queues, writes pipelined, the engine adds
-  every chunk of every room at once and only polls for Success;
+  every chunk of every room at once and only polls for Success. How the
+  chunks reach the sidecar is ``--submit``: ``single`` (one
+  AddTransferRequest per chunk, pipelined on the channel), ``batched`` (one
+  AddTransferRequests per room carrying its chunks) or ``coalesced`` (one
+  AddTransferRequest handed to the coalescing client per chunk, which sends
+  what gathers within ``coalesce_window_s`` in one call); ``all`` runs the
+  three against the same sidecars, batches interleaved;
 - the limits: the transport's own (``nixl_raw_gbps``: a raw transport write of
   the same bytes as R large descriptors between two processes, no sidecar) and
   a plain ``memcpy`` of the same bytes.
@@ -20,7 +26,19 @@ The first transfer to a new peer is slower (connection setup): it is a
 warm-up, reported separately. ``add_request_p99_us`` is the sidecar's own
 cost of ``add_transfer_request`` (check + queue), measured in process;
 ``add_request_rpc_p99_us`` is the blocking gRPC call an engine makes on this
-host (measured in the serial run; the async run pipelines its calls).
+host (measured in the serial run; the async run pipelines its calls);
+``add_requests_rpc_p50_us``/``_p99_us`` is one blocking AddTransferRequests of
+64 one-page chunks (to a room not bootstrapped: checked and held, nothing
+moves) on the async sidecars after the timed batches. ``<mode>_handover_ms``
+is the engine's side of a batch: from the batch start until the sidecar has
+answered every chunk. Figures without a mode prefix are the ``--submit``
+mode's (batched under ``all``).
+
+``--sweep`` repeats the async and serial runs over descriptor run sizes
+(64 KiB, 1 MiB, 16 MiB: pages of that size, runs of one page)
+and room counts (1, 4, 16, and 64 unless ``--quick``), each room carrying
+``SWEEP_ROOM_BYTES`` (at least one page), and prints one row per cell next to
+the raw transport and ``memcpy`` of the same bytes.
 """
 
 from __future__ import annotations
@@ -33,8 +51,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -44,9 +62,9 @@ from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from lab.bench.report import write_report
 from lab.bench.xfer_procs import Sidecar
-from xfer.client import AddFuture, XferClient
+from xfer.client import AddFuture, CoalescedAdd, XferClient
 from xfer.config import PoolSettings, XferConfig
-from xfer.logic import RoomStatus, XferLogic
+from xfer.logic import MAX_BATCH_ENTRIES, ChunkRequest, RoomStatus, XferLogic
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import Transport, make_transport, nixl_available, wait_state
 from xfer.wire import merge_runs
@@ -66,6 +84,26 @@ class BenchParams:
     iters: int = 5
     nixl_threads: int = 0
     seed: int = 7
+    #: How the async run hands chunks over: single, batched, coalesced or all.
+    submit: str = "batched"
+
+
+#: Submission modes of the async run (``--submit all`` runs every one).
+SUBMIT_MODES = ("single", "batched", "coalesced")
+
+#: Chunks of the AddTransferRequests call whose latency is reported, and calls timed.
+RPC_BATCH = 64
+RPC_CALLS = 200
+
+
+def submit_modes(p: BenchParams) -> tuple[str, ...]:
+    """The async submission modes one run measures."""
+    return SUBMIT_MODES if p.submit == "all" else (p.submit,)
+
+
+def primary_mode(p: BenchParams) -> str:
+    """The mode whose figures are the unprefixed ``async_*`` ones."""
+    return "batched" if p.submit == "all" else p.submit
 
 
 def fragmented(n: int, total: int, max_run: int, rng: random.Random) -> list[list[int]]:
@@ -131,10 +169,11 @@ def _run_batch(
     dc: XferClient,
     prefill_address: str,
     rooms: Sequence[_Room],
-    serial: bool,
+    mode: str,
     add_us: list[float],
-) -> tuple[list[float], float]:
-    """Run one batch; returns (per-room latency ms, wall seconds)."""
+) -> tuple[list[float], float, float]:
+    """Run one batch (``mode``: serial or a submission mode); returns (per-room
+    latency ms, wall seconds, handover seconds)."""
     np.frombuffer(pools.decode.view, dtype=np.uint8)[:] = 0
     for r in rooms:
         dc.register_room(r.room, prefill_address, r.dst, r.aux_dst)
@@ -143,24 +182,18 @@ def _run_batch(
             time.sleep(0.0005)
     per = p.pages // p.chunks
     done: dict[int, float] = {}
-    t0 = time.perf_counter()
 
-    def chunk(r: _Room, c: int) -> AddFuture | None:
+    def args(r: _Room, c: int) -> ChunkRequest:
         lo, hi = c * per, (p.pages if c == p.chunks - 1 else (c + 1) * per)
-        args = (r.room, r.src[lo:hi], (lo, hi), c == p.chunks - 1, r.aux_src, c)
-        t = time.perf_counter()
-        fut = None
-        if serial:
-            pc.add_transfer_request(*args)
-        else:
-            fut = pc.add_transfer_request_nowait(*args)
-        add_us.append((time.perf_counter() - t) * 1e6)
-        return fut
+        return (r.room, r.src[lo:hi], (lo, hi), c == p.chunks - 1, r.aux_src, c)
 
-    if serial:
+    t0 = time.perf_counter()
+    if mode == "serial":
         for r in rooms:
             for c in range(p.chunks):
-                chunk(r, c)
+                t = time.perf_counter()
+                pc.add_transfer_request(*args(r, c))
+                add_us.append((time.perf_counter() - t) * 1e6)
                 want = min(p.pages, (c + 1) * per) * p.page_size
                 while True:  # the old engine blocked here until the chunk landed
                     st, reason, moved = pc.poll_bytes(r.room)
@@ -168,11 +201,21 @@ def _run_batch(
                         raise RuntimeError(f"room {r.room} failed: {reason}")
                     if st == RoomStatus.SUCCESS or moved >= want:
                         break
+    elif mode == "batched":
+        for r in rooms:
+            t = time.perf_counter()
+            pc.add_transfer_requests([args(r, c) for c in range(p.chunks)])
+            add_us.append((time.perf_counter() - t) * 1e6)
     else:
-        futures = [chunk(r, c) for c in range(p.chunks) for r in rooms]
+        add: Callable[..., AddFuture | CoalescedAdd] = (
+            pc.add_transfer_request_coalesced
+            if mode == "coalesced"
+            else pc.add_transfer_request_nowait
+        )
+        futures = [add(*args(r, c)) for c in range(p.chunks) for r in rooms]
         for f in futures:
-            assert f is not None
             f.result()
+    handover = time.perf_counter() - t0
     # Rooms finish roughly in queue order: poll the pending ones in order and
     # stop at the first unfinished, so polling itself does not crowd the CPU.
     pending = [r.room for r in rooms]
@@ -191,17 +234,43 @@ def _run_batch(
     for r in rooms:
         dc.clear(r.room)
         pc.clear(r.room)
-    return [(done[r.room] - t0) * 1e3 for r in rooms], wall
+    return [(done[r.room] - t0) * 1e3 for r in rooms], wall, handover
 
 
-def run_mode(p: BenchParams, pools: _Pools, serial: bool) -> dict[str, Any]:
-    """Start two sidecars, warm up, run ``iters`` batches; return latencies and rates."""
+def batched_rpc_us(pc: XferClient, geo: PoolGeometry, calls: int) -> list[float]:
+    """Blocking AddTransferRequests of :data:`RPC_BATCH` one-page chunks, in µs.
+
+    Each call opens a room nobody bootstrapped: the sidecar checks and holds
+    its chunks (the whole cost of the call, no transfer), then it is cleared."""
+    out = []
+    for k in range(calls):
+        room = 10_000_000 + k
+        entries: list[ChunkRequest] = [
+            (room, [i % geo.page_count], (i, i + 1), i == RPC_BATCH - 1, 0, i)
+            for i in range(RPC_BATCH)
+        ]
+        t = time.perf_counter()
+        pc.add_transfer_requests(entries)
+        out.append((time.perf_counter() - t) * 1e6)
+        pc.clear(room)
+    return out
+
+
+def run_mode(
+    p: BenchParams, pools: _Pools, modes: Sequence[str], rpc_calls: int = RPC_CALLS
+) -> dict[str, Any]:
+    """Start two sidecars, warm up, run ``iters`` batches of each of ``modes``
+    (``("serial",)`` or submission modes, batches interleaved); return each mode's
+    latencies and rates, and with submission modes the 64-chunk call's cost."""
+    serial = tuple(modes) == ("serial",)
     extra = ["--queues", "1", "--max-inflight-per-queue", "1"] if serial else [
         "--queues", str(p.queues)]  # fmt: skip
     extra += ["--nixl-threads", str(p.nixl_threads), "--heartbeat-interval-s", "2"]
     geo = pools.geometry
     rng = random.Random(p.seed)
-    out: dict[str, Any] = {"lat_ms": [], "walls": [], "add_us": []}
+    out: dict[str, Any] = {
+        m: {"lat_ms": [], "walls": [], "add_us": [], "handover": []} for m in modes
+    }
     with (
         Sidecar("prefill", pools.prefill.path, geo, transport=p.transport, extra=extra) as ps,
         Sidecar("decode", pools.decode.path, geo, transport=p.transport, extra=extra) as ds,
@@ -210,13 +279,26 @@ def run_mode(p: BenchParams, pools: _Pools, serial: bool) -> dict[str, Any]:
     ):
         warm = _plan(p, geo, rng, 1)[:1]
         t = time.perf_counter()
-        _run_batch(p, pools, pc, dc, ps.address, warm, False, [])
+        _run_batch(p, pools, pc, dc, ps.address, warm, "single", [])
         out["warmup_ms"] = (time.perf_counter() - t) * 1e3
-        for it in range(p.iters):
-            rooms = _plan(p, geo, rng, 1000 * (it + 1))
-            lat, wall = _run_batch(p, pools, pc, dc, ps.address, rooms, serial, out["add_us"])
-            out["lat_ms"] += lat
-            out["walls"].append(wall)
+        batch = 0
+        calls0, chunks0 = pc.coalesced_calls, pc.coalesced_chunks
+        for _ in range(p.iters):
+            for m in modes:
+                batch += 1
+                rooms = _plan(p, geo, rng, 1000 * batch)
+                o = out[m]
+                lat, wall, handover = _run_batch(
+                    p, pools, pc, dc, ps.address, rooms, m, o["add_us"]
+                )
+                o["lat_ms"] += lat
+                o["walls"].append(wall)
+                o["handover"].append(handover)
+        if "coalesced" in modes:
+            out["coalesced"]["calls"] = pc.coalesced_calls - calls0
+            out["coalesced"]["chunks"] = pc.coalesced_chunks - chunks0
+        if not serial:
+            out["rpc_us"] = batched_rpc_us(pc, geo, rpc_calls)
     return out
 
 
@@ -311,42 +393,133 @@ def add_request_cost_us(p: BenchParams, n: int = 20000) -> list[float]:
         return out
 
 
-def run(p: BenchParams) -> dict[str, float]:
-    """Run every part; return the figures."""
+def _mode_figures(
+    m: str, o: dict[str, Any], serial: dict[str, Any], total: int, raw: float
+) -> dict[str, float]:
+    """The figures of submission mode ``m``, prefixed with it."""
+    gbps = statistics.mean(total / w / 1e9 for w in o["walls"])
+    return {
+        f"{m}_async_mean_ms": statistics.mean(o["lat_ms"]),
+        f"{m}_async_p99_ms": percentile(o["lat_ms"], 0.99),
+        f"{m}_async_gbps": gbps,
+        f"{m}_speedup": statistics.mean(serial["lat_ms"]) / statistics.mean(o["lat_ms"]),
+        f"{m}_vs_raw": gbps / raw,
+        f"{m}_handover_ms": statistics.mean(o["handover"]) * 1e3,
+    }
+
+
+def run(p: BenchParams, costs: bool = True) -> dict[str, float]:
+    """Run every part; return the figures (``costs``: also memcpy and the
+    in-process AddTransferRequest cost, and :data:`RPC_CALLS` timed 64-chunk
+    calls rather than 10)."""
+    modes = submit_modes(p)
     with tempfile.TemporaryDirectory(prefix="kvx-bench-", dir=_shm_dir()) as d:
         pools = _Pools(p, d)
         try:
             progress.phase(f"{p.transport}: serial transfers")
-            serial = run_mode(p, pools, serial=True)
-            progress.phase(f"{p.transport}: async transfers")
-            asyn = run_mode(p, pools, serial=False)
+            serial = run_mode(p, pools, ("serial",))["serial"]
+            progress.phase(f"{p.transport}: async transfers ({', '.join(modes)})")
+            asyn = run_mode(p, pools, modes, RPC_CALLS if costs else 10)
             progress.phase(f"{p.transport}: raw transport")
             raw = raw_gbps(p, pools)
         finally:
             pools.close()
     total = p.rooms * p.pages * p.page_size
-    progress.phase("memcpy and AddRequest cost")
-    mem = memcpy_gbps(p)
-    add_us = add_request_cost_us(p)
     plan = _plan(p, PoolGeometry(p.page_size, 2 * p.rooms * p.pages), random.Random(p.seed), 0)
     n_runs = sum(len(merge_runs(r.src, r.dst)) for r in plan)
     mean_run = p.page_size * p.pages * p.rooms / n_runs
+    per_mode: dict[str, float] = {}
+    for m in modes:
+        per_mode.update(_mode_figures(m, asyn[m], serial, total, raw))
+    if "coalesced" in modes:
+        c = asyn["coalesced"]
+        per_mode["coalesced_chunks_per_call"] = c["chunks"] / max(1, c["calls"])
+    pm = primary_mode(p)
     figures = {
         "serial_mean_ms": statistics.mean(serial["lat_ms"]),
-        "async_mean_ms": statistics.mean(asyn["lat_ms"]),
-        "async_p99_ms": percentile(asyn["lat_ms"], 0.99),
-        "speedup": statistics.mean(serial["lat_ms"]) / statistics.mean(asyn["lat_ms"]),
-        "async_gbps": statistics.mean(total / w / 1e9 for w in asyn["walls"]),
+        "async_mean_ms": per_mode[f"{pm}_async_mean_ms"],
+        "async_p99_ms": per_mode[f"{pm}_async_p99_ms"],
+        "speedup": per_mode[f"{pm}_speedup"],
+        "async_gbps": per_mode[f"{pm}_async_gbps"],
         "serial_gbps": statistics.mean(total / w / 1e9 for w in serial["walls"]),
         f"{p.transport}_raw_gbps": raw,
-        "memcpy_gbps": mem,
-        "add_request_p99_us": percentile(add_us, 0.99),
         "add_request_rpc_p99_us": percentile(serial["add_us"], 0.99),
+        "add_requests_rpc_p50_us": percentile(asyn["rpc_us"], 0.5),
+        "add_requests_rpc_p99_us": percentile(asyn["rpc_us"], 0.99),
         "warmup_ms": asyn["warmup_ms"],
         "mean_run_kib": mean_run / 1024,
+        "async_vs_raw": per_mode[f"{pm}_vs_raw"],
+        **per_mode,
     }
-    figures["async_vs_raw"] = figures["async_gbps"] / raw
+    if costs:
+        progress.phase("memcpy and AddRequest cost")
+        figures["memcpy_gbps"] = memcpy_gbps(p)
+        figures["add_request_p99_us"] = percentile(add_request_cost_us(p), 0.99)
     return figures
+
+
+#: Run sizes and room counts of ``--sweep`` (64 rooms only without ``--quick``).
+SWEEP_RUNS = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024)
+SWEEP_ROOMS = (1, 4, 16, 64)
+#: Bytes each room of a sweep cell carries (at least one page of the run size).
+SWEEP_ROOM_BYTES = 4 * 1024 * 1024
+
+
+def sweep_params(p: BenchParams, run_bytes: int, rooms: int) -> BenchParams:
+    """One sweep cell: pages of ``run_bytes``, never adjacent (``max_run`` 1), as many
+    per room as :data:`SWEEP_ROOM_BYTES` holds, in up to ``p.chunks`` chunks."""
+    pages = max(1, SWEEP_ROOM_BYTES // run_bytes)
+    chunks = max(c for c in range(1, min(p.chunks, pages) + 1) if pages % c == 0)
+    return replace(
+        p, rooms=rooms, pages=pages, page_size=run_bytes, chunks=chunks, max_run=1,
+        submit=primary_mode(p),
+    )  # fmt: skip
+
+
+def run_sweep(p: BenchParams, quick: bool) -> list[dict[str, float]]:
+    """Every cell of the sweep; one row of figures each."""
+    rows = []
+    for run_bytes in SWEEP_RUNS:
+        for rooms in SWEEP_ROOMS if not quick else SWEEP_ROOMS[:-1]:
+            c = sweep_params(p, run_bytes, rooms)
+            progress.phase(f"sweep: runs of {run_bytes // 1024} KiB, {rooms} rooms")
+            t = time.perf_counter()
+            f = run(c, costs=False)
+            rows.append(
+                {
+                    "run_kib": run_bytes / 1024,
+                    "rooms": rooms,
+                    "pages": c.pages,
+                    "batch_mib": c.rooms * c.pages * c.page_size / 2**20,
+                    "mean_run_kib": f["mean_run_kib"],
+                    "async_gbps": f["async_gbps"],
+                    "raw_gbps": f[f"{p.transport}_raw_gbps"],
+                    "async_vs_raw": f["async_vs_raw"],
+                    "speedup": f["speedup"],
+                    "memcpy_gbps": memcpy_gbps(c),
+                    "seconds": time.perf_counter() - t,
+                }
+            )
+    return rows
+
+
+def print_sweep(rows: Sequence[dict[str, float]], p: BenchParams) -> None:
+    """The sweep as one table."""
+    print(
+        f"kvmesh bench xfer --sweep: transport {p.transport}, submit {primary_mode(p)}, "
+        f"{p.queues} queues, {p.iters} batches per cell, "
+        f"{SWEEP_ROOM_BYTES // 2**20} MiB (at least one page) per room"
+    )
+    print(
+        f"{'run KiB':>8}{'rooms':>6}{'MiB':>7}{'async GB/s':>11}{'raw GB/s':>10}"
+        f"{'ratio':>7}{'speedup':>8}{'memcpy':>8}{'s':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['run_kib']:>8.0f}{r['rooms']:>6.0f}{r['batch_mib']:>7.0f}"
+            f"{r['async_gbps']:>11.3f}{r['raw_gbps']:>10.3f}{r['async_vs_raw']:>7.2f}"
+            f"{r['speedup']:>8.2f}{r['memcpy_gbps']:>8.2f}{r['seconds']:>6.1f}"
+        )
 
 
 def _shm_dir() -> str | None:
@@ -357,6 +530,7 @@ _TARGETS = {
     "speedup": ">= 4 (16 rooms)",
     "async_vs_raw": ">= 0.8 (runs >= 1 MiB)",
     "add_request_p99_us": "<= 100",
+    "add_requests_rpc_p99_us": "<= 1000 (64 chunks)",
 }
 
 
@@ -393,10 +567,33 @@ def build_parser() -> argparse.ArgumentParser:
         "chunks": "chunks each room's pages are sent in",
         "max_run": "longest run of adjacent pages (the pages of a room are fragmented)",
         "queues": "transfer queues of each sidecar",
-        "iters": "timed batches",
     }
     for f, what in sizes.items():
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f), help=what)
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help=f"timed batches of each mode (default: {d.iters}, 1 with --quick)",
+    )
+    ap.add_argument(
+        "--submit",
+        choices=[*SUBMIT_MODES, "all"],
+        default=d.submit,
+        help="how the async run hands chunks to the sidecar: one AddTransferRequest per "
+        "chunk (single), one AddTransferRequests per room (batched), through the "
+        "coalescing client (coalesced), or each of them against the same sidecars (all)",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="run sizes 64 KiB, 1 MiB, 16 MiB x rooms 1, 4, 16, 64 (async in the --submit "
+        "mode, batched under all; serial, raw transport, memcpy) and print one row per "
+        "cell instead of the figures",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="1 batch per mode; --sweep without 64 rooms"
+    )
     ap.add_argument(
         "--nixl-threads",
         type=int,
@@ -414,14 +611,32 @@ def main(argv: Sequence[str]) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     transport = a.transport or ("nixl" if nixl_available() else "tcp")
-    if a.pages % a.chunks or a.pages < a.chunks:
+    for f in ("rooms", "pages", "page_size", "chunks", "max_run", "queues", "iters"):
+        if getattr(a, f) is not None and getattr(a, f) < 1:
+            print(f"kvmesh bench xfer: --{f.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if a.pages % a.chunks:
         print("kvmesh bench xfer: --pages must be a multiple of --chunks", file=sys.stderr)
         return 2
+    if a.submit in ("batched", "all") and a.chunks > MAX_BATCH_ENTRIES:
+        print(
+            f"kvmesh bench xfer: --chunks over {MAX_BATCH_ENTRIES} do not fit one "
+            "AddTransferRequests call (--submit batched)",
+            file=sys.stderr,
+        )
+        return 2
+    iters = a.iters if a.iters is not None else (1 if a.quick else BenchParams.iters)
     p = BenchParams(
         transport=transport, rooms=a.rooms, pages=a.pages, page_size=a.page_size,
-        chunks=a.chunks, max_run=a.max_run, queues=a.queues, iters=a.iters,
-        nixl_threads=a.nixl_threads,
+        chunks=a.chunks, max_run=a.max_run, queues=a.queues, iters=iters,
+        nixl_threads=a.nixl_threads, submit=a.submit,
     )  # fmt: skip
+    if a.sweep:
+        rows = run_sweep(p, a.quick)
+        print_sweep(rows, p)
+        if a.json_path:
+            write_report(a.json_path, None, asdict(p), sweep=rows)
+        return 0
     figures = run(p)
     print_table(figures, p)
     if a.json_path:

@@ -620,6 +620,8 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 )
                 while True:
                     got = await watcher.next()
+                    if got is None:
+                        return  # the replica stops: the follower goes elsewhere
                     if isinstance(got, Resync):
                         self.watch_resyncs += 1
                         yield pb.WatchIndexResponse(
@@ -870,6 +872,9 @@ class IndexerServer:
         grace = self.config.shutdown_grace_s if grace is None else grace
         try:
             await self.health.enter_graceful_shutdown()
+            watch = getattr(self.index, "watch", None)
+            if watch is not None:
+                watch.close()  # followers are not in-flight work: end them now
             await self._server.stop(grace)
             if self._health_port is not None:
                 await self._health_port.stop()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from indexer.model import InstanceId, Namespace
-from kvmesh.errors import InvalidArgument, ResourceExhausted
+from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 #: Watchers one replica serves at most by default: each holds a buffer of up to
 #: ``DEFAULT_BUFFER`` changes, so this bounds the replica's watch memory.
@@ -76,6 +76,7 @@ class Watcher:
         self._queue: deque[Change] = deque()
         self._resync: Resync | None = None
         self._ready = asyncio.Event()
+        self._closed = False
         #: Times this watcher was told to resync.
         self.resyncs = 0
 
@@ -94,10 +95,13 @@ class Watcher:
             self._queue.append(change)
         self._ready.set()
 
-    async def next(self) -> list[Change] | Resync:
+    async def next(self) -> list[Change] | Resync | None:
         """Every change buffered so far (waiting for one), or :class:`Resync` once
-        the watcher fell behind; after a Resync the watcher starts anew, empty."""
+        the watcher fell behind (after a Resync the watcher starts anew, empty),
+        or None once the hub closed and nothing is left."""
         while not self._queue and self._resync is None:
+            if self._closed:
+                return None
             self._ready.clear()
             await self._ready.wait()
         if self._resync is not None:
@@ -106,6 +110,11 @@ class Watcher:
         out = list(self._queue)
         self._queue.clear()
         return out
+
+    def close(self) -> None:
+        """End the watcher: :meth:`next` returns what is left, then None."""
+        self._closed = True
+        self._ready.set()
 
     def restart(self, start: int) -> None:
         """Start again after a fresh snapshot taken at ``start`` (same step of the loop)."""
@@ -134,11 +143,14 @@ class WatchHub:
         #: Position of the last change published (0: none yet).
         self.position = 0
         self._watchers: list[Watcher] = []
+        self.closed = False
 
     def subscribe(self, namespaces: Collection[Namespace] = (), buffer: int = 0) -> Watcher:
         """A new watcher starting after the current position; ``buffer`` (0: the
         hub's) is capped by the hub's. ResourceExhausted naming
         ``watch.max_followers`` when the hub is full."""
+        if self.closed:
+            raise Unavailable("the replica is shutting down; watch another")
         if len(self._watchers) >= self.max_watchers:
             raise ResourceExhausted(
                 f"{len(self._watchers)} watchers, the cap (watch.max_followers)",
@@ -149,6 +161,13 @@ class WatchHub:
         w = Watcher(frozenset(namespaces), min(buffer or self.buffer, self.buffer), self.position)
         self._watchers.append(w)
         return w
+
+    def close(self) -> None:
+        """End every watcher (the replica stops): followers go to another replica
+        instead of holding its shutdown for the grace period."""
+        self.closed = True
+        for w in self._watchers:
+            w.close()
 
     def unsubscribe(self, watcher: Watcher) -> None:
         """Forget ``watcher`` (idempotent)."""

@@ -14,6 +14,7 @@ drops removals) fails the comparison.
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import grpc
@@ -349,3 +350,21 @@ async def test_past_its_bound_the_follower_drops_the_model_matched_least_recentl
         await f.close()
     finally:
         await close_harness(h)
+
+
+async def test_a_replica_stopping_ends_its_followers_at_once() -> None:
+    """Followers are not in-flight work: a replica's graceful stop does not wait
+    its grace period for them, and the follower stops answering (goes remote)."""
+    h = await open_harness(make_config(shutdown_grace_s=5.0), MemoryIndex())
+    f = IndexFollower(h.server.address)
+    try:
+        await f.start()
+        assert await f.wait_synced(10)
+        t0 = time.monotonic()
+        await h.server.stop()
+        assert time.monotonic() - t0 < 2.0
+        await eventually(lambda: not f.synced, within=5.0)
+        assert f.match("m", "", [1, 2]) is None
+    finally:
+        await f.close()
+        await h.channel.close()

@@ -10,7 +10,7 @@ import pytest
 
 from indexer.model import InstanceId, Namespace
 from indexer.watch import Change, Resync, Watcher, WatchHub
-from kvmesh.errors import InvalidArgument, ResourceExhausted
+from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 A = Namespace("m", "")
 B = Namespace("m", "lora")
@@ -122,3 +122,15 @@ def test_positions_move_with_nobody_watching() -> None:
     assert w.start == 3 and w.pending == 0
     hub.publish("stored", B, W0, 4)
     assert w.pending == 1
+
+
+async def test_a_closed_hub_ends_its_watchers_and_refuses_new_ones() -> None:
+    hub = WatchHub()
+    w = hub.subscribe()
+    hub.publish("stored", A, W0, 1)
+    hub.close()
+    got = await w.next()
+    assert isinstance(got, list) and len(got) == 1  # what was left comes first
+    assert await asyncio.wait_for(w.next(), 1.0) is None
+    with pytest.raises(Unavailable):
+        hub.subscribe()

@@ -23,6 +23,12 @@ one role:
   from their own agent (a write for a room whose Bootstrap answer is still
   to come waits for it).
 
+Prefill splits each written chunk's time into stages,
+``kvmesh_xfer_stage_seconds{stage}`` (:data:`STAGES`): ``queue`` (put on its
+worker's queue until the worker takes it), ``submit`` (the transport's post of
+the write carrying it), ``transport`` (posted until the worker sees the write
+done) and, once per room, ``notify`` (its last write seen done until Success).
+
 What a peer sends and the sidecar refuses is counted by reason
 (:data:`PEER_REFUSAL_REASONS`); a prefill sidecar also bounds what each peer's
 Bootstraps may open (:mod:`xfer.quota`).
@@ -129,6 +135,17 @@ def _new_generation(previous: int) -> int:
             return g
 
 
+#: Stages of ``kvmesh_xfer_stage_seconds`` (prefill), in the order a chunk passes them.
+STAGES = ("queue", "submit", "transport", "notify")
+
+#: Buckets of ``kvmesh_xfer_stage_seconds``: from 2.5 us (a room's completion
+#: bookkeeping) through 10 us..10 s (a queued chunk behind a stalled peer).
+STAGE_BUCKETS = (
+    2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+
+
 class XferMetrics:
     """Prometheus metrics of one sidecar (its own registry)."""
 
@@ -190,6 +207,20 @@ class XferMetrics:
         )
         for reason in PEER_REFUSAL_REASONS:
             self.peer_refusals.labels(reason).inc(0)
+        self.stage_seconds = Histogram(
+            "kvmesh_xfer_stage_seconds",
+            "Prefill: where a chunk's time goes, by stage: queue (queued until a worker takes "
+            "it), submit (the transport's post of the write carrying it), transport (posted "
+            "until the write is seen done), notify (per room: its last write seen done until "
+            "Success)",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.stage_queue = self.stage_seconds.labels("queue")
+        self.stage_submit = self.stage_seconds.labels("submit")
+        self.stage_transport = self.stage_seconds.labels("transport")
+        self.stage_notify = self.stage_seconds.labels("notify")
         self.add_request_seconds = Histogram(
             "kvmesh_xfer_add_request_seconds",
             "Time add_transfer_request takes to check and queue a chunk",
@@ -255,6 +286,9 @@ class Chunk:
     is_last: bool
     aux_index: int
     chunk_id: int
+    #: Prefill: ``time.monotonic()`` when the chunk was put on its worker's queue
+    #: (0 until then); the worker's take observes the ``queue`` stage.
+    queued: float = 0.0
 
 
 def _at_entry(index: int, err: KvmeshError) -> KvmeshError:
@@ -603,7 +637,7 @@ class XferLogic:
             self._set(r, RoomStatus.WAITING_FOR_INPUT)
             pending, r.pending = r.pending, []
             for c in pending:
-                self._enqueue(r, dataclasses.replace(c, generation=generation))
+                self._enqueue(r, dataclasses.replace(c, generation=generation, queued=now))
 
     def admit_bootstrap(self, client: str) -> None:
         """Prefill: count one Bootstrap call of peer ``client`` against its rate
@@ -744,6 +778,7 @@ class XferLogic:
                     c.is_last,
                     c.aux_index,
                     c.chunk_id,
+                    now,
                 ),
             )
         else:
@@ -891,6 +926,10 @@ class XferLogic:
                     self.transport.release(f.handle)
                 return
             if batch:
+                taken = time.monotonic()
+                observe = self.metrics.stage_queue.observe
+                for c in batch:
+                    observe(taken - c.queued)
                 try:
                     self._post(batch, inflight)
                 except Exception as e:  # the worker survives; only these rooms fail
@@ -954,23 +993,28 @@ class XferLogic:
                 continue
             peer, runs, tag = built
             if not runs:  # an empty last chunk without aux: nothing to move
-                self._chunk_done(chunk, 0)
+                self._chunk_done(chunk, 0, time.monotonic())
                 continue
             g = groups.setdefault(peer, ([], [], []))
             g[0].extend(runs)
             g[1].append(tag)
             g[2].append((chunk, sum(n for _, _, n in runs)))
         for peer, (runs, tags, chunks) in groups.items():
+            notif = encode_tags(tags)
+            submit = time.monotonic()
             try:
-                handle = self.transport.post(peer, runs, encode_tags(tags))
+                handle = self.transport.post(peer, runs, notif)
             except Exception as e:
                 self.metrics.worker_errors.inc()
                 log.warning("write to %s failed: %s", peer, e, exc_info=True)
                 for c, _ in chunks:
                     self.fail(c.room, f"transfer failed: {e}", c.generation)
                 continue
-            self.metrics.descriptors.observe(len(runs))
             now = time.monotonic()
+            self.metrics.descriptors.observe(len(runs))
+            observe = self.metrics.stage_submit.observe
+            for _ in chunks:  # each chunk observes the write carrying it
+                observe(now - submit)
             with self._lock:
                 for c, _ in chunks:
                     r = self._rooms.get(c.room)
@@ -994,11 +1038,13 @@ class XferLogic:
                 continue
             inflight.remove(item)
             progressed = True
+            done = time.monotonic()
             self.transport.release(item.handle)
             for chunk, nbytes in item.chunks:
                 if state == "DONE":
+                    self.metrics.stage_transport.observe(done - item.posted)
                     try:
-                        self._chunk_done(chunk, nbytes)
+                        self._chunk_done(chunk, nbytes, done)
                     except Exception as e:
                         self.metrics.worker_errors.inc()
                         self.fail(chunk.room, f"completing a chunk failed: {e}", chunk.generation)
@@ -1010,7 +1056,9 @@ class XferLogic:
                     self.fail(chunk.room, "transfer timed out", chunk.generation)
         return progressed
 
-    def _chunk_done(self, chunk: Chunk, nbytes: int) -> None:
+    def _chunk_done(self, chunk: Chunk, nbytes: int, done: float) -> None:
+        """A chunk's write was seen done at ``done`` (``time.monotonic()``); the room's
+        last one observes the ``notify`` stage when the room succeeds."""
         self.metrics.bytes.inc(nbytes)
         with self._lock:
             r = self._rooms.get(chunk.room)
@@ -1019,8 +1067,12 @@ class XferLogic:
             r.chunks_done += 1
             r.bytes += nbytes
             r.progress_at = time.monotonic()
-            if r.last_chunk is not None and r.chunks_done == r.last_chunk + 1:
-                self._set(r, RoomStatus.SUCCESS)
+            if (
+                r.last_chunk is not None
+                and r.chunks_done == r.last_chunk + 1
+                and self._set(r, RoomStatus.SUCCESS)
+            ):
+                self.metrics.stage_notify.observe(time.monotonic() - done)
 
     # -- decode --------------------------------------------------------------------------------
 

@@ -34,6 +34,15 @@ is the engine's side of a batch: from the batch start until the sidecar has
 answered every chunk. Figures without a mode prefix are the ``--submit``
 mode's (batched under ``all``).
 
+After the async run the prefill sidecar's ``kvmesh_xfer_stage_seconds`` is
+scraped from its /metrics and printed as one row per stage (chunks or rooms
+observed, mean, p50 estimated from the buckets): ``queue`` (queued until a
+worker takes the chunk), ``submit`` (the transport's post of the write),
+``transport`` (posted until the write is seen done), ``notify`` (per room: its
+last write seen done until Success on the prefill side). The timed batches'
+means are the figures ``xfer_stage_<stage>_mean_us``; the warm-up transfer is
+scraped apart and printed as rows of its own.
+
 ``--sweep`` repeats the async and serial runs over descriptor run sizes
 (64 KiB, 1 MiB, 16 MiB: pages of that size, runs of one page)
 and room counts (1, 4, 16, and 64 unless ``--quick``), each room carrying
@@ -56,15 +65,17 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import progress
 from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from lab.bench.report import write_report
 from lab.bench.xfer_procs import Sidecar
+from lab.redisproc import free_port
 from xfer.client import AddFuture, CoalescedAdd, XferClient
 from xfer.config import PoolSettings, XferConfig
-from xfer.logic import MAX_BATCH_ENTRIES, ChunkRequest, RoomStatus, XferLogic
+from xfer.logic import MAX_BATCH_ENTRIES, STAGES, ChunkRequest, RoomStatus, XferLogic
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import Transport, make_transport, nixl_available, wait_state
 from xfer.wire import merge_runs
@@ -104,6 +115,95 @@ def submit_modes(p: BenchParams) -> tuple[str, ...]:
 def primary_mode(p: BenchParams) -> str:
     """The mode whose figures are the unprefixed ``async_*`` ones."""
     return "batched" if p.submit == "all" else p.submit
+
+
+STAGE_METRIC = "kvmesh_xfer_stage_seconds"
+
+
+@dataclass
+class StageHistogram:
+    """One stage's ``kvmesh_xfer_stage_seconds`` as scraped: count, sum and the
+    cumulative bucket counts by upper bound (the last is ``inf``)."""
+
+    count: float = 0.0
+    total: float = 0.0
+    buckets: tuple[tuple[float, float], ...] = ()
+
+    def minus(self, before: StageHistogram) -> StageHistogram:
+        """What was observed since ``before`` (a scrape of the same histogram)."""
+        if not before.buckets:
+            return self
+        if [le for le, _ in before.buckets] != [le for le, _ in self.buckets]:
+            raise ValueError("the two scrapes have different buckets")
+        return StageHistogram(
+            self.count - before.count,
+            self.total - before.total,
+            tuple(
+                (le, n - m) for (le, n), (_, m) in zip(self.buckets, before.buckets, strict=True)
+            ),
+        )
+
+    @property
+    def mean(self) -> float:
+        """Mean seconds (0 without observations)."""
+        return self.total / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """Seconds at quantile ``q``, interpolated linearly within its bucket (as
+        Prometheus' ``histogram_quantile``); 0 without observations."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        lower, below = 0.0, 0.0
+        for le, n in self.buckets:
+            if n >= rank:
+                if le == float("inf"):
+                    return lower  # beyond the last finite bound: its bound
+                return lower + (le - lower) * (rank - below) / max(n - below, 1e-12)
+            lower, below = le, n
+        return lower
+
+
+def parse_stages(text: str) -> dict[str, StageHistogram]:
+    """Each stage's histogram from a /metrics page (:data:`STAGES`; one missing
+    from the page raises)."""
+    raw: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != STAGE_METRIC:
+            continue
+        for sample in family.samples:
+            st = raw.setdefault(sample.labels.get("stage", ""), {"b": []})
+            if sample.name.endswith("_bucket"):
+                st["b"].append((float(sample.labels["le"]), float(sample.value)))
+            elif sample.name.endswith("_count"):
+                st["count"] = float(sample.value)
+            elif sample.name.endswith("_sum"):
+                st["sum"] = float(sample.value)
+    missing = [s for s in STAGES if s not in raw]
+    if missing:
+        raise ValueError(f"{STAGE_METRIC} has no stage {', '.join(missing)}")
+    return {
+        s: StageHistogram(
+            raw[s].get("count", 0.0), raw[s].get("sum", 0.0), tuple(sorted(raw[s]["b"]))
+        )
+        for s in STAGES
+    }
+
+
+def stage_figures(stages: dict[str, StageHistogram]) -> dict[str, float]:
+    """``xfer_stage_<stage>_mean_us`` of each stage."""
+    return {f"xfer_stage_{s}_mean_us": h.mean * 1e6 for s, h in stages.items()}
+
+
+def print_stages(stages: dict[str, dict[str, StageHistogram]]) -> None:
+    """The stage split of the prefill sidecar: one row per stage of each part
+    (``warm-up``, ``timed``)."""
+    print(f"prefill stages ({STAGE_METRIC}; notify counts rooms, the others chunks)")
+    print(f"{'part':<9}{'stage':<11}{'count':>8}{'mean us':>11}{'p50 us':>11}")
+    for part, hs in stages.items():
+        for s, h in hs.items():
+            mean, p50 = h.mean * 1e6, h.quantile(0.5) * 1e6
+            print(f"{part:<9}{s:<11}{h.count:>8.0f}{mean:>11.1f}{p50:>11.1f}")
 
 
 def fragmented(n: int, total: int, max_run: int, rng: random.Random) -> list[list[int]]:
@@ -271,8 +371,16 @@ def run_mode(
     out: dict[str, Any] = {
         m: {"lat_ms": [], "walls": [], "add_us": [], "handover": []} for m in modes
     }
+    metrics_port = 0 if serial else free_port()
     with (
-        Sidecar("prefill", pools.prefill.path, geo, transport=p.transport, extra=extra) as ps,
+        Sidecar(
+            "prefill",
+            pools.prefill.path,
+            geo,
+            transport=p.transport,
+            extra=extra,
+            metrics_port=metrics_port,
+        ) as ps,  # fmt: skip
         Sidecar("decode", pools.decode.path, geo, transport=p.transport, extra=extra) as ds,
         XferClient(ps.address) as pc,
         XferClient(ds.address) as dc,
@@ -281,6 +389,7 @@ def run_mode(
         t = time.perf_counter()
         _run_batch(p, pools, pc, dc, ps.address, warm, "single", [])
         out["warmup_ms"] = (time.perf_counter() - t) * 1e3
+        warm_stages = parse_stages(ps.metrics_text()) if metrics_port else {}
         batch = 0
         calls0, chunks0 = pc.coalesced_calls, pc.coalesced_chunks
         for _ in range(p.iters):
@@ -298,6 +407,12 @@ def run_mode(
             out["coalesced"]["calls"] = pc.coalesced_calls - calls0
             out["coalesced"]["chunks"] = pc.coalesced_chunks - chunks0
         if not serial:
+            # Before the timed AddTransferRequests calls (held chunks: nothing moves).
+            timed = parse_stages(ps.metrics_text())
+            out["stages"] = {
+                "warm-up": warm_stages,
+                "timed": {s: h.minus(warm_stages[s]) for s, h in timed.items()},
+            }
             out["rpc_us"] = batched_rpc_us(pc, geo, rpc_calls)
     return out
 
@@ -408,10 +523,15 @@ def _mode_figures(
     }
 
 
-def run(p: BenchParams, costs: bool = True) -> dict[str, float]:
+def run(
+    p: BenchParams,
+    costs: bool = True,
+    stages: dict[str, dict[str, StageHistogram]] | None = None,
+) -> dict[str, float]:
     """Run every part; return the figures (``costs``: also memcpy and the
     in-process AddTransferRequest cost, and :data:`RPC_CALLS` timed 64-chunk
-    calls rather than 10)."""
+    calls rather than 10). ``stages``, when given, receives the async run's
+    prefill stage histograms (``warm-up`` and ``timed``)."""
     modes = submit_modes(p)
     with tempfile.TemporaryDirectory(prefix="kvx-bench-", dir=_shm_dir()) as d:
         pools = _Pools(p, d)
@@ -450,7 +570,10 @@ def run(p: BenchParams, costs: bool = True) -> dict[str, float]:
         "mean_run_kib": mean_run / 1024,
         "async_vs_raw": per_mode[f"{pm}_vs_raw"],
         **per_mode,
+        **stage_figures(asyn["stages"]["timed"]),
     }
+    if stages is not None:
+        stages.update(asyn["stages"])
     if costs:
         progress.phase("memcpy and AddRequest cost")
         figures["memcpy_gbps"] = memcpy_gbps(p)
@@ -541,9 +664,9 @@ def print_table(figures: dict[str, float], p: BenchParams) -> None:
         f"{p.page_size} B in {p.chunks} chunks, runs of 1..{p.max_run} pages, "
         f"{p.queues} queues, {p.iters} batches"
     )
-    print(f"{'figure':<26}{'value':>12}  target")
+    print(f"{'figure':<30}{'value':>12}  target")
     for k, v in figures.items():
-        print(f"{k:<26}{v:>12.3f}  {_TARGETS.get(k, '')}")
+        print(f"{k:<30}{v:>12.3f}  {_TARGETS.get(k, '')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -637,8 +760,16 @@ def main(argv: Sequence[str]) -> int:
         if a.json_path:
             write_report(a.json_path, None, asdict(p), sweep=rows)
         return 0
-    figures = run(p)
+    stages: dict[str, dict[str, StageHistogram]] = {}
+    figures = run(p, stages=stages)
     print_table(figures, p)
+    print()
+    print_stages(stages)
     if a.json_path:
-        write_report(a.json_path, figures, asdict(p))
+        split = {
+            part: {s: {"count": h.count, "mean_us": h.mean * 1e6, "p50_us": h.quantile(0.5) * 1e6}
+                   for s, h in hs.items()}
+            for part, hs in stages.items()
+        }  # fmt: skip
+        write_report(a.json_path, figures, asdict(p), stages=split)
     return 0

@@ -2,8 +2,8 @@
 
 A :class:`Sidecar` runs ``python -m kvmesh.cli xfer serve`` on a free port
 as a :class:`lab.children.ChildProcess` and reports its address through a
-ready file; a :class:`ThreadedSidecar` serves from a thread of the calling
-process.
+ready file (its Prometheus metrics only when given a ``metrics_port``); a
+:class:`ThreadedSidecar` serves from a thread of the calling process.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import subprocess
 import tempfile
 import threading
+import urllib.request
 from types import TracebackType
 
 from lab.children import ChildExited, ChildNotReady, ChildProcess, python_module
@@ -34,14 +35,17 @@ class Sidecar:
         transport: str = "tcp",
         extra: list[str] | None = None,
         log_level: str = "WARNING",
+        metrics_port: int = 0,
     ) -> None:
         self.role = role
+        #: Where /metrics is served (0: not served).
+        self.metrics_port = metrics_port
         self._dir = tempfile.TemporaryDirectory(prefix="kvx-")
         self.ready_file = os.path.join(self._dir.name, "ready")
         self.log_path = os.path.join(self._dir.name, "log")
         args = [
             "xfer", "serve",
-            "--role", role, "--port", "0", "--metrics-port", "0",
+            "--role", role, "--port", "0", "--metrics-port", str(metrics_port),
             "--transport", transport, "--pool-path", pool_path,
             "--page-size", str(geometry.page_size), "--page-count", str(geometry.page_count),
             "--aux-size", str(geometry.aux_size), "--aux-count", str(geometry.aux_count),
@@ -78,6 +82,15 @@ class Sidecar:
         with open(self.ready_file) as f:
             self.address = f.read().strip()
         return self.address
+
+    def metrics_text(self, timeout_s: float = 10.0) -> str:
+        """The sidecar's /metrics page (it must have been started with a ``metrics_port``)."""
+        if not self.metrics_port:
+            raise RuntimeError(f"{self.role} sidecar was started without a metrics port")
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            text: str = resp.read().decode()
+        return text
 
     def log(self) -> str:
         """The process output so far (last 4 kB)."""

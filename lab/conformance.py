@@ -563,6 +563,7 @@ class FollowerStub:
             target=self._loop.run_forever, name="conformance-follower", daemon=True
         )
         self._thread.start()
+
         async def make() -> IndexFollower:
             return await IndexFollower(target).start()  # its channel needs the loop
 

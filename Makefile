@@ -82,6 +82,20 @@ fmt: $(STAMP)
 gen: $(STAMP)
 	$(BIN)/python tools/gen_protos.py
 
+## Stubs of the API for other languages, not committed (docs/api.md, "Stubs for other
+## languages"): Python and TypeScript, and Go when protoc-gen-go and protoc-gen-go-grpc
+## are on PATH, into $(STUBS_OUT) (relative to proto/).
+STUBS_OUT ?= ../gen
+.PHONY: stubs
+stubs: $(STAMP) node_modules/.bin/buf
+	cd proto && ../node_modules/.bin/buf generate --template buf.gen.yaml -o $(STUBS_OUT)
+	@if command -v protoc-gen-go >/dev/null && command -v protoc-gen-go-grpc >/dev/null; then \
+		echo "cd proto && ../node_modules/.bin/buf generate --template buf.gen.go.yaml -o $(STUBS_OUT)"; \
+		cd proto && ../node_modules/.bin/buf generate --template buf.gen.go.yaml -o $(STUBS_OUT); \
+	else \
+		echo "stubs: protoc-gen-go or protoc-gen-go-grpc not on PATH: Go stubs skipped"; \
+	fi
+
 bench: $(STAMP)
 	$(BIN)/kvmesh bench indexer
 

@@ -123,7 +123,8 @@ class IndexerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListInstances(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every registered instance, optionally of one model.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -163,7 +164,8 @@ class IndexerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Index sizes (per namespace) and this replica's counters.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

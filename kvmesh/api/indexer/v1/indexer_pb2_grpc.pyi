@@ -46,6 +46,7 @@ class IndexerServiceStub:
     RemoveInstance: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.RemoveInstanceRequest, _indexer_pb2.RemoveInstanceResponse]
     """Drop an instance and all its blocks."""
     ListInstances: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.ListInstancesRequest, _indexer_pb2.ListInstancesResponse]
+    """Every registered instance, optionally of one model."""
     PublishEvents: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.PublishEventsRequest, _indexer_pb2.PublishEventsResponse]
     """Apply one batch; errors come back as the call's status."""
     PublishEventsStream: _grpc.StreamStreamMultiCallable[_indexer_pb2.PublishEventsStreamRequest, _indexer_pb2.PublishEventsStreamResponse]
@@ -63,6 +64,7 @@ class IndexerServiceStub:
     once the client half-closes and every reply is written.
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.GetStatsRequest, _indexer_pb2.GetStatsResponse]
+    """Index sizes (per namespace) and this replica's counters."""
     DumpIndex: _grpc.UnaryStreamMultiCallable[_indexer_pb2.DumpIndexRequest, _indexer_pb2.DumpIndexResponse]
     """The index's content, for debugging: admin only. Reads the whole index
     (on Redis: SCAN, which the indexer's ACL user then needs).
@@ -89,6 +91,7 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     RemoveInstance: _aio.UnaryUnaryMultiCallable[_indexer_pb2.RemoveInstanceRequest, _indexer_pb2.RemoveInstanceResponse]  # type: ignore[assignment]
     """Drop an instance and all its blocks."""
     ListInstances: _aio.UnaryUnaryMultiCallable[_indexer_pb2.ListInstancesRequest, _indexer_pb2.ListInstancesResponse]  # type: ignore[assignment]
+    """Every registered instance, optionally of one model."""
     PublishEvents: _aio.UnaryUnaryMultiCallable[_indexer_pb2.PublishEventsRequest, _indexer_pb2.PublishEventsResponse]  # type: ignore[assignment]
     """Apply one batch; errors come back as the call's status."""
     PublishEventsStream: _aio.StreamStreamMultiCallable[_indexer_pb2.PublishEventsStreamRequest, _indexer_pb2.PublishEventsStreamResponse]  # type: ignore[assignment]
@@ -106,6 +109,7 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     once the client half-closes and every reply is written.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_indexer_pb2.GetStatsRequest, _indexer_pb2.GetStatsResponse]  # type: ignore[assignment]
+    """Index sizes (per namespace) and this replica's counters."""
     DumpIndex: _aio.UnaryStreamMultiCallable[_indexer_pb2.DumpIndexRequest, _indexer_pb2.DumpIndexResponse]  # type: ignore[assignment]
     """The index's content, for debugging: admin only. Reads the whole index
     (on Redis: SCAN, which the indexer's ACL user then needs).
@@ -152,7 +156,8 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _indexer_pb2.ListInstancesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_indexer_pb2.ListInstancesResponse, _abc.Awaitable[_indexer_pb2.ListInstancesResponse]]: ...
+    ) -> _typing.Union[_indexer_pb2.ListInstancesResponse, _abc.Awaitable[_indexer_pb2.ListInstancesResponse]]:
+        """Every registered instance, optionally of one model."""
 
     @_abc_1.abstractmethod
     def PublishEvents(
@@ -199,7 +204,8 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _indexer_pb2.GetStatsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_indexer_pb2.GetStatsResponse, _abc.Awaitable[_indexer_pb2.GetStatsResponse]]: ...
+    ) -> _typing.Union[_indexer_pb2.GetStatsResponse, _abc.Awaitable[_indexer_pb2.GetStatsResponse]]:
+        """Index sizes (per namespace) and this replica's counters."""
 
     @_abc_1.abstractmethod
     def DumpIndex(

@@ -60,6 +60,8 @@ from router_client.indexer_client import MatchOutcome, MatchStatus, WorkerMatch,
 
 log = logging.getLogger(__name__)
 
+#: Entries of the follower's name and answer caches before they start over.
+_CACHE_CAP = 65536
 #: Lags kept for :attr:`IndexFollower.lag_s`.
 LAG_WINDOW = 4096
 #: Reconnect backoff: first and longest pause, seconds.
@@ -138,6 +140,8 @@ class IndexFollower:
         #: The last lags, seconds (arrival minus the replica's applied_at).
         self.lag_s: deque[float] = deque(maxlen=LAG_WINDOW)
         self._hybrid: dict[str, bool] = {}
+        self._names: dict[InstanceId, str] = {}
+        self._answers: dict[tuple[int, int, int, int, int], WorkerMatch] = {}
         #: The copy's bound in (block, instance) pairs (0: none). Past it, the
         #: model matched least recently is dropped and its Matches go remote.
         self.max_pairs = max_pairs
@@ -185,15 +189,24 @@ class IndexFollower:
         self._matched_at[model] = time.monotonic()
         hits = self.index.match_sync(Namespace(model, lora_name), keys)
         self.local_matches += 1
-        return MatchOutcome(
-            MatchStatus.OK,
-            {
-                instance_name(h.instance.worker_id, h.instance.dp_rank): WorkerMatch(
-                    h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens
-                )
-                for h in hits
-            },
-        )
+        # Names and answers are immutable and repeat (64 holders of one prefix
+        # share a depth): made once each, not per Match (a third of a 32-block
+        # Match's cost with 64 holders was building them).
+        names, answers = self._names, self._answers
+        if len(names) > _CACHE_CAP or len(answers) > _CACHE_CAP:
+            names.clear()
+            answers.clear()
+        out: dict[str, WorkerMatch] = {}
+        for h in hits:
+            name = names.get(h.instance)
+            if name is None:
+                name = names[h.instance] = instance_name(h.instance.worker_id, h.instance.dp_rank)
+            key = (h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens)
+            answer = answers.get(key)
+            if answer is None:
+                answer = answers[key] = WorkerMatch(*key)
+            out[name] = answer
+        return MatchOutcome(MatchStatus.OK, out)
 
     def _is_hybrid(self, model: str) -> bool:
         got = self._hybrid.get(model)

@@ -10,10 +10,12 @@ as SGLang ships it.
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 from google.protobuf import descriptor_pb2
-from grpc_tools import protoc  # type: ignore[import-untyped]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
@@ -29,9 +31,15 @@ def _descriptor_set(
     proto_root: Path, protos: list[Path], out: Path
 ) -> descriptor_pb2.FileDescriptorSet:
     """Compile ``protos`` (below ``proto_root``) into one FileDescriptorSet with source info."""
-    include = Path(protoc.__file__).resolve().parent / "_proto"
+    # protoc runs in a child process: grpc_tools loaded into the test process
+    # makes a later import of NIXL abort it (two copies of protobuf's C++).
+    spec = importlib.util.find_spec("grpc_tools")
+    assert spec is not None and spec.submodule_search_locations
+    include = Path(next(iter(spec.submodule_search_locations))) / "_proto"
     args = [
-        "protoc",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
         "--include_source_info",
         "--include_imports",
         f"--descriptor_set_out={out}",
@@ -39,7 +47,8 @@ def _descriptor_set(
         f"-I{include}",
         *[str(p.relative_to(proto_root)) for p in protos],
     ]
-    assert protoc.main(args) == 0, f"protoc failed on {protos}"
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"protoc failed on {protos}: {done.stderr}"
     return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
 
 

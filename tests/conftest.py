@@ -71,3 +71,19 @@ def make_index(backend: str, clock: FakeClock, request: pytest.FixtureRequest) -
         return RedisIndex(cluster.url, prefix=f"t{uuid.uuid4().hex[:8]}", clock=clock, cluster=True)
     server = request.getfixturevalue("redis_server")
     return RedisIndex(server.url, prefix=f"t{uuid.uuid4().hex[:8]}", clock=clock)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """No test may load protoc's compiler into the test process: it carries its own
+    copy of protobuf's C++, and NIXL imported after it aborts the whole run
+    (``munmap_chunk(): invalid pointer``). Run ``python -m grpc_tools.protoc`` in
+    a child process instead."""
+    import sys
+
+    if "grpc_tools._protoc_compiler" in sys.modules:
+        pytest.fail(
+            f"{item.nodeid} loaded grpc_tools' protoc into the test process; run it in a "
+            "child process (python -m grpc_tools.protoc)",
+            pytrace=False,
+        )

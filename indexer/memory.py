@@ -111,6 +111,8 @@ _U64 = (1 << 64) - 1
 #: Dicts per namespace table (a power of two): see "Shards" above.
 SHARDS = 64
 _SHARD = SHARDS - 1
+#: Deeper hits one instance keeps made (_Instance.hits).
+HIT_CACHE_SIZE = 64
 #: Blocks a capped dump resolves between two turns of the loop.
 DUMP_SLICE_BLOCKS = 4096
 
@@ -185,6 +187,11 @@ class _Instance:
     #: that it goes with it (remove, reap) and is bounded by 7 per instance;
     #: replaced by a fresh list whenever the address or the stale flag changes.
     depth1: list[InstanceMatch | None] = field(default_factory=_no_depth1)
+    #: The InstanceMatch of a deeper hit by its (gpu, cpu, disk) blocks: the
+    #: holders of a shared prefix answer the same hits Match after Match, and
+    #: building 64 of them was a third of a 32-block Match. Bounded by
+    #: HIT_CACHE_SIZE; replaced whenever depth1 is (address, stale flag).
+    hits: dict[tuple[int, int, int], InstanceMatch] = field(default_factory=dict)
     #: Batches that count copies (EventBatch.counts_copies): engine hash << 2 |
     #: tier index -> copies beyond the first, for (block, tier)s held twice or more.
     copies: dict[int, int] = field(default_factory=dict)
@@ -360,7 +367,7 @@ class MemoryIndex(Index):
                 inst.applied_sequence = None
                 reset = True
             if reset or inst.spec.address != spec.address:
-                inst.depth1 = _no_depth1()
+                inst.depth1, inst.hits = _no_depth1(), {}
             inst.spec = spec
             inst.lease_expires_at = now + spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)
@@ -532,7 +539,7 @@ class MemoryIndex(Index):
         stale = (inst.stale or gap) and not cleared
         if stale != inst.stale:
             inst.stale = stale
-            inst.depth1 = _no_depth1()
+            inst.depth1, inst.hits = _no_depth1(), {}
             if stale:
                 self._visible_until = -math.inf
             else:
@@ -938,7 +945,7 @@ class MemoryIndex(Index):
         inst.applied_sequence = state.applied_sequence
         if state.stale != inst.stale:
             inst.stale = state.stale
-            inst.depth1 = _no_depth1()
+            inst.depth1, inst.hits = _no_depth1(), {}
             self._visible_until = -math.inf
             self._dirty = True
 
@@ -1182,11 +1189,18 @@ class MemoryIndex(Index):
                 counts[0] += common
         done.extend(active.items())
         out = []
-        for n, (g, c, d) in done:
+        for n, counts in done:
             inst = by_no[n]
-            out.append(
-                InstanceMatch(inst.spec.instance, inst.spec.address, g + c + d, g, c, d, inst.stale)
-            )
+            tiers = (counts[0], counts[1], counts[2])
+            hit = inst.hits.get(tiers)
+            if hit is None:
+                if len(inst.hits) >= HIT_CACHE_SIZE:
+                    inst.hits.clear()
+                g, c, d = tiers
+                hit = inst.hits[tiers] = InstanceMatch(
+                    inst.spec.instance, inst.spec.address, g + c + d, g, c, d, inst.stale
+                )
+            out.append(hit)
         out.sort(key=_match_order)
         for n in shallow_order:
             mask = cand[n]

@@ -24,6 +24,7 @@ from indexer.memory import MemoryIndex
 from indexer.model import BlockStored, EventBatch, InstanceId, Tier
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.blockkeys import block_keys
+from router_client.config import IndexerClientSettings
 from router_client.follower import IndexFollower
 from router_client.indexer_client import IndexerClient, MatchOutcome, instance_name
 from tests.grpc.conftest import (
@@ -276,24 +277,40 @@ async def test_a_follower_behind_its_buffer_resyncs_and_answers_the_same() -> No
 async def test_an_indexer_client_with_a_follower_answers_in_process() -> None:
     h = await open_harness(make_config(), MemoryIndex())
     w = _World(random.Random(9))
-    f = IndexFollower(h.server.address, models=["m"])
-    client = IndexerClient(h.server.address, model="m", follower=f)
+    f = IndexFollower(h.server.address, models=list(MODELS))
+    client: IndexerClient | None = None
     try:
         for _ in range(60):
             await _step(h, w)
         await f.start()
         assert await f.wait_synced(10)
         await _caught_up(h, f)
-        keys = block_keys(w.prompts[0], BLOCK, "m")
+        # A prompt some instance holds, so that both answers name it.
+        found = None
+        for model in MODELS:
+            for p in w.prompts:
+                keys = block_keys(p, BLOCK, model)
+                resp = await h.stub.Match(pb.MatchRequest(model=model, block_keys=keys))
+                if resp.matches:
+                    found = model, keys
+                    break
+            if found:
+                break
+        assert found, "no prompt of the workload is held"
+        model, keys = found
+        # A deadline a loaded test machine meets: the remote Match below is compared.
+        settings = IndexerClientSettings(deadline_ms=5000)
+        client = IndexerClient(h.server.address, model=model, follower=f, settings=settings)
         local = await client.match(keys)
-        assert client.follower_matches == 1 and local.ok
-        # Not followed: model m2 goes to the indexer (a client for it).
-        assert f.match("m2", "", keys) is None
+        assert client.follower_matches == 1 and local.ok and local.matches
+        # Not followed: another model goes to the indexer.
+        assert f.match("not-followed", "", keys) is None
         await f.close()
         remote = await client.match(keys)  # the follower stopped: the indexer answers
         assert client.follower_matches == 1 and remote == local
     finally:
-        await client.close()
+        if client is not None:
+            await client.close()
         await f.close()
         await close_harness(h)
 

@@ -115,6 +115,24 @@ def state_to_pb(state: InstanceState) -> pb.InstanceInfo:
     )
 
 
+def state_from_pb(info: pb.InstanceInfo) -> InstanceState:
+    """InstanceInfo -> InstanceState."""
+    return InstanceState(
+        spec=InstanceSpec(
+            instance=InstanceId(info.instance.worker_id, info.instance.dp_rank),
+            model=info.model,
+            address=info.address,
+            lease_ttl_s=info.lease_ttl_seconds,
+            incarnation=info.incarnation,
+        ),
+        lease_expires_at=info.lease_expires_at,
+        live=info.live,
+        stale=info.stale,
+        applied_sequence=info.applied_sequence if info.has_applied_sequence else None,
+        blocks=info.blocks,
+    )
+
+
 def event_from_pb(ev: pb.Event, path: str) -> Event:
     """Event -> BlockStored | BlockRemoved | AllBlocksCleared."""
     kind = ev.WhichOneof("kind")

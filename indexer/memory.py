@@ -375,7 +375,7 @@ class MemoryIndex(Index):
         if reset:
             self._dirty = True
         state = self._state(inst, now)
-        if self.watch is not None:
+        if self.watch is not None and self.watch.active:
             if old_model is not None and old_model != spec.model:
                 # Its followers of the old model see it leave (those of the new
                 # one see it registered, reset).
@@ -389,7 +389,7 @@ class MemoryIndex(Index):
         now = self._clock()
         inst.lease_expires_at = now + inst.spec.lease_ttl_s
         self._renewed(inst.lease_expires_at)
-        if self.watch is not None:
+        if self.watch is not None and self.watch.active:
             self.watch.publish("renewed", Namespace(inst.spec.model), instance, 0, now)
         return self._state(inst, now)
 
@@ -402,7 +402,7 @@ class MemoryIndex(Index):
         del self._by_no[inst.no]
         self._dirty = True
         self._gen += 1
-        if self.watch is not None:
+        if self.watch is not None and self.watch.active:
             self.watch.publish(
                 "gone", Namespace(inst.spec.model), instance, 0, ("removed", self._clock())
             )
@@ -432,7 +432,7 @@ class MemoryIndex(Index):
             self._clear(inst)
             self._quota_leave(inst)
             gone.append(inst.spec.instance)
-            if self.watch is not None:
+            if self.watch is not None and self.watch.active:
                 self.watch.publish(
                     "gone", Namespace(inst.spec.model), inst.spec.instance, 0, ("expired", now)
                 )
@@ -504,7 +504,7 @@ class MemoryIndex(Index):
                 cleared |= self._apply_event(inst, ev, batch.counts_copies, counts)
             result = self._applied(inst, seq, gap, cleared, counts)
             self._recount(inst)
-            if self.watch is not None:
+            if self.watch is not None and self.watch.active:
                 self._watch_batch(inst, batch, now)
         return replace(result, blocks_over_quota=over) if over else result
 
@@ -602,7 +602,7 @@ class MemoryIndex(Index):
                         counts[2] += len(ev.block_hashes) - done
                         break
         result = self._applied(inst, batch.sequence, gap, cleared, counts)
-        if self.watch is not None:
+        if self.watch is not None and self.watch.active:
             self._watch_batch(inst, batch, self._clock())
         return result
 

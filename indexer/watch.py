@@ -13,8 +13,10 @@ same step of the event loop (no await between the two) sees every change up
 to that position in the snapshot and every later one in the buffer, none
 twice and none missed.
 
-Cost when nobody watches: :meth:`WatchHub.publish` is one attribute test and
-one increment. No grpc here: indexer/server.py streams what a watcher reads.
+Cost when nobody watches: none on a backend's write path, which asks
+:attr:`WatchHub.active` before it builds a change; :meth:`WatchHub.publish`
+itself is then one increment and one test. No grpc here: indexer/server.py
+streams what a watcher reads.
 """
 
 from __future__ import annotations
@@ -173,6 +175,12 @@ class WatchHub:
         """Forget ``watcher`` (idempotent)."""
         if watcher in self._watchers:
             self._watchers.remove(watcher)
+
+    @property
+    def active(self) -> bool:
+        """Whether anyone watches: a backend builds no change for nobody (positions
+        only order what watchers read, so none is needed then)."""
+        return bool(self._watchers)
 
     @property
     def watchers(self) -> int:

@@ -46,12 +46,14 @@ engine program speaking the same protocol, its interpreter and its scenarios
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -62,9 +64,12 @@ from typing import Any
 
 import grpc
 
+from indexer import convert
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from kvmesh.blockkeys import block_keys
 from lab.children import ChildProcess, python_module, stop_all
+from router_client.follower import IndexFollower
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -550,11 +555,6 @@ class FollowerStub:
     """
 
     def __init__(self, target: str, remote: Any, block_size: int) -> None:
-        import asyncio
-        import threading
-
-        from router_client.follower import IndexFollower
-
         self._remote = remote
         self._block = block_size
         self.declined = 0
@@ -572,19 +572,13 @@ class FollowerStub:
             raise RuntimeError("the follower did not sync with the memory indexer in 60 s")
 
     def _call(self, coro: Any) -> Any:
-        import asyncio
-
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(60)
 
     def ListInstances(self, req: pb.ListInstancesRequest, timeout: float = 0) -> Any:
-        from indexer import convert
-
         states = self._call(self.follower.index.list_instances(req.model))
         return pb.ListInstancesResponse(instances=[convert.state_to_pb(s) for s in states])
 
     def Match(self, req: pb.MatchRequest, timeout: float = 0) -> pb.MatchResponse:
-        from kvmesh.blockkeys import block_keys
-
         if req.block_keys:
             keys = list(req.block_keys)
         else:

@@ -42,14 +42,12 @@ from collections.abc import Callable, Sequence
 import grpc
 import grpc.aio
 
-from indexer.convert import batch_from_pb
+from indexer.convert import batch_from_pb, state_from_pb
 from indexer.memory import MemoryIndex
 from indexer.model import (
     HYBRID_LORA,
     HYBRID_MARKER,
     InstanceId,
-    InstanceSpec,
-    InstanceState,
     Namespace,
 )
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
@@ -67,24 +65,6 @@ LAG_WINDOW = 4096
 #: Reconnect backoff: first and longest pause, seconds.
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
-
-
-def state_from_pb(info: pb.InstanceInfo) -> InstanceState:
-    """InstanceInfo -> InstanceState."""
-    return InstanceState(
-        spec=InstanceSpec(
-            instance=InstanceId(info.instance.worker_id, info.instance.dp_rank),
-            model=info.model,
-            address=info.address,
-            lease_ttl_s=info.lease_ttl_seconds,
-            incarnation=info.incarnation,
-        ),
-        lease_expires_at=info.lease_expires_at,
-        live=info.live,
-        stale=info.stale,
-        applied_sequence=info.applied_sequence if info.has_applied_sequence else None,
-        blocks=info.blocks,
-    )
 
 
 class IndexFollower:

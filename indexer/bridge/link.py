@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
+from indexer import convert
 from indexer.bridge import wire
 from indexer.bridge.config import IndexerLinkSettings
 from indexer.model import ApplyResult, EventBatch, InstanceId, InstanceSpec, InstanceState
@@ -241,7 +242,7 @@ class IndexerLink:
                 wait_for_ready=False,
             ),
         )
-        return [wire.state_from_pb(info) for info in resp.instances]
+        return [convert.state_from_pb(info) for info in resp.instances]
 
     async def register(self, spec: InstanceSpec) -> tuple[InstanceState, bool]:
         """``RegisterInstance``; remembers the incarnation as the fence of later batches."""
@@ -254,7 +255,7 @@ class IndexerLink:
             ),
         )
         self._incarnations[spec.instance] = spec.incarnation
-        return wire.state_from_pb(resp.info), resp.reset
+        return convert.state_from_pb(resp.info), resp.reset
 
     async def heartbeat(self, instance: InstanceId) -> object:
         """``Heartbeat`` (NotFound when the index no longer holds the instance)."""

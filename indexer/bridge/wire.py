@@ -35,7 +35,6 @@ from indexer.model import (
     EventBatch,
     InstanceId,
     InstanceSpec,
-    InstanceState,
 )
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.errors import (
@@ -192,24 +191,6 @@ def spec_to_pb(spec: InstanceSpec) -> pb.RegisterInstanceRequest:
         address=spec.address,
         lease_ttl_seconds=spec.lease_ttl_s,
         incarnation=spec.incarnation,
-    )
-
-
-def state_from_pb(info: pb.InstanceInfo) -> InstanceState:
-    """InstanceInfo -> InstanceState."""
-    return InstanceState(
-        spec=InstanceSpec(
-            instance=InstanceId(info.instance.worker_id, info.instance.dp_rank),
-            model=info.model,
-            address=info.address,
-            lease_ttl_s=info.lease_ttl_seconds,
-            incarnation=info.incarnation,
-        ),
-        lease_expires_at=info.lease_expires_at,
-        live=info.live,
-        stale=info.stale,
-        applied_sequence=info.applied_sequence if info.has_applied_sequence else None,
-        blocks=info.blocks,
     )
 
 

@@ -11,99 +11,30 @@ loose bound, the figures are for the performance notes.
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from lab.bench.xfer_procs import Sidecar
+from tests.integration.xfer_pair import SidecarPair, chunks, sidecar_pair, wait
 from xfer.client import XferClient
 from xfer.logic import MAX_BATCH_ENTRIES, ChunkRequest, RoomStatus
-from xfer.pool import KVPool, PoolGeometry
+from xfer.pool import PoolGeometry
 
 GEO = PoolGeometry(page_size=4096, page_count=1024, aux_size=64, aux_count=16)
-HEARTBEAT_S = 0.5
-
-
-class Pair:
-    """Two pools and the prefill/decode sidecar processes over them."""
-
-    def __init__(self, base: Path) -> None:
-        tag = f"kvx-batch-{os.getpid()}-{random.getrandbits(32):x}"
-        self.prefill = KVPool.create(str(base / f"{tag}-p"), GEO)
-        self.decode = KVPool.create(str(base / f"{tag}-d"), GEO)
-        self.prefill.view[:] = os.urandom(GEO.total_bytes)
-        args = ["--heartbeat-interval-s", str(HEARTBEAT_S), "--waiting-timeout-s", "60"]
-        self.ps = Sidecar("prefill", self.prefill.path, GEO, transport="tcp", extra=args)
-        self.ds = Sidecar("decode", self.decode.path, GEO, transport="tcp", extra=args)
-        self.ps.wait_ready()
-        self.ds.wait_ready()
-        self.pc = XferClient(self.ps.address)
-        self.dc = XferClient(self.ds.address)
-
-    def same(self, src: list[int], dst: list[int], aux_src: int, aux_dst: int) -> bool:
-        ok = all(
-            bytes(self.prefill.page(s)) == bytes(self.decode.page(d))
-            for s, d in zip(src, dst, strict=True)
-        )
-        return ok and bytes(self.prefill.aux(aux_src)) == bytes(self.decode.aux(aux_dst))
-
-    def register(self, room: int, dst: list[int], aux_dst: int) -> None:
-        """Register ``room`` on decode and wait until prefill knows its destination."""
-        self.dc.register_room(room, self.ps.address, dst, aux_index=aux_dst)
-        wait(self.dc, room, {RoomStatus.WAITING_FOR_INPUT})
-
-    def close(self) -> None:
-        self.pc.close()
-        self.dc.close()
-        self.ps.stop()
-        self.ds.stop()
-        for p in (self.prefill, self.decode):
-            p.close()
-            p.unlink()
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("pools")
-    p = Pair(base)
-    try:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarPair]:
+    with sidecar_pair(tmp_path_factory, GEO, tag="batch", waiting_timeout_s=60) as p:
         yield p
-    finally:
-        p.close()
 
 
-def wait(client: XferClient, room: int, want: set[RoomStatus], timeout: float = 10.0) -> None:
-    """Wait until ``room`` reaches a status in ``want`` (fails the test otherwise)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st, reason = client.poll(room)
-        if st in want:
-            return
-        if st == RoomStatus.FAILED:
-            pytest.fail(f"room {room} failed: {reason}")
-        time.sleep(0.005)
-    pytest.fail(f"room {room} stuck in {client.poll(room)}")
-
-
-def chunks(
-    room: int, src: list[int], per: int, aux_src: int, first_id: int = 0
-) -> list[ChunkRequest]:
-    """``src`` cut into chunks of ``per`` pages; the last carries ``aux_src``."""
-    n = len(src) // per
-    return [
-        (room, src[c * per : (c + 1) * per], (c * per, (c + 1) * per), c == n - 1, aux_src, c)
-        for c in range(first_id, n)
-    ]
-
-
-def test_a_batch_of_64_chunks_moves_every_byte(pair: Pair) -> None:
+def test_a_batch_of_64_chunks_moves_every_byte(pair: SidecarPair) -> None:
     rng = random.Random(5)
     # Two rooms of 32 chunks (2 pages each) in one call, interleaved; fragmented pages.
     dst = rng.sample(range(GEO.page_count), 128)
@@ -140,7 +71,7 @@ BAD_ENTRIES: dict[str, tuple[ChunkRequest, str]] = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ENTRIES))
-def test_one_bad_entry_refuses_the_whole_batch(pair: Pair, case: str) -> None:
+def test_one_bad_entry_refuses_the_whole_batch(pair: SidecarPair, case: str) -> None:
     room = 20 + sorted(BAD_ENTRIES).index(case)
     dst = list(range(600, 632))
     src = list(range(100, 132))
@@ -165,7 +96,7 @@ def test_one_bad_entry_refuses_the_whole_batch(pair: Pair, case: str) -> None:
     pair.pc.clear(room)
 
 
-def test_a_batch_over_the_cap_or_empty_is_refused(pair: Pair) -> None:
+def test_a_batch_over_the_cap_or_empty_is_refused(pair: SidecarPair) -> None:
     over = [
         (30, [i % GEO.page_count], (i, i + 1), False, 0, i) for i in range(MAX_BATCH_ENTRIES + 1)
     ]
@@ -179,7 +110,7 @@ def test_a_batch_over_the_cap_or_empty_is_refused(pair: Pair) -> None:
     pair.pc.clear(30)
 
 
-def test_coalescing_sends_fewer_calls_and_answers_every_caller(pair: Pair) -> None:
+def test_coalescing_sends_fewer_calls_and_answers_every_caller(pair: SidecarPair) -> None:
     rooms = [40, 41, 42, 43]
     dst = {r: list(range(700 + 16 * i, 716 + 16 * i)) for i, r in enumerate(rooms)}
     src = {r: list(range(200 + 16 * i, 216 + 16 * i)) for i, r in enumerate(rooms)}
@@ -235,7 +166,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def test_batched_call_latency_for_64_chunks(pair: Pair) -> None:
+def test_batched_call_latency_for_64_chunks(pair: SidecarPair) -> None:
     """p50/p99 of one 64-chunk AddTransferRequests call vs 64 pipelined single calls.
 
     One room of 256 destination pages takes every chunk (slices may repeat; chunk

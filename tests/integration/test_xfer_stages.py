@@ -11,98 +11,29 @@ phase, and the decode side, which writes nothing, observes no stage.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from lab.bench.xfer import StageHistogram, parse_stages
-from lab.bench.xfer_procs import Sidecar
-from lab.redisproc import free_port
-from xfer.client import XferClient
-from xfer.logic import STAGES, ChunkRequest, RoomStatus
-from xfer.pool import KVPool, PoolGeometry
+from tests.integration.xfer_pair import SidecarPair, chunks, sidecar_pair, wait
+from xfer.logic import STAGES, RoomStatus
+from xfer.pool import PoolGeometry
 
 GEO = PoolGeometry(page_size=4096, page_count=512, aux_size=64, aux_count=16)
 PAGES = 16  # pages per room
 PER = 4  # pages per chunk: 4 chunks a room
 
 
-class Pair:
-    """Two pools and the prefill/decode sidecar processes over them, metrics served."""
-
-    def __init__(self, base: Path) -> None:
-        tag = f"kvx-stages-{os.getpid()}-{random.getrandbits(32):x}"
-        self.prefill = KVPool.create(str(base / f"{tag}-p"), GEO)
-        self.decode = KVPool.create(str(base / f"{tag}-d"), GEO)
-        self.prefill.view[:] = os.urandom(GEO.total_bytes)
-        args = ["--heartbeat-interval-s", "0.5", "--waiting-timeout-s", "30"]
-        self.ps = Sidecar(
-            "prefill", self.prefill.path, GEO, transport="tcp", extra=args,
-            metrics_port=free_port(),
-        )  # fmt: skip
-        self.ds = Sidecar(
-            "decode", self.decode.path, GEO, transport="tcp", extra=args,
-            metrics_port=free_port(),
-        )  # fmt: skip
-        self.ps.wait_ready()
-        self.ds.wait_ready()
-        self.pc = XferClient(self.ps.address)
-        self.dc = XferClient(self.ds.address)
-
-    def same(self, src: list[int], dst: list[int], aux_src: int, aux_dst: int) -> bool:
-        ok = all(
-            bytes(self.prefill.page(s)) == bytes(self.decode.page(d))
-            for s, d in zip(src, dst, strict=True)
-        )
-        return ok and bytes(self.prefill.aux(aux_src)) == bytes(self.decode.aux(aux_dst))
-
-    def close(self) -> None:
-        self.pc.close()
-        self.dc.close()
-        self.ps.stop()
-        self.ds.stop()
-        for p in (self.prefill, self.decode):
-            p.close()
-            p.unlink()
-
-
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("pools")
-    p = Pair(base)
-    try:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarPair]:
+    with sidecar_pair(tmp_path_factory, GEO, tag="stages", waiting_timeout_s=30, metrics=True) as p:
         yield p
-    finally:
-        p.close()
 
 
-def wait(client: XferClient, room: int, want: RoomStatus, timeout: float = 10.0) -> None:
-    """Wait until ``room`` reaches ``want`` (fails the test otherwise)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st, reason = client.poll(room)
-        if st == want:
-            return
-        if st == RoomStatus.FAILED:
-            pytest.fail(f"room {room} failed: {reason}")
-        time.sleep(0.002)
-    pytest.fail(f"room {room} stuck in {client.poll(room)}")
-
-
-def chunks(room: int, src: list[int], aux_src: int) -> list[ChunkRequest]:
-    """``src`` cut into chunks of :data:`PER` pages; the last carries ``aux_src``."""
-    n = len(src) // PER
-    return [
-        (room, src[c * PER : (c + 1) * PER], (c * PER, (c + 1) * PER), c == n - 1, aux_src, c)
-        for c in range(n)
-    ]
-
-
-def test_every_chunk_and_room_passes_each_stage_once(pair: Pair) -> None:
+def test_every_chunk_and_room_passes_each_stage_once(pair: SidecarPair) -> None:
     before = parse_stages(pair.ps.metrics_text())
     rng = random.Random(11)
     rooms = {"single": [20, 21], "batched": [22, 23], "held": [24, 25]}
@@ -116,22 +47,22 @@ def test_every_chunk_and_room_passes_each_stage_once(pair: Pair) -> None:
     t0 = time.monotonic()
     for room in rooms["held"]:  # queued by the Bootstrap that follows, not by the call
         s, _, aux_src, _ = plan[room]
-        pair.pc.add_transfer_requests(chunks(room, s, aux_src))
+        pair.pc.add_transfer_requests(chunks(room, s, PER, aux_src))
     for room in all_rooms:
         _, d, _, aux_dst = plan[room]
         pair.dc.register_room(room, pair.ps.address, d, aux_index=aux_dst)
     for room in rooms["single"] + rooms["batched"]:
-        wait(pair.dc, room, RoomStatus.WAITING_FOR_INPUT)
+        wait(pair.dc, room, {RoomStatus.WAITING_FOR_INPUT})
     for room in rooms["single"]:
         s, _, aux_src, _ = plan[room]
-        for entry in chunks(room, s, aux_src):
+        for entry in chunks(room, s, PER, aux_src):
             pair.pc.add_transfer_request(*entry)
     pair.pc.add_transfer_requests(
-        [e for room in rooms["batched"] for e in chunks(room, plan[room][0], plan[room][2])]
+        [e for room in rooms["batched"] for e in chunks(room, plan[room][0], PER, plan[room][2])]
     )
     for room in all_rooms:
-        wait(pair.dc, room, RoomStatus.SUCCESS)
-        wait(pair.pc, room, RoomStatus.SUCCESS)
+        wait(pair.dc, room, {RoomStatus.SUCCESS})
+        wait(pair.pc, room, {RoomStatus.SUCCESS})
     wall = time.monotonic() - t0
     for room in all_rooms:
         s, d, aux_src, aux_dst = plan[room]
@@ -154,7 +85,7 @@ def test_every_chunk_and_room_passes_each_stage_once(pair: Pair) -> None:
         pair.pc.clear(room)
 
 
-def test_decode_side_observes_no_stage(pair: Pair) -> None:
+def test_decode_side_observes_no_stage(pair: SidecarPair) -> None:
     # Runs after the transfers above: the decode sidecar received every room.
     decode = parse_stages(pair.ds.metrics_text())
     assert decode == {s: StageHistogram(0.0, 0.0, decode[s].buckets) for s in STAGES}

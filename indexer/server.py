@@ -227,6 +227,9 @@ INDEXER_RULES: dict[str, MethodRule] = {
 #: Converted watch changes kept for the next follower that reads them (each
 #: change is converted once, however many followers read it).
 WATCH_PB_CACHE = 8192
+#: Bytes of snapshot entries one WatchIndexResponse carries before the next one
+#: starts (an entry larger than this goes alone).
+WATCH_SNAPSHOT_BYTES = 1 << 20
 #: Models one WatchIndex call may name at most.
 WATCH_MAX_MODELS = 1024
 
@@ -600,24 +603,32 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         wanted = frozenset(models)
         try:
             while True:
+                # Snapshot entries go several to a response (up to WATCH_SNAPSHOT_BYTES),
+                # the last ones with WatchSynced: a follower that hangs up after the
+                # snapshot finds no send of ours in flight.
                 sent = 0
+                batch: list[pb.WatchChange] = []
+                size = 0
                 async for pos, at, state, content in index.watch_snapshot(wanted):
                     snap = pb.WatchedInstance(
                         info=convert.state_to_pb(state), content=wire.batch_to_pb(content)
                     )
-                    yield pb.WatchIndexResponse(
-                        changes=[pb.WatchChange(position=pos, applied_at=at, snapshot=snap)]
-                    )
+                    entry = pb.WatchChange(position=pos, applied_at=at, snapshot=snap)
                     sent += 1
-                yield pb.WatchIndexResponse(
-                    changes=[
-                        pb.WatchChange(
-                            position=hub.position,
-                            applied_at=time.time(),
-                            synced=pb.WatchSynced(instances=sent),
-                        )
-                    ]
+                    n = entry.ByteSize()
+                    if batch and size + n > WATCH_SNAPSHOT_BYTES:
+                        yield pb.WatchIndexResponse(changes=batch)
+                        batch, size = [], 0
+                    batch.append(entry)
+                    size += n
+                batch.append(
+                    pb.WatchChange(
+                        position=hub.position,
+                        applied_at=time.time(),
+                        synced=pb.WatchSynced(instances=sent),
+                    )
                 )
+                yield pb.WatchIndexResponse(changes=batch)
                 while True:
                     got = await watcher.next()
                     if got is None:

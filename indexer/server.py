@@ -64,6 +64,7 @@ from indexer.instrumented import (
 from indexer.logic import IndexerLogic, _check_name
 from indexer.memory import MemoryIndex
 from indexer.model import Namespace
+from indexer.pacing import loop_pacer
 from indexer.rpc import IndexerCalls
 from indexer.sglang.compat import SglangCompat
 from indexer.sglang.server import SGLANG_SERVICE_NAME, SglangServicer, add_sglang_servicer
@@ -412,6 +413,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         """
         window = self.match_stream_window
         inline = self.match_stream_inline
+        pacer = loop_pacer()
         run = self._traced_stream_match if self.calls.tracing else self._stream_match
         ready: list[bytes] = []  # replies.entries not yet written
         tasks: set[asyncio.Task[None]] = set()
@@ -453,6 +455,13 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                         in_flight += len(chunk)
                         if inline:
                             for item in chunk:
+                                # Matches that do no I/O run one after the
+                                # other: between two, the loop gets its turn
+                                # when the budget every event work shares is
+                                # spent (indexer.pacing), else a message of 64
+                                # long Matches held health checks, other calls
+                                # and ingest for their whole run.
+                                await pacer.pace()
                                 put(await run(item, client))
                         else:
                             for item in chunk:

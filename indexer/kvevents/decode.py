@@ -63,7 +63,7 @@ the rest of its batch still applies.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,6 +307,67 @@ def decode_event(raw: Any, *, engine_hash_keys: bool = False) -> Event:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise MalformedEvent(f"unknown event type {tag!r}")
+
+
+#: A batch's top level and its events list, each item left encoded
+#: (``msgspec.Raw``, a view of the payload): :func:`decode_batch_paced`
+#: decodes the events one at a time.
+_split_top = msgspec.msgpack.Decoder(dict[str, msgspec.Raw] | list[msgspec.Raw]).decode
+_split_list = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
+
+
+def _split_batch(payload: bytes) -> tuple[float, int | None, list[msgspec.Raw]] | None:
+    """``(ts, rank, encoded events)`` of a well-formed batch with string keys;
+    None for anything else (:func:`decode_batch` then judges it)."""
+    try:
+        top = _split_top(payload)
+        if isinstance(top, dict):
+            ts_r, ev_r = top.get("ts"), top.get("events")
+            rank_r = top.get("data_parallel_rank", top.get("attn_dp_rank"))
+        elif len(top) >= 2:
+            ts_r, ev_r = top[0], top[1]
+            rank_r = top[2] if len(top) > 2 else None
+        else:
+            return None
+        if ts_r is None or ev_r is None:
+            return None
+        ts, events = _unpack(ts_r), _split_list(ev_r)
+        rank = _unpack(rank_r) if rank_r is not None else None
+    except Exception:  # not the shape this path reads: decode_batch says why
+        return None
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        return None
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        rank = None  # an unreadable rank is informational only
+    return float(ts), rank, events
+
+
+async def decode_batch_paced(
+    payload: bytes, pace: Callable[[], Awaitable[None]], *, engine_hash_keys: bool = False
+) -> DecodedBatch:
+    """:func:`decode_batch`, awaiting ``pace()`` between two events.
+
+    Decoding a whole batch is one step no caller can cut: at 16-token blocks
+    vLLM's batches reach 16 k blocks and 256 k token ids, 10 to 40 ms of
+    decoding. Here the batch's frame is split first (its events left encoded,
+    views of the payload), then each event is decoded on its own. The result,
+    and the error for a frame that is not a batch, are those of
+    :func:`decode_batch`.
+    """
+    parts = _split_batch(payload)
+    if parts is None:
+        return decode_batch(payload, engine_hash_keys=engine_hash_keys)
+    ts, rank, events = parts
+    out: list[Event] = []
+    bad = 0
+    for i, raw in enumerate(events):
+        if i:
+            await pace()
+        try:
+            out.append(decode_event(_unpack(raw), engine_hash_keys=engine_hash_keys))
+        except MalformedEvent:
+            bad += 1
+    return DecodedBatch(ts, tuple(out), rank, bad)
 
 
 def decode_batch(payload: bytes, *, engine_hash_keys: bool = False) -> DecodedBatch:

@@ -104,7 +104,7 @@ from zmq.utils.monitor import parse_monitor_message
 from indexer.config import EngineEventSettings, ZmqEndpointSettings
 from indexer.instrumented import backend_of
 from indexer.kvevents.buffer import BufferLimits, FrameBuffer
-from indexer.kvevents.decode import MalformedFrame, decode_batch, decode_seq
+from indexer.kvevents.decode import MalformedFrame, decode_batch, decode_batch_paced, decode_seq
 from indexer.kvevents.sink import EventSink
 from indexer.logic import IndexerLogic
 from indexer.memory import MemoryIndex
@@ -727,12 +727,19 @@ class EndpointSubscriber:
             await self._decode_and_publish(seq, payload)
             return
         async with turns:
+            # The turn may have come after others spent the loop's budget.
+            await self.pacer.pace()
             await self._decode_and_publish(seq, payload)
 
     async def _decode_and_publish(self, seq: int, payload: bytes) -> None:
         self.next_seq = seq + 1
         try:
-            decoded = decode_batch(payload, engine_hash_keys=self._engine_hash_keys)
+            if self._cpu_bound:
+                decoded = await decode_batch_paced(
+                    payload, self.pacer.pace, engine_hash_keys=self._engine_hash_keys
+                )
+            else:
+                decoded = decode_batch(payload, engine_hash_keys=self._engine_hash_keys)
         except MalformedFrame as e:
             self.counters.frames_malformed += 1
             log.warning("%s: batch %d: %s; skipped", self.instance, seq, e)

@@ -13,6 +13,7 @@ without MatchStream or whose stream fails.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -721,3 +722,58 @@ async def test_router_client_does_not_send_a_match_whose_deadline_passed_in_its_
     assert seen + client.unsent_expired == n
     assert seen < n
     await client.close()
+
+
+class BusyIndex(MemoryIndex):
+    """A memory index whose Match also computes for :data:`BUSY_S` first (a
+    long prompt's Match), and logs the length of each Match's keys in order.
+    Its Match still awaits nothing: MatchStream runs its Matches inline."""
+
+    BUSY_S = 0.004
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[int] = []
+        self.started = asyncio.Event()
+
+    def match_sync(
+        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+    ) -> list[InstanceMatch]:
+        self.order.append(len(keys))
+        self.started.set()
+        end = time.perf_counter() + self.BUSY_S
+        while time.perf_counter() < end:
+            pass
+        return super().match_sync(namespace, keys, include_stale=include_stale)
+
+
+async def test_a_long_message_of_inline_matches_lets_other_calls_in() -> None:
+    """Between two inline Matches of one message the loop gets its turn: a unary
+    Match sent once the message's first Match ran is answered before its last.
+
+    The test's client shares the server's loop, so before the change it could
+    not even send until the whole message had run (the unary Match came last).
+    """
+    index = BusyIndex()
+    h = await open_harness(make_config(), index)
+    try:
+        await _seed(h.stub)
+        assert server_inline(h)
+        n = 40
+        call = _call(h)
+        index.order.clear()
+        await call.write(_msg(1, *([_keys(*KEYS)] * n)))
+        await index.started.wait()
+        await h.stub.Match(_keys(KEYS[0]), timeout=30)
+        replies, _ = await _read(call, n)
+        call.cancel()
+        assert all(r.code == 0 for r in replies.values())
+        assert sorted(index.order) == [1] + [len(KEYS)] * n
+        assert index.order.index(1) < n, index.order  # not after the whole message
+    finally:
+        await close_harness(h)
+
+
+def server_inline(h: Harness) -> bool:
+    """Whether the harness's servicer runs MatchStream's Matches inline."""
+    return bool(h.server.servicer.match_stream_inline)

@@ -68,7 +68,7 @@ from indexer.pacing import loop_pacer
 from indexer.rpc import IndexerCalls
 from indexer.sglang.compat import SglangCompat
 from indexer.sglang.server import SGLANG_SERVICE_NAME, SglangServicer, add_sglang_servicer
-from indexer.watch import Change, Resync, WatchHub
+from indexer.watch import Change, Resync, WatchHub, snapshot_parts
 from kvmesh import runtime
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
@@ -228,9 +228,23 @@ INDEXER_RULES: dict[str, MethodRule] = {
 #: Converted watch changes kept for the next follower that reads them (each
 #: change is converted once, however many followers read it).
 WATCH_PB_CACHE = 8192
-#: Bytes of snapshot entries one WatchIndexResponse carries before the next one
-#: starts (an entry larger than this goes alone).
+#: Bytes of entries one WatchIndexResponse carries before the next one starts
+#: (snapshot entries and changes alike; an entry larger than this goes alone),
+#: at most: half of limits.max_message_bytes when that is smaller.
 WATCH_SNAPSHOT_BYTES = 1 << 20
+#: Bytes an entry takes in its response besides its own: its tag and length.
+WATCH_ENTRY_FRAMING = 6
+
+
+def watch_part_bytes(response_bytes: int) -> int:
+    """Bytes of the stores of one part of an instance's snapshot (for a follower
+    that takes instances in parts, WatchIndexRequest.instance_parts) such that
+    a part fits in a response of ``response_bytes``: a sixteenth of it, at most
+    16 KiB, is left for the instance's registration and the framing (at 1 MiB,
+    parts of some 57,000 blocks)."""
+    return response_bytes - min(16 << 10, response_bytes // 16)
+
+
 #: Models one WatchIndex call may name at most.
 WATCH_MAX_MODELS = 1024
 
@@ -301,7 +315,13 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         self.watch_index: MemoryIndex | None = None
         #: Followers told to resync since the start.
         self.watch_resyncs = 0
-        self._watch_pb: dict[int, pb.WatchChange] = {}
+        self._watch_pb: dict[int, tuple[pb.WatchChange, int]] = {}
+        #: Bytes of entries one WatchIndexResponse carries (:data:`WATCH_SNAPSHOT_BYTES`).
+        self.watch_response_bytes = min(
+            WATCH_SNAPSHOT_BYTES, logic.config.limits.max_message_bytes // 2
+        )
+        #: Bytes of the stores of one part of a snapshot's instance (:func:`watch_part_bytes`).
+        self.watch_part_bytes = watch_part_bytes(self.watch_response_bytes)
         self._stream_seconds = metrics.rpc_seconds.labels(MATCH_STREAM_MATCH)
         self._stream_ok = metrics.rpcs.labels(MATCH_STREAM_MATCH, "OK")
 
@@ -610,26 +630,36 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         hub = index.watch
         watcher = hub.subscribe([Namespace(m) for m in models], request.max_buffer)
         wanted = frozenset(models)
+        in_parts = request.instance_parts
+        bound = self.watch_response_bytes
         try:
             while True:
-                # Snapshot entries go several to a response (up to WATCH_SNAPSHOT_BYTES),
+                # Snapshot entries go several to a response (up to watch_response_bytes),
                 # the last ones with WatchSynced: a follower that hangs up after the
-                # snapshot finds no send of ours in flight.
+                # snapshot finds no send of ours in flight. An instance goes in
+                # parts of watch_part_bytes when the follower takes them
+                # (a whole one past the message limit could never be sent).
                 sent = 0
                 batch: list[pb.WatchChange] = []
                 size = 0
                 async for pos, at, state, content in index.watch_snapshot(wanted):
-                    snap = pb.WatchedInstance(
-                        info=convert.state_to_pb(state), content=wire.batch_to_pb(content)
+                    info = convert.state_to_pb(state)
+                    parts = (
+                        snapshot_parts(content, self.watch_part_bytes) if in_parts else [content]
                     )
-                    entry = pb.WatchChange(position=pos, applied_at=at, snapshot=snap)
+                    last = len(parts) - 1
+                    for i, part in enumerate(parts):
+                        snap = pb.WatchedInstance(
+                            info=info, content=wire.batch_to_pb(part), part=i, more=i < last
+                        )
+                        entry = pb.WatchChange(position=pos, applied_at=at, snapshot=snap)
+                        n = entry.ByteSize() + WATCH_ENTRY_FRAMING
+                        if batch and size + n > bound:
+                            yield pb.WatchIndexResponse(changes=batch)
+                            batch, size = [], 0
+                        batch.append(entry)
+                        size += n
                     sent += 1
-                    n = entry.ByteSize()
-                    if batch and size + n > WATCH_SNAPSHOT_BYTES:
-                        yield pb.WatchIndexResponse(changes=batch)
-                        batch, size = [], 0
-                    batch.append(entry)
-                    size += n
                 batch.append(
                     pb.WatchChange(
                         position=hub.position,
@@ -655,16 +685,28 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                         )
                         watcher.restart(hub.position)
                         break
-                    yield pb.WatchIndexResponse(changes=[self._watch_change(c) for c in got])
+                    # Several changes to a response, up to watch_response_bytes: a
+                    # follower far behind is sent what it missed in messages it
+                    # (and grpc's limit) takes, not in one.
+                    batch, size = [], 0
+                    for c in got:
+                        entry, n = self._watch_change(c)
+                        if batch and size + n > bound:
+                            yield pb.WatchIndexResponse(changes=batch)
+                            batch, size = [], 0
+                        batch.append(entry)
+                        size += n
+                    yield pb.WatchIndexResponse(changes=batch)
         finally:
             hub.unsubscribe(watcher)
 
-    def _watch_change(self, c: Change) -> pb.WatchChange:
-        """``c`` as its message, converted once for every follower."""
+    def _watch_change(self, c: Change) -> tuple[pb.WatchChange, int]:
+        """``c`` as its message and the bytes it takes in a response, converted
+        once for every follower."""
         cache = self._watch_pb
-        out = cache.get(c.position)
-        if out is not None:
-            return out
+        got = cache.get(c.position)
+        if got is not None:
+            return got
         inst = convert.instance_to_pb(c.instance)
         if c.kind == "batch":
             batch, at = c.payload
@@ -687,8 +729,8 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
             )
         if len(cache) >= WATCH_PB_CACHE:
             del cache[next(iter(cache))]  # the oldest first
-        cache[c.position] = out
-        return out
+        got = cache[c.position] = (out, out.ByteSize() + WATCH_ENTRY_FRAMING)
+        return got
 
     async def Ping(
         self, request: pb.PingRequest, context: grpc.aio.ServicerContext[Any, Any]

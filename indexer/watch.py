@@ -13,6 +13,10 @@ same step of the event loop (no await between the two) sees every change up
 to that position in the snapshot and every later one in the buffer, none
 twice and none missed.
 
+A snapshot's instance may be too large for one message (a million blocks
+are some 17 MB): :func:`snapshot_parts` splits its content into parts of a
+bounded size, which a follower puts back together in order.
+
 Cost when nobody watches: none on a backend's write path, which asks
 :attr:`WatchHub.active` before it builds a change; :meth:`WatchHub.publish`
 itself is then one increment and one test. No grpc here: indexer/server.py
@@ -22,12 +26,13 @@ streams what a watcher reads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.model import InstanceId, Namespace
+from indexer.model import BlockRemoved, BlockStored, Event, EventBatch, InstanceId, Namespace
 from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 #: Watchers one replica serves at most by default: each holds a buffer of up to
@@ -204,3 +209,78 @@ class WatchHub:
                 if w.wants(namespace):
                     w._offer(change)
         return self.position
+
+
+#: Wire bytes of one block of a snapshot's store, at most: a 10-byte varint
+#: hash and its 8-byte key.
+BLOCK_WIRE_BYTES = 18
+#: Wire bytes of one event besides its blocks and LoRA name, at most: its
+#: framing, the tier, the lengths of its packed fields.
+EVENT_WIRE_BYTES = 32
+
+
+def event_wire_bytes(ev: Event) -> int:
+    """An upper bound of ``ev``'s size in an EventBatch message, for an event
+    of a snapshot (a store of precomputed keys without tokens or extras)."""
+    if isinstance(ev, BlockStored):
+        return (
+            EVENT_WIRE_BYTES + len(ev.lora_name.encode()) + BLOCK_WIRE_BYTES * len(ev.block_hashes)
+        )
+    if isinstance(ev, BlockRemoved):
+        return EVENT_WIRE_BYTES + 10 * len(ev.block_hashes)
+    return EVENT_WIRE_BYTES
+
+
+def snapshot_parts(content: EventBatch, max_bytes: int) -> list[EventBatch]:
+    """``content`` (one instance of a snapshot) as parts whose events take at
+    most ``max_bytes`` on the wire each (:func:`event_wire_bytes`), in order:
+    their events concatenated apply as ``content`` does.
+
+    A store longer than the room left in a part is cut into consecutive stores
+    (of precomputed keys, as a snapshot's are); a part holds at least one
+    block, whatever ``max_bytes``. Content within the bound is one part, itself.
+    """
+    if sum(event_wire_bytes(ev) for ev in content.events) <= max_bytes:
+        return [content]
+    parts: list[EventBatch] = []
+    events: list[Event] = []
+    room = max_bytes
+
+    def flush() -> None:
+        nonlocal events, room
+        parts.append(dataclasses.replace(content, events=tuple(events)))
+        events, room = [], max_bytes
+
+    for ev in content.events:
+        if not isinstance(ev, BlockStored) or not ev.block_hashes:
+            cost = event_wire_bytes(ev)
+            if events and cost > room:
+                flush()
+            events.append(ev)
+            room -= cost
+            continue
+        if ev.token_ids or ev.extras or ev.block_keys is None:
+            raise ValueError("a snapshot's stores carry their keys only (no tokens, no extras)")
+        head = EVENT_WIRE_BYTES + len(ev.lora_name.encode())
+        n = len(ev.block_hashes)
+        lo = 0
+        while lo < n:
+            fit = (room - head) // BLOCK_WIRE_BYTES
+            if fit < 1:
+                if events:
+                    flush()
+                    continue
+                fit = 1
+            hi = min(n, lo + fit)
+            events.append(
+                ev
+                if lo == 0 and hi == n
+                else dataclasses.replace(
+                    ev, block_hashes=ev.block_hashes[lo:hi], block_keys=ev.block_keys[lo:hi]
+                )
+            )
+            room -= head + BLOCK_WIRE_BYTES * (hi - lo)
+            lo = hi
+    if events:
+        flush()
+    return parts

@@ -23,6 +23,11 @@ handler is rewritten once, at registration, so that a call
    (:func:`error_trailers`); any other exception is INTERNAL with a log line,
    so no call ever ends UNKNOWN.
 
+A server stream's messages are written by the scope (``context.write``): a
+caller that hangs up while a send is in flight ends the stream (the handler
+closed at once, the call CANCELLED), where grpc, iterating the handler
+itself, could log the failed send at ERROR.
+
 The client key of the limits is the identity's name when the caller is
 authenticated, else its peer address (host only).
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import inspect
 import logging
 import math
@@ -657,20 +663,37 @@ def _wrap(
             result = inner(req, context)
             return await result if isinstance(result, Awaitable) else result
 
-    async def stream(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    async def stream(arg: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         # What a stream sends is sent under the policy as it is now: a caller
         # revoked (or narrowed out of the method) after it opened the stream is
         # ended PERMISSION_DENIED before its next message, checked at most
         # every STREAM_RECHECK_S (a follower's WatchIndex, an admin's dump).
+        #
+        # The handler's messages are written here (context.write), not by
+        # grpc: a send that fails because the caller hung up is the end of the
+        # stream (see _SEND_FAILED), not an error grpc logs.
         authz = guard.authorizer
         recheck = authz is not None and authz.enabled and not rule.open
         async with scoped(arg, context) as req:
             checked = time.monotonic()
-            async for item in inner(req, context):
-                if recheck and time.monotonic() - checked >= STREAM_RECHECK_S:
-                    checked = time.monotonic()
-                    guard.identify(method, rule, context)
-                yield item
+            items = inner(req, context)
+            hung_up = False
+            try:
+                async for item in items:
+                    if recheck and time.monotonic() - checked >= STREAM_RECHECK_S:
+                        checked = time.monotonic()
+                        guard.identify(method, rule, context)
+                    try:
+                        await context.write(item)
+                    except _SEND_FAILED:
+                        hung_up = True
+                        break
+            finally:
+                # Closed now, not when it is collected: what it holds (a
+                # follower's slot in its replica's hub) goes with the call.
+                await items.aclose()
+            if hung_up:
+                await _hung_up(context)
 
     factory = HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
     return factory(
@@ -678,6 +701,26 @@ def _wrap(
         request_deserializer=None,
         response_serializer=handler.response_serializer,
     )
+
+
+#: What :meth:`grpc.aio.ServicerContext.write` raises when grpc core could not
+#: send a message: the call already ended there (the caller hung up or reset
+#: the connection, its deadline passed, the server stops). grpc logs it at
+#: ERROR when it reaches grpc before grpc's own notice of the hang-up does;
+#: the stream wrapper of :func:`_wrap` ends the stream instead.
+_SEND_FAILED: type[Exception] = importlib.import_module("grpc._cython.cygrpc").ExecuteBatchError
+#: Longest a stream whose send failed waits for grpc's notice that the call
+#: ended (seconds; it comes within a step or two of the event loop): the
+#: notice cancels the call quietly, where returning first would have grpc
+#: send a status on a dead call and log that failure.
+STREAM_HANGUP_WAIT_S = 5.0
+
+
+async def _hung_up(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    """After a failed send: wait for grpc to cancel the call (it ends CANCELLED,
+    logged at DEBUG), at most :data:`STREAM_HANGUP_WAIT_S`."""
+    log.debug("a stream's send failed: the caller hung up")
+    await asyncio.sleep(STREAM_HANGUP_WAIT_S)
 
 
 #: grpc's handler constructor by (request streaming, response streaming).

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Never
 
 import grpc
 import grpc.aio
@@ -47,6 +49,8 @@ from indexer.memory import MemoryIndex
 from indexer.model import (
     HYBRID_LORA,
     HYBRID_MARKER,
+    Event,
+    EventBatch,
     InstanceId,
     Namespace,
 )
@@ -62,6 +66,11 @@ log = logging.getLogger(__name__)
 _CACHE_CAP = 65536
 #: Lags kept for :attr:`IndexFollower.lag_s`.
 LAG_WINDOW = 4096
+#: Options of the channel a follower opens: any message size, for the replica
+#: bounds what it sends (its limits.max_message_bytes, 16 MiB by default),
+#: where grpc's default of 4 MiB would end the stream at the first larger
+#: change (a batch of some 250,000 blocks). A channel passed in needs the same.
+RECEIVE_OPTIONS = (("grpc.max_receive_message_length", -1),)
 #: Reconnect backoff: first and longest pause, seconds.
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
@@ -71,8 +80,8 @@ class IndexFollower:
     """One replica's index for ``models`` (empty: every model), followed in process.
 
     Pass ``target`` (``host:port``, dialled with ``tls``) or a ready ``channel``
-    (closed by the caller). :meth:`start` it on the router's event loop;
-    :meth:`close` it there.
+    (closed by the caller; opened with :data:`RECEIVE_OPTIONS`). :meth:`start`
+    it on the router's event loop; :meth:`close` it there.
     """
 
     def __init__(
@@ -91,7 +100,9 @@ class IndexFollower:
         self._factory: ChannelFactory | None = None
         if channel is None:
             assert target is not None
-            self._factory = ChannelFactory(target, tls or ClientTLS(), what="router: follower")
+            self._factory = ChannelFactory(
+                target, tls or ClientTLS(), options=RECEIVE_OPTIONS, what="router: follower"
+            )
             channel = self._factory.channel()
         self._channel = channel
         self._stub = pb_grpc.IndexerServiceStub(channel)
@@ -102,6 +113,10 @@ class IndexFollower:
         #: The copy Matches are answered from (replaced at each snapshot).
         self.index = MemoryIndex(clock=clock)
         self._staging: MemoryIndex | None = None
+        #: The instance whose snapshot parts are arriving (more follow).
+        self._part: _Parts | None = None
+        #: Instances of the snapshot being loaded installed so far.
+        self._installed = 0
         #: Per instance of the last snapshot, the position it was read at.
         self._skip: dict[InstanceId, int] = {}
         self._skip_until = 0
@@ -116,6 +131,10 @@ class IndexFollower:
         #: Changes the copy could not apply as the replica had (an instance it
         #: does not hold): counted, then the follower resyncs.
         self.divergences = 0
+        #: Snapshots that arrived with a gap (an instance's part missing, out of
+        #: order or interrupted; fewer instances than WatchSynced counts):
+        #: counted, then the follower takes a new one.
+        self.gaps = 0
         self.local_matches = 0
         #: The last lags, seconds (arrival minus the replica's applied_at).
         self.lag_s: deque[float] = deque(maxlen=LAG_WINDOW)
@@ -209,7 +228,9 @@ class IndexFollower:
     async def _run(self) -> None:
         delay = BACKOFF_START_S
         while True:
-            req = pb.WatchIndexRequest(models=self.models, max_buffer=self._max_buffer)
+            req = pb.WatchIndexRequest(
+                models=self.models, max_buffer=self._max_buffer, instance_parts=True
+            )
             call = self._stub.WatchIndex(req)
             code: grpc.StatusCode | str | None = None
             try:
@@ -223,6 +244,8 @@ class IndexFollower:
                 code = e.code()
             except _Diverged:
                 code = "diverged"
+            except _Gap as e:
+                code = f"gap in the snapshot: {e}"
             except _Narrowed:
                 code = "narrowed"
                 delay = 0.0
@@ -230,6 +253,7 @@ class IndexFollower:
                 call.cancel()
             self._set_synced(False)
             self._staging = None
+            self._part = None
             self.reconnects += 1
             log.warning("follower: WatchIndex ended (%s); reconnecting in %.2fs", code, delay)
             await asyncio.sleep(delay)
@@ -263,14 +287,14 @@ class IndexFollower:
         kind = ch.WhichOneof("change")
         now = self._clock()
         if kind == "snapshot":
-            if self._staging is None:
-                self._staging = MemoryIndex(clock=self._clock)
-                self._skip = {}
-            state = state_from_pb(ch.snapshot.info)
-            await self._staging.load_instance(state, batch_from_pb(ch.snapshot.content))
-            self._skip[state.spec.instance] = ch.position
+            await self._on_snapshot(ch)
             return
+        if self._part is not None:
+            self._gap(f"{kind} before the last part of {self._part.instance}")
         if kind == "synced":
+            if ch.synced.instances != self._installed:
+                self._gap(f"{self._installed} instances, WatchSynced counts {ch.synced.instances}")
+            self._installed = 0
             self.index = (
                 self._staging if self._staging is not None else MemoryIndex(clock=self._clock)
             )
@@ -306,6 +330,48 @@ class IndexFollower:
         if ch.applied_at:
             self.lag_s.append(max(0.0, now - ch.applied_at))
 
+    async def _on_snapshot(self, ch: pb.WatchChange) -> None:
+        """One entry of a snapshot: an instance whole, or one of its parts (put
+        together here, and installed with the last)."""
+        snap = ch.snapshot
+        if self._staging is None:
+            self._staging = MemoryIndex(clock=self._clock)
+            self._skip = {}
+            self._installed = 0
+        state = state_from_pb(snap.info)
+        iid = state.spec.instance
+        content = batch_from_pb(snap.content)
+        got = self._part
+        if got is None:
+            if snap.part != 0:
+                self._gap(f"part {snap.part} of {iid} without its part 0")
+            if snap.more:
+                self._part = _Parts(iid, ch.position, content, list(content.events), 1)
+                return
+        else:
+            if iid != got.instance or snap.part != got.next or ch.position != got.position:
+                self._gap(
+                    f"part {snap.part} of {iid} at {ch.position} where part {got.next} "
+                    f"of {got.instance} at {got.position} was due"
+                )
+            got.events.extend(content.events)
+            got.next += 1
+            if snap.more:
+                return
+            content = dataclasses.replace(got.first, events=tuple(got.events))
+            self._part = None
+        await self._staging.load_instance(state, content)
+        self._skip[iid] = ch.position
+        self._installed += 1
+
+    def _gap(self, what: str) -> Never:
+        """The snapshot arrived broken: nothing of it is installed; a new one is taken."""
+        self.gaps += 1
+        self._part = None
+        self._staging = None
+        self._set_synced(False)
+        raise _Gap(what)
+
     @staticmethod
     def _instance_of(ch: pb.WatchChange, kind: str | None) -> InstanceId:
         if kind == "registered":
@@ -338,6 +404,21 @@ class IndexFollower:
             with contextlib.suppress(KvmeshError):
                 await idx.remove_instance(iid)
             self._hybrid = {}
+
+
+@dataclasses.dataclass(slots=True)
+class _Parts:
+    """An instance of a snapshot arriving in parts: what came so far."""
+
+    instance: InstanceId
+    position: int
+    first: EventBatch
+    events: list[Event]
+    next: int
+
+
+class _Gap(Exception):
+    """The snapshot arrived broken: the stream is dropped and opened again."""
 
 
 class _Narrowed(Exception):

@@ -9,23 +9,32 @@ snapshot holds a live index) and, in one run, told to resync. Once it has
 applied everything the replica did, each prompt's Match from the follower is
 compared with the replica's own Match. A follower broken on purpose (it
 drops removals) fails the comparison.
+
+Instances sent in parts (WatchedInstance.part, more): the replica's part size
+is lowered so that the workload's instances split; the follower answers the
+same, one that installs only an instance's first part does not, and a part
+lost or out of order is a gap: nothing of that snapshot is installed and the
+follower takes a new one. An instance larger than the replica's message limit
+reaches the follower in parts (and cannot whole), and a change larger than
+grpc's default 4 MiB reaches it on its stream.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import pytest
 
 from indexer.memory import MemoryIndex
-from indexer.model import BlockStored, EventBatch, InstanceId, Tier
+from indexer.model import BlockRemoved, BlockStored, EventBatch, InstanceId, Tier
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.blockkeys import block_keys
 from router_client.config import IndexerClientSettings
-from router_client.follower import IndexFollower
+from router_client.follower import IndexFollower, _Gap
 from router_client.indexer_client import IndexerClient, MatchOutcome, instance_name
 from tests.grpc.conftest import (
     BLOCK,
@@ -198,8 +207,12 @@ async def _compare(h: Harness, w: _World, f: IndexFollower) -> int:
     return wrong
 
 
-async def _run(seed: int, follower_cls: type[IndexFollower] = IndexFollower) -> int:
+async def _run(
+    seed: int, follower_cls: type[IndexFollower] = IndexFollower, part_bytes: int = 0
+) -> int:
     h = await open_harness(make_config(), MemoryIndex())
+    if part_bytes:
+        h.server.servicer.watch_part_bytes = part_bytes
     w = _World(random.Random(seed))
     f = follower_cls(h.server.address)
     try:
@@ -385,3 +398,313 @@ async def test_a_replica_stopping_ends_its_followers_at_once() -> None:
     finally:
         await f.close()
         await h.channel.close()
+
+
+# -- instances in parts ----------------------------------------------------------
+
+#: Bytes of a snapshot part's stores in these tests (a store of 6 blocks, 5 of
+#: a LoRA's): the workload's instances hold tens of blocks, so most go in
+#: several parts.
+PART_BYTES = 150
+
+
+async def _snapshot(h: Harness, parts: bool = True) -> list[pb.WatchChange]:
+    """The entries of one WatchIndex snapshot, WatchSynced last."""
+    call: Any = h.stub.WatchIndex(pb.WatchIndexRequest(instance_parts=parts), timeout=20)
+    out: list[pb.WatchChange] = []
+    try:
+        while not out or out[-1].WhichOneof("change") != "synced":
+            resp = await call.read()
+            assert resp.ByteSize() <= (1 << 20)
+            out += resp.changes
+    finally:
+        call.cancel()
+    return out
+
+
+async def test_a_replica_splits_instances_only_for_a_follower_that_takes_parts() -> None:
+    h = await open_harness(make_config(), MemoryIndex())
+    h.server.servicer.watch_part_bytes = PART_BYTES
+    w = _World(random.Random(1))
+    try:
+        for _ in range(150):
+            await _step(h, w)
+        whole = await _snapshot(h, parts=False)
+        split = await _snapshot(h, parts=True)
+        assert all(not c.snapshot.part and not c.snapshot.more for c in whole[:-1])
+        instances = whole[-1].synced.instances
+        assert instances == split[-1].synced.instances == len(whole) - 1 >= 2
+        assert len(split) - 1 > instances  # some instance went in several parts
+        for c in split[:-1]:
+            bare = pb.EventBatch()
+            bare.CopyFrom(c.snapshot.content)
+            del bare.events[:]
+            assert c.snapshot.content.ByteSize() - bare.ByteSize() <= PART_BYTES
+        # Each instance's parts: numbered from 0, the last without more, its blocks
+        # those of the whole entry in order.
+        by_instance: dict[tuple[str, int], list[pb.WatchChange]] = {}
+        for c in split[:-1]:
+            ref = c.snapshot.info.instance
+            by_instance.setdefault((ref.worker_id, ref.dp_rank), []).append(c)
+        for c in whole[:-1]:
+            ref = c.snapshot.info.instance
+            got = by_instance[ref.worker_id, ref.dp_rank]
+            assert [p.snapshot.part for p in got] == list(range(len(got)))
+            assert [p.snapshot.more for p in got] == [True] * (len(got) - 1) + [False]
+            assert {p.position for p in got} == {c.position}
+            blocks = [
+                (e.stored.lora_name, e.stored.tier, h_, k)
+                for p in got
+                for e in p.snapshot.content.events
+                for h_, k in zip(e.stored.block_hashes, e.stored.block_keys, strict=True)
+            ]
+            assert blocks == [
+                (e.stored.lora_name, e.stored.tier, h_, k)
+                for e in c.snapshot.content.events
+                for h_, k in zip(e.stored.block_hashes, e.stored.block_keys, strict=True)
+            ]
+    finally:
+        await close_harness(h)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_a_follower_of_instances_in_parts_answers_what_the_replica_answers(
+    seed: int,
+) -> None:
+    assert await _run(seed, part_bytes=PART_BYTES) == 0
+
+
+class _FirstPartOnly(IndexFollower):
+    """Broken on purpose: installs only the first part of each instance."""
+
+    async def _on(self, ch: pb.WatchChange) -> None:
+        if ch.WhichOneof("change") == "snapshot":
+            if ch.snapshot.part:
+                return
+            ch.snapshot.more = False
+        await super()._on(ch)
+
+
+async def test_a_follower_that_installs_only_first_parts_fails_the_comparison() -> None:
+    assert await _run(1, _FirstPartOnly, part_bytes=PART_BYTES) > 0
+
+
+class _LosesAPart(IndexFollower):
+    """Its first snapshot arrives without one part (as a broken stream would give it)."""
+
+    lost = False
+
+    async def _on(self, ch: pb.WatchChange) -> None:
+        if not self.lost and ch.WhichOneof("change") == "snapshot" and ch.snapshot.part == 1:
+            self.lost = True
+            return
+        await super()._on(ch)
+
+
+async def test_a_part_lost_is_a_gap_and_the_next_snapshot_answers_the_same() -> None:
+    h = await open_harness(make_config(), MemoryIndex())
+    h.server.servicer.watch_part_bytes = PART_BYTES
+    w = _World(random.Random(3))
+    f = _LosesAPart(h.server.address)
+    try:
+        for _ in range(150):
+            await _step(h, w)
+        await f.start()
+        assert await f.wait_synced(10)
+        assert f.lost and f.gaps == 1 and f.reconnects >= 1
+        assert f.snapshots == 1  # the broken one was never installed
+        assert await _compare(h, w, f) == 0
+    finally:
+        await f.close()
+        await close_harness(h)
+
+
+def _fed(entries: Sequence[pb.WatchChange]) -> list[pb.WatchChange]:
+    return [pb.WatchChange.FromString(c.SerializeToString()) for c in entries]
+
+
+async def test_a_broken_sequence_of_parts_installs_nothing() -> None:
+    """Fed straight to a follower: the snapshot whole installs; every kind of
+    break (a part missing, two swapped, an instance's last part missing, the
+    end of the snapshot or a change before the last part, an instance missing)
+    is a gap."""
+    h = await open_harness(make_config(), MemoryIndex())
+    h.server.servicer.watch_part_bytes = PART_BYTES
+    w = _World(random.Random(2))
+    try:
+        for _ in range(150):
+            await _step(h, w)
+        snap = await _snapshot(h)
+    finally:
+        await close_harness(h)
+    body, synced = snap[:-1], snap[-1]
+    cont = next(i for i, c in enumerate(body) if c.snapshot.part == 1)  # a part 1
+    last = next(i for i in range(cont, len(body)) if not body[i].snapshot.more)
+    first = cont - 1
+    nxt = last + 1
+    assert nxt < len(body), "the split instance is not the last"
+    renewed = pb.WatchChange(position=synced.position, renewed=body[first].snapshot.info.instance)
+    one_whole = [i for i, c in enumerate(body) if not c.snapshot.part and not c.snapshot.more]
+    broken = {
+        "a part missing": body[:cont] + body[cont + 1 :],
+        "two parts swapped": [*body[:first], body[cont], body[first], *body[cont + 1 :]],
+        "the last part missing": body[:last] + body[last + 1 :],
+        "the end before the last part": body[:last],
+        "a change before the last part": [*body[:last], renewed, *body[last:]],
+        "an instance missing": body[:first] + body[nxt:],
+    }
+    if one_whole:
+        i = one_whole[0]
+        broken["an instance sent whole missing"] = body[:i] + body[i + 1 :]
+    f = IndexFollower("127.0.0.1:9")  # never started: fed by hand
+    try:
+        for what, entries in broken.items():
+            with pytest.raises(_Gap):
+                for ch in _fed([*entries, synced]):
+                    await f._on(ch)
+            assert not f.synced and f._staging is None, what
+        assert f.gaps == len(broken) and f.snapshots == 0
+        for ch in _fed(snap):
+            await f._on(ch)
+        assert f.synced and f.snapshots == 1 and f.gaps == len(broken)
+        assert f.index.pairs_by_model()
+    finally:
+        await f.close()
+
+
+async def test_an_instance_larger_than_a_message_reaches_the_follower_in_parts() -> None:
+    """The defect at a small scale: with a 256 KiB message limit, an instance of
+    20,000 blocks (some 350 kB) cannot be sent whole, as a million blocks cannot
+    at the default 16 MiB; in parts the follower takes it and answers the same."""
+    index = MemoryIndex()
+    h = await open_harness(make_config(limits={"max_message_bytes": 256 << 10}), index)
+    rng = random.Random(12)
+    iid = InstanceId("w0", 0)
+    big = 1 << 63
+    prompts: list[list[int]] = []
+    f = IndexFollower(h.server.address)
+    try:
+        await h.stub.RegisterInstance(
+            pb.RegisterInstanceRequest(
+                instance=pb.InstanceRef(worker_id="w0", dp_rank=0),
+                model="m",
+                address="http://w0-0",
+                lease_ttl_seconds=60,
+                incarnation="i",
+            )
+        )
+        for seq in range(320):  # 320 prompts of 64 blocks
+            tokens = [rng.randrange(1 << 20) for _ in range(64 * BLOCK)]
+            prompts.append(tokens)
+            ev = BlockStored(
+                # Engine hashes are 64-bit: 10 bytes each on the wire.
+                block_hashes=tuple(range(big + seq * 64, big + seq * 64 + 64)),
+                parent_block_hash=None,
+                token_ids=tuple(tokens),
+                block_size=BLOCK,
+                tier=rng.choice((Tier.GPU, Tier.CPU)),
+            )
+            await index.apply(EventBatch(iid, seq, (ev,)))
+        assert index.pairs_by_model() == {"m": 320 * 64}
+        # Whole, the instance is more than the server sends in one message.
+        call: Any = h.stub.WatchIndex(pb.WatchIndexRequest(), timeout=20)
+        err = await expect_status(call.read(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "larger than max" in (err.details() or "")
+        # grpc core ended that call: the replica's stream ends with it at once.
+        hub = index.watch
+        assert hub is not None
+        await eventually(lambda: hub.watchers == 0, within=2.0)
+        parts = await _snapshot(h)
+        assert len(parts) - 1 >= 3 and parts[-1].synced.instances == 1
+        assert all(c.ByteSize() < (128 << 10) for c in parts)
+        await f.start()
+        assert await f.wait_synced(10)
+        assert f.index.pairs_by_model() == index.pairs_by_model()
+        for tokens in rng.sample(prompts, 40):
+            cut = tokens[: BLOCK * rng.randrange(1, 65)]
+            keys = block_keys(cut, BLOCK, "m")
+            resp = await h.stub.Match(pb.MatchRequest(model="m", block_keys=keys))
+            assert resp.matches and _outcome(resp) == _local(f.match("m", "", keys))
+    finally:
+        await f.close()
+        await close_harness(h)
+
+
+async def test_a_change_larger_than_grpcs_default_message_reaches_the_follower() -> None:
+    """A batch of 300,000 blocks is some 5.4 MB as a change: over grpc's default
+    4 MiB a client receives, under the replica's 16 MiB. The follower takes it
+    on its stream, without a reconnect or a new snapshot."""
+    index = MemoryIndex()
+    h = await open_harness(make_config(), index)
+    f = IndexFollower(h.server.address)
+    rng = random.Random(13)
+    try:
+        await h.stub.RegisterInstance(
+            pb.RegisterInstanceRequest(
+                instance=pb.InstanceRef(worker_id="w0", dp_rank=0),
+                model="m",
+                address="http://w0-0",
+                lease_ttl_seconds=60,
+                incarnation="i",
+            )
+        )
+        await f.start()
+        assert await f.wait_synced(10)
+        n = 300_000
+        stored = BlockStored(
+            block_hashes=tuple((1 << 63) | rng.getrandbits(63) for _ in range(n)),
+            block_keys=tuple(rng.getrandbits(64) for _ in range(n)),
+        )
+        await index.apply(EventBatch(InstanceId("w0", 0), 0, (stored,)))
+        await eventually(lambda: f.changes_applied >= 1 or f.reconnects > 0, within=20.0)
+        assert f.reconnects == 0 and f.snapshots == 1
+        assert f.index.pairs_by_model() == index.pairs_by_model() == {"m": n}
+    finally:
+        await f.close()
+        await close_harness(h)
+
+
+async def test_changes_a_follower_fell_behind_by_come_in_bounded_responses() -> None:
+    """A follower that stops reading while the replica applies 48 batches of
+    16,384 blocks (some 22 MB of changes, under its buffer), then reads them
+    all, each response within 1 MiB. Sent as one response of everything it
+    missed, they were 16 MB in one message (a run of the previous servicer),
+    at grpc's 16 MiB limit, past which the stream ends."""
+    index = MemoryIndex()
+    h = await open_harness(make_config(), index)
+    hub = index.watch
+    assert hub is not None
+    rng = random.Random(14)
+    iid = InstanceId("w0", 0)
+    try:
+        await h.stub.RegisterInstance(
+            pb.RegisterInstanceRequest(
+                instance=pb.InstanceRef(worker_id="w0", dp_rank=0),
+                model="m",
+                address="http://w0-0",
+                lease_ttl_seconds=60,
+                incarnation="i",
+            )
+        )
+        call: Any = h.stub.WatchIndex(pb.WatchIndexRequest(instance_parts=True), timeout=30)
+        first = await call.read()
+        assert first.changes[-1].WhichOneof("change") == "synced"
+        n = 16_384
+        for seq in range(48):  # stored and removed again: the instance stays small
+            hashes = tuple((1 << 63) | rng.getrandbits(63) for _ in range(n))
+            stored = BlockStored(
+                block_hashes=hashes, block_keys=tuple(rng.getrandbits(64) for _ in range(n))
+            )
+            await index.apply(EventBatch(iid, seq, (stored, BlockRemoved(hashes))))
+        end = hub.position
+        got: list[int] = []
+        sizes: list[int] = []
+        while not got or got[-1] < end:
+            resp = await call.read()
+            sizes.append(resp.ByteSize())
+            got += [c.position for c in resp.changes]
+        call.cancel()
+        assert got == list(range(got[0], end + 1)) and len(got) == 48
+        assert max(sizes) <= 1 << 20 and sum(sizes) > 16 << 20
+    finally:
+        await close_harness(h)

@@ -454,20 +454,26 @@ class PingResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchIndexRequest(_message.Message):
-    __slots__ = ("models", "max_buffer")
+    __slots__ = ("models", "max_buffer", "instance_parts")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_PARTS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedScalarFieldContainer[str]
     max_buffer: int
-    def __init__(self, models: _Optional[_Iterable[str]] = ..., max_buffer: _Optional[int] = ...) -> None: ...
+    instance_parts: bool
+    def __init__(self, models: _Optional[_Iterable[str]] = ..., max_buffer: _Optional[int] = ..., instance_parts: _Optional[bool] = ...) -> None: ...
 
 class WatchedInstance(_message.Message):
-    __slots__ = ("info", "content")
+    __slots__ = ("info", "content", "part", "more")
     INFO_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     info: InstanceInfo
     content: EventBatch
-    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., content: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+    part: int
+    more: bool
+    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., content: _Optional[_Union[EventBatch, _Mapping]] = ..., part: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class WatchSynced(_message.Message):
     __slots__ = ("instances",)

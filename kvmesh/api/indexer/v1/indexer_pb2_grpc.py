@@ -187,7 +187,8 @@ class IndexerServiceServicer:
 
     def WatchIndex(self, request, context):
         """Follow the index of the models asked for (router or admin): a snapshot
-        (WatchedInstance per instance, then WatchSynced), then every change this
+        (WatchedInstance per instance, or several per instance in parts when the
+        follower asks for them, then WatchSynced), then every change this
         replica applies, in order. A follower that falls behind by more than its
         buffer is told WatchResync and sent a new snapshot, never dropped
         silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).

@@ -73,7 +73,8 @@ class IndexerServiceStub:
     """Does no work: the floor of a round trip to this server."""
     WatchIndex: _grpc.UnaryStreamMultiCallable[_indexer_pb2.WatchIndexRequest, _indexer_pb2.WatchIndexResponse]
     """Follow the index of the models asked for (router or admin): a snapshot
-    (WatchedInstance per instance, then WatchSynced), then every change this
+    (WatchedInstance per instance, or several per instance in parts when the
+    follower asks for them, then WatchSynced), then every change this
     replica applies, in order. A follower that falls behind by more than its
     buffer is told WatchResync and sent a new snapshot, never dropped
     silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
@@ -118,7 +119,8 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     """Does no work: the floor of a round trip to this server."""
     WatchIndex: _aio.UnaryStreamMultiCallable[_indexer_pb2.WatchIndexRequest, _indexer_pb2.WatchIndexResponse]  # type: ignore[assignment]
     """Follow the index of the models asked for (router or admin): a snapshot
-    (WatchedInstance per instance, then WatchSynced), then every change this
+    (WatchedInstance per instance, or several per instance in parts when the
+    follower asks for them, then WatchSynced), then every change this
     replica applies, in order. A follower that falls behind by more than its
     buffer is told WatchResync and sent a new snapshot, never dropped
     silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
@@ -232,7 +234,8 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_indexer_pb2.WatchIndexResponse], _abc.AsyncIterator[_indexer_pb2.WatchIndexResponse]]:
         """Follow the index of the models asked for (router or admin): a snapshot
-        (WatchedInstance per instance, then WatchSynced), then every change this
+        (WatchedInstance per instance, or several per instance in parts when the
+        follower asks for them, then WatchSynced), then every change this
         replica applies, in order. A follower that falls behind by more than its
         buffer is told WatchResync and sent a new snapshot, never dropped
         silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).

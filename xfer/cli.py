@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-interval-s", type=float, metavar="SECONDS", help="how often peers are pinged"
     )
+    p.add_argument(
+        "--prefetch-max-in-flight",
+        type=int,
+        help="prefetches open at once (pulling, or pulled and not claimed yet)",
+    )
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     add_server_tls_args(p)
     p.add_argument(
@@ -145,6 +150,7 @@ def overrides(ns: argparse.Namespace) -> dict[str, Any]:
             "create": ns.create_pool,
         },
         "health_port": ns.health_port,
+        "prefetch": {"max_in_flight": ns.prefetch_max_in_flight},
         "peers": {
             "allowed_identities": ns.peer_allow,
             "shared_secret_file": ns.peer_secret_file,

@@ -41,6 +41,7 @@ from kvmesh.errors import (
 )
 from kvmesh.tls import ChannelFactory, ClientTLS
 from xfer.logic import MAX_BATCH_ENTRIES, AlreadyExists, ChunkRequest, RoomStatus
+from xfer.prefetch import ClaimOutcome, PrefetchState
 
 #: gRPC status -> exception raised by the client.
 ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {
@@ -58,6 +59,10 @@ ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {
 #: Default deadline of a call: the sidecar answers from memory, so anything
 #: slower means it is stuck or gone.
 DEFAULT_TIMEOUT_S = 5.0
+
+#: Longest a ClaimPrefetch without ``timeout_ms`` may wait on the sidecar (the
+#: prefetch's deadline, at most the default ``prefetch.max_ttl_s``).
+_CLAIM_WAIT_S = 120.0
 
 
 #: How long a chunk handed to :meth:`XferClient.add_transfer_request_coalesced`
@@ -401,6 +406,89 @@ class XferClient:
             self._stub.Clear(pb.ClearRequest(room=room), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise _raise(e) from None
+
+    def prefetch(
+        self,
+        source_address: str,
+        src_page_indices: Sequence[int],
+        dst_page_indices: Sequence[int],
+        *,
+        prefetch_id: int = 0,
+        ttl_ms: int = 0,
+        deadline_ms: int = 0,
+    ) -> tuple[int, PrefetchState]:
+        """Decode (a router or the engine): start pulling ``src_page_indices`` of the
+        sidecar at ``source_address`` into ``dst_page_indices``; returns ``(prefetch id,
+        state)`` once the source accepted the read (the bytes land in the background)."""
+        req = pb.PrefetchRequest(
+            prefetch_id=prefetch_id,
+            source_address=source_address,
+            src_page_indices=src_page_indices,
+            dst_page_indices=dst_page_indices,
+            ttl_ms=ttl_ms,
+            deadline_ms=deadline_ms,
+        )
+        timeout = max(self.timeout_s, deadline_ms / 1000 + 1.0)
+        try:
+            resp = self._stub.Prefetch(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _raise(e) from None
+        return int(resp.prefetch_id), PrefetchState(resp.state)
+
+    def prefetch_nowait(
+        self,
+        source_address: str,
+        src_page_indices: Sequence[int],
+        dst_page_indices: Sequence[int],
+        *,
+        prefetch_id: int,
+        ttl_ms: int = 0,
+        deadline_ms: int = 0,
+    ) -> grpc.Future[Any]:
+        """:meth:`prefetch` without waiting for the answer (a router issuing it ahead of
+        dispatch); the future's ``result()`` raises ``grpc.RpcError`` on a refusal."""
+        req = pb.PrefetchRequest(
+            prefetch_id=prefetch_id,
+            source_address=source_address,
+            src_page_indices=src_page_indices,
+            dst_page_indices=dst_page_indices,
+            ttl_ms=ttl_ms,
+            deadline_ms=deadline_ms,
+        )
+        timeout = max(self.timeout_s, deadline_ms / 1000 + 1.0)
+        return self._stub.Prefetch.future(req, timeout=timeout)
+
+    def cancel_prefetch(self, prefetch_id: int) -> PrefetchState:
+        """Stop a prefetch and release its pages; returns its state before the cancel."""
+        req = pb.CancelPrefetchRequest(prefetch_id=prefetch_id)
+        try:
+            resp = self._stub.CancelPrefetch(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _raise(e) from None
+        return PrefetchState(resp.prior_state)
+
+    def claim_prefetch(
+        self, prefetch_id: int, *, timeout_ms: int = 0, fallback: bool = True
+    ) -> tuple[ClaimOutcome, PrefetchState, str, int]:
+        """Decode engine: the request arrived; take the prefetched pages. Returns
+        ``(outcome, state as the claim arrived, failure reason, bytes)``; with
+        ``fallback`` a prefetch that did not complete is pulled again."""
+        req = pb.ClaimPrefetchRequest(
+            prefetch_id=prefetch_id, timeout_ms=timeout_ms, fallback=fallback
+        )
+        # The sidecar bounds the claim by timeout_ms (or the prefetch's deadline, at
+        # most prefetch.max_ttl_s): the call's own deadline is a margin above that.
+        wait_s = timeout_ms / 1000 if timeout_ms else _CLAIM_WAIT_S
+        try:
+            resp = self._stub.ClaimPrefetch(req, timeout=max(self.timeout_s, wait_s + 1.0))
+        except grpc.RpcError as e:
+            raise _raise(e) from None
+        return (
+            ClaimOutcome(resp.outcome),
+            PrefetchState(resp.prior_state),
+            resp.failure_reason,
+            int(resp.bytes),
+        )
 
     def close(self) -> None:
         """Send the chunks still waiting to be coalesced, wait (up to ``timeout_s``)

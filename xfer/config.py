@@ -169,6 +169,33 @@ class XferLimits(StrictModel):
     )
 
 
+class PrefetchSettings(StrictModel):
+    """Prefetches of a decode sidecar: pulls of a prefix from the sidecar holding it,
+    started before the request that needs it arrives (docs in xfer/README.md)."""
+
+    max_in_flight: int = Field(
+        default=256,
+        ge=1,
+        description="Prefetches open at once (pulling, or pulled and not claimed yet); one "
+        "more is RESOURCE_EXHAUSTED.",
+    )
+    default_ttl_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long pulled pages wait for their claim when a Prefetch names no "
+        "ttl; then they are released (Expired).",
+    )
+    max_ttl_s: float = Field(
+        default=120.0, gt=0, description="Longest ttl a Prefetch may ask for (longer is cut)."
+    )
+    pull_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long a pull (asking the source, reading its pages) may take when a "
+        "Prefetch names no deadline; then the prefetch fails.",
+    )
+
+
 class XferConfig(StrictModel):
     """Configuration of one sidecar (``kvmesh xfer serve``)."""
 
@@ -245,6 +272,7 @@ class XferConfig(StrictModel):
     )
     peers: PeerSettings = Field(default_factory=PeerSettings)
     limits: XferLimits = Field(default_factory=XferLimits)
+    prefetch: PrefetchSettings = Field(default_factory=PrefetchSettings)
     health_port: int = Field(
         default=0,
         ge=0,
@@ -283,6 +311,9 @@ class XferConfig(StrictModel):
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be finite")
+        for name in ("default_ttl_s", "max_ttl_s", "pull_timeout_s"):
+            if not math.isfinite(getattr(self.prefetch, name)):
+                raise ValueError(f"prefetch.{name}: must be finite")
         if not math.isfinite(self.limits.tcp_handshake_timeout_s):
             raise ValueError("limits.tcp_handshake_timeout_s: must be finite")
         if not math.isfinite(self.limits.per_peer.bootstrap_rps):

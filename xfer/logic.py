@@ -229,6 +229,35 @@ class XferMetrics:
         )
         for s in RoomStatus:
             self.rooms.labels(s.name.lower()).set(0)
+        self.prefetches = Counter(
+            "kvmesh_xfer_prefetches",
+            "Decode: prefetches by event: issued (Prefetch accepted), claimed (ClaimPrefetch "
+            "answered), cancelled, expired (not claimed within the ttl), failed",
+            ["event"],
+            registry=r,
+        )
+        for event in ("issued", "claimed", "cancelled", "expired", "failed"):
+            self.prefetches.labels(event).inc(0)
+        self.prefetch_claims = Counter(
+            "kvmesh_xfer_prefetch_claims",
+            "Decode: ClaimPrefetch answers by outcome: ready (the bytes were there), waited "
+            "(for the pull in flight), fallback (pulled again at the claim), failed",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("ready", "waited", "fallback", "failed"):
+            self.prefetch_claims.labels(outcome).inc(0)
+        self.prefetches_open = Gauge(
+            "kvmesh_xfer_prefetches_open",
+            "Decode: prefetches pulling, or pulled and not claimed yet",
+            registry=r,
+        )
+        self.prefetch_pull_seconds = Histogram(
+            "kvmesh_xfer_prefetch_pull_seconds",
+            "Decode: a prefetch's pull, from Prefetch (or a claim's fallback) to Ready",
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30),
+            registry=r,
+        )
 
     def refuse(self, reason: str) -> None:
         """Count one refusal of ``reason`` (a key of :data:`PEER_REFUSAL_REASONS`)."""

@@ -49,7 +49,13 @@ from kvmesh.api.xfer.v1 import xfer_pb2 as pb
 from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.auth import Authorizer, peer_host
 from kvmesh.configfile import ConfigError
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import (
+    ERROR_FIELD_METADATA,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KvmeshError,
+)
 from kvmesh.grpcsvc import (
     CallerTraceContext,
     Guard,
@@ -68,6 +74,7 @@ from xfer.config import XferConfig
 from xfer.logic import Room, XferLogic, XferMetrics
 from xfer.peers import SECRET_METADATA, PeerAdmission
 from xfer.pool import KVPool, PoolGeometry
+from xfer.prefetch import ClaimOutcome, Prefetch, PrefetchState, PrefetchTable
 from xfer.transport import Transport, make_transport
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,11 @@ XFER_RULES: dict[str, MethodRule] = {
     "Bootstrap": MethodRule(("peer",)),
     "Abort": MethodRule(("peer",)),
     "Heartbeat": MethodRule(("peer",)),
+    # A router issues prefetches (it knows where a prefix is); the engine claims them.
+    "Prefetch": MethodRule(("engine", "router")),
+    "CancelPrefetch": MethodRule(("engine", "router")),
+    "ClaimPrefetch": MethodRule(("engine",)),
+    "OpenRead": MethodRule(("peer",)),
 }
 
 
@@ -239,6 +251,65 @@ class XferServicer(pb_grpc.XferServiceServicer):
         self.server.admit_peer(context)
         return pb.HeartbeatResponse(instance_id=self.server.instance_id)
 
+    @observed
+    async def Prefetch(
+        self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PrefetchResponse:
+        """Start pulling a prefix from the sidecar that holds it (decode)."""
+        pf = await self.server.prefetch(request)
+        return pb.PrefetchResponse(prefetch_id=pf.id, state=int(pf.state))  # type: ignore[arg-type]
+
+    @observed
+    async def CancelPrefetch(
+        self, request: pb.CancelPrefetchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CancelPrefetchResponse:
+        """Stop a prefetch and release its pages (decode)."""
+        self.logic._require("decode")
+        prior = self.server.prefetches.cancel(request.prefetch_id)
+        return pb.CancelPrefetchResponse(prior_state=int(prior))  # type: ignore[arg-type]
+
+    @observed
+    async def ClaimPrefetch(
+        self, request: pb.ClaimPrefetchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClaimPrefetchResponse:
+        """The request arrived: take the prefetched pages (decode)."""
+        outcome, prior, reason, nbytes = await self.server.claim(request)
+        return pb.ClaimPrefetchResponse(
+            outcome=int(outcome),  # type: ignore[arg-type]
+            prior_state=int(prior),  # type: ignore[arg-type]
+            failure_reason=reason,
+            bytes=nbytes,
+        )
+
+    @observed
+    async def OpenRead(
+        self, request: pb.OpenReadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.OpenReadResponse:
+        """A decode sidecar asks for what it needs to read pages of this pool (peer method,
+        admitted first; either role holds pages)."""
+        self.server.admit_peer(context)
+        tr = self.server.transport
+        if request.transport != tr.kind:
+            raise FailedPrecondition(
+                f"the reader uses transport {request.transport!r}, this sidecar {tr.kind!r}",
+                field="transport",
+            )
+        geo = self.server.pool.geometry
+        if request.page_size != geo.page_size:
+            raise InvalidArgument(
+                f"reader page size {request.page_size} != page size {geo.page_size}",
+                field="page_size",
+            )
+        if not request.src_page_indices:
+            raise InvalidArgument("no source pages", field="src_page_indices")
+        self.server.pool.check_pages(request.src_page_indices, "src_page_indices")
+        return pb.OpenReadResponse(
+            instance_id=self.server.instance_id,
+            agent_name=tr.name,
+            agent_metadata=tr.metadata(),
+            page_count=geo.page_count,
+        )
+
 
 @dataclasses.dataclass
 class _PeerChannel:
@@ -293,6 +364,8 @@ class XferServer:
         self.metrics = XferMetrics()
         register_tracing_metrics(self.metrics.registry)
         self.logic = XferLogic(config, self.pool, self.transport, self.metrics)
+        #: Decode: prefetches (xfer/prefetch.py).
+        self.prefetches = PrefetchTable(config.prefetch, self.pool, self.transport, self.metrics)
         #: Changes on every start, so peers notice a restart.
         self.instance_id = uuid.uuid4().hex
         self.authorizer = Authorizer(config.auth, what="xfer")
@@ -467,6 +540,143 @@ class XferServer:
                 metadata=self._peer_metadata(),
             )
 
+    # -- prefetches (decode) ---------------------------------------------------------------------
+
+    def _settled(self, pf: Prefetch) -> asyncio.Future[None]:
+        """A future done once ``pf`` is no longer Pulling."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        def wake_soon() -> None:
+            loop.call_soon_threadsafe(wake)
+
+        self.prefetches.watch(pf, wake_soon)
+        return fut
+
+    async def prefetch(self, request: pb.PrefetchRequest) -> Prefetch:
+        """Check a Prefetch, ask its source, post the read; returns the record."""
+        self.logic._require("decode")
+        if self.transport.kind != "nixl":
+            raise FailedPrecondition(
+                f"the {self.transport.kind} transport cannot read from a peer; prefetch needs "
+                "--transport nixl",
+                field="transport",
+            )
+        pf = self.prefetches.open(
+            request.prefetch_id,
+            request.source_address,
+            list(request.src_page_indices),
+            list(request.dst_page_indices),
+            request.ttl_ms,
+            request.deadline_ms,
+        )
+        await self._pull(pf, pf.attempt)
+        return pf
+
+    async def _pull(self, pf: Prefetch, attempt: int) -> None:
+        """Ask ``pf``'s source for its transport metadata and hand the read to the puller.
+
+        Returns early when the prefetch leaves Pulling meanwhile (a cancel). A source
+        that is unreachable or refuses fails the prefetch and raises:
+        INVALID_ARGUMENT naming the source's field (pages outside its pool, another
+        page size), FAILED_PRECONDITION (``source_address``: unreachable, not a
+        sidecar, another transport), DEADLINE_EXCEEDED past the pull's deadline."""
+        left = pf.pull_deadline - time.monotonic()
+        req = pb.OpenReadRequest(
+            prefetch_id=pf.id,
+            src_page_indices=pf.src_pages,
+            peer_name=self.transport.name,
+            page_size=self.pool.geometry.page_size,
+            transport=self.transport.kind,
+        )
+        try:
+            stub = self._stub(pf.source)
+        except ConfigError as e:
+            self.prefetches.fail(pf, f"peer channel: {e}", attempt)
+            raise FailedPrecondition(f"peer channel: {e}", field="source_address") from None
+        call: asyncio.Future[pb.OpenReadResponse] = asyncio.ensure_future(
+            stub.OpenRead(req, timeout=max(left, 0.001), metadata=self._peer_metadata())
+        )
+        settled = self._settled(pf)
+        waiting: list[asyncio.Future[Any]] = [call, settled]
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller hung up: no read is left behind
+            call.cancel()
+            self.prefetches.fail(pf, "the Prefetch call was cancelled", attempt)
+            raise
+        if not call.done():  # cancelled, or past its deadline, while the source was asked
+            call.cancel()
+            if pf.state == PrefetchState.CANCELLED:
+                return
+            raise DeadlineExceeded(
+                f"source {pf.source}: {pf.reason or 'no answer'}", field="deadline_ms"
+            )
+        settled.cancel()
+        try:
+            resp = call.result()
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details() or e.code().name
+            why = f"source {pf.source}: {code.name}: {details}"
+            self.prefetches.fail(pf, why, attempt)
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                field = ""
+                for k, v in e.trailing_metadata() or ():
+                    if k == ERROR_FIELD_METADATA:
+                        field = v if isinstance(v, str) else bytes(v).decode()
+                raise InvalidArgument(why, field=field or "src_page_indices") from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(why, field="deadline_ms") from None
+            raise FailedPrecondition(why, field="source_address") from None
+        try:
+            if not self.transport.has_peer(resp.agent_name):
+                self.transport.add_peer(resp.agent_name, resp.agent_metadata)
+            self.prefetches.start_read(pf, attempt, resp.agent_name, resp.page_count)
+        except KvmeshError as e:
+            self.prefetches.fail(pf, f"source {pf.source}: {e}", attempt)
+            raise
+
+    async def claim(
+        self, request: pb.ClaimPrefetchRequest
+    ) -> tuple[ClaimOutcome, PrefetchState, str, int]:
+        """Answer a claim: (outcome, state as the claim arrived, failure reason, bytes)."""
+        self.logic._require("decode")
+        table = self.prefetches
+        pf, prior = table.claim_begin(request.prefetch_id)
+        outcome = ClaimOutcome.FAILED
+        reason = ""
+        try:
+            timeout = request.timeout_ms / 1000 if request.timeout_ms else pf.deadline_s
+            end = time.monotonic() + timeout
+            if pf.state == PrefetchState.PULLING:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._settled(pf), max(0.0, end - time.monotonic()))
+            state = pf.state
+            if state == PrefetchState.READY:
+                waited = prior != PrefetchState.READY
+                outcome = ClaimOutcome.WAITED if waited else ClaimOutcome.READY
+                return outcome, prior, "", pf.bytes
+            reason = pf.reason or "the pull did not finish within the claim's timeout"
+            if not request.fallback or state == PrefetchState.PULLING:
+                return outcome, prior, reason, 0
+            try:
+                attempt = table.restart(pf, end)
+                await self._pull(pf, attempt)
+            except KvmeshError as e:
+                return outcome, prior, f"{reason}; fallback: {e}", 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled(pf), max(0.0, end - time.monotonic()))
+            if pf.state == PrefetchState.READY:
+                outcome = ClaimOutcome.FALLBACK
+                return outcome, prior, reason, pf.bytes
+            return outcome, prior, f"{reason}; fallback: {pf.reason or 'timed out'}", 0
+        finally:
+            table.claim_end(pf, outcome)
+
     # -- loops --------------------------------------------------------------------------------
 
     async def _sweep_loop(self) -> None:
@@ -476,6 +686,7 @@ class XferServer:
         while True:
             await asyncio.sleep(period)
             try:
+                self.prefetches.tick()
                 for r in self.logic.tick():
                     if self.logic.role == "decode":
                         self.spawn(self.send_abort(r, r.reason or "timed out"))
@@ -522,6 +733,8 @@ class XferServer:
         if self._health_port is not None:
             self.health_port = await self._health_port.start()
         self.logic.start()
+        if cfg.role == "decode":
+            self.prefetches.start()
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -560,6 +773,7 @@ class XferServer:
             t.cancel()
         for entry in self._channels.values():
             await entry.channel.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.prefetches.stop)
         await asyncio.get_running_loop().run_in_executor(None, self.logic.stop)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -140,6 +140,15 @@ class Transport(abc.ABC):
         peer is notified with ``tag`` once all of them landed. Returns a handle for
         :meth:`check`. Raises on a transfer that cannot start."""
 
+    def read(self, peer: str, runs: Sequence[tuple[int, int, int]]) -> Any:
+        """Start reading ``runs`` ``(local_offset, remote_offset, length)`` from ``peer``'s
+        pool into the local pool (a prefetch). Returns a handle for :meth:`check`.
+        Transports that cannot read from a peer raise FailedPrecondition."""
+        raise FailedPrecondition(
+            f"the {self.kind} transport cannot read from a peer; prefetch needs --transport nixl",
+            field="transport",
+        )
+
     @abc.abstractmethod
     def check(self, handle: Any) -> XferState:
         """State of a posted transfer."""
@@ -286,6 +295,15 @@ class NixlTransport(Transport):
 
     def post(self, peer: str, runs: Sequence[tuple[int, int, int]], tag: bytes) -> Any:
         """One NIXL WRITE of all runs (one descriptor per run) with ``tag`` as notification."""
+        return self._xfer("WRITE", peer, runs, tag)
+
+    def read(self, peer: str, runs: Sequence[tuple[int, int, int]]) -> Any:
+        """One NIXL READ of all runs (one descriptor per run) from the peer's registered
+        pool; no notification (the peer is not told)."""
+        return self._xfer("READ", peer, [(lo, ro, n) for lo, ro, n in runs], b"")
+
+    def _xfer(self, op: str, peer: str, runs: Sequence[tuple[int, int, int]], tag: bytes) -> Any:
+        """Post ``op`` of ``runs`` ``(local_offset, remote_offset, length)``."""
         import numpy as np
 
         entry = self._peers.get(peer)
@@ -303,11 +321,11 @@ class NixlTransport(Transport):
             remote[i] = (rbase + dst, n, 0)
         ldesc = self._agent.get_xfer_descs(local, "DRAM")
         rdesc = self._agent.get_xfer_descs(remote, "DRAM")
-        handle = self._agent.initialize_xfer("WRITE", ldesc, rdesc, agent, tag)
+        handle = self._agent.initialize_xfer(op, ldesc, rdesc, agent, tag)
         state = self._agent.transfer(handle)
         if state == "ERR":
             handle.release()
-            raise ConnectionError(f"NIXL refused the transfer to {peer}")
+            raise ConnectionError(f"NIXL refused the {op} with {peer}")
         return handle
 
     def check(self, handle: Any) -> XferState:

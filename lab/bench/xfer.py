@@ -43,6 +43,20 @@ last write seen done until Success on the prefill side). The timed batches'
 means are the figures ``xfer_stage_<stage>_mean_us``; the warm-up transfer is
 scraped apart and printed as rows of its own.
 
+**Prefetch** (NIXL only; ``--prefetch`` runs this part alone): the time from
+dispatch (the request arrives at decode) to KV-ready, for ``--prefetch-requests``
+requests each pulling a prefix of P fragmented pages from a sidecar that holds
+it, two ways in one run, requests interleaved: **on demand** (at dispatch the
+decode side issues the Prefetch and claims it at once: the pull is all on the
+critical path) and **prefetched** (the router's Prefetch was sent
+``--prefetch-lead-ms`` earlier, not waited for; at dispatch the engine claims,
+after the Prefetch's answer if it has not come yet). KV-ready
+is the ClaimPrefetch answer; every request's pages are compared with the
+source's. Figures ``prefetch_ondemand_ms_*``, ``prefetch_prefetched_ms_*``
+(mean, p50, p99), their ratios ``prefetch_speedup`` (means) and
+``prefetch_speedup_p50`` (medians: a shared host's stalls move means), and
+``prefetch_ready_share``: the prefetched claims that found the bytes there.
+
 ``--sweep`` repeats the async and serial runs over descriptor run sizes
 (64 KiB, 1 MiB, 16 MiB: pages of that size, runs of one page)
 and room counts (1, 4, 16, and 64 unless ``--quick``), each room carrying
@@ -508,6 +522,91 @@ def add_request_cost_us(p: BenchParams, n: int = 20000) -> list[float]:
         return out
 
 
+#: Requests and lead time of the prefetch part.
+PREFETCH_REQUESTS = 24
+PREFETCH_LEAD_MS = 50.0
+
+
+def _same_pages(pools: _Pools, src: Sequence[int], dst: Sequence[int]) -> bool:
+    pv = np.frombuffer(pools.prefill.view, dtype=np.uint8)
+    dv = np.frombuffer(pools.decode.view, dtype=np.uint8)
+    ps = pools.geometry.page_size
+    return all(
+        np.array_equal(pv[s * ps : (s + 1) * ps], dv[d * ps : (d + 1) * ps])
+        for s, d in zip(src, dst, strict=True)
+    )
+
+
+def run_prefetch(p: BenchParams, pools: _Pools, requests: int, lead_ms: float) -> dict[str, float]:
+    """Dispatch -> KV-ready of ``requests`` requests on demand and prefetched ``lead_ms``
+    earlier, interleaved, against one holder (prefill) and one decode sidecar."""
+    from xfer.prefetch import ClaimOutcome
+
+    geo = pools.geometry
+    rng = random.Random(p.seed + 1)
+    extra = ["--heartbeat-interval-s", "2", "--nixl-threads", str(p.nixl_threads)]
+    lat: dict[str, list[float]] = {"ondemand": [], "prefetched": []}
+    ready = 0
+    with (
+        Sidecar("prefill", pools.prefill.path, geo, transport="nixl", extra=extra) as holder,
+        Sidecar("decode", pools.decode.path, geo, transport="nixl", extra=extra) as ds,
+        XferClient(ds.address) as dc,
+    ):
+        for i in range(requests + 1):  # the first pair is the warm-up (connection setup)
+            for mode in ("ondemand", "prefetched"):
+                r = _plan(p, geo, rng, 0)[0]
+                for d in r.dst:  # nothing of the source there before the pull
+                    pools.decode.page(d)[:] = bytes(geo.page_size)
+                pid = 1 + 2 * i + (mode == "prefetched")
+                issued = None
+                if mode == "prefetched":  # the router issues it, lead_ms before dispatch
+                    t_issue = time.perf_counter()
+                    issued = dc.prefetch_nowait(holder.address, r.src, r.dst, prefetch_id=pid)
+                    time.sleep(max(0.0, t_issue + lead_ms / 1000 - time.perf_counter()))
+                t0 = time.perf_counter()  # dispatch: the request arrives at decode
+                if mode == "ondemand":
+                    dc.prefetch(holder.address, r.src, r.dst, prefetch_id=pid)
+                elif issued is not None and not issued.done():
+                    # Issued but not yet answered: the claim must come after it.
+                    issued.result()
+                outcome, _, reason, _ = dc.claim_prefetch(pid, timeout_ms=30_000)
+                took = (time.perf_counter() - t0) * 1e3
+                if issued is not None:
+                    issued.result()  # raises the Prefetch's refusal, if any
+                if outcome not in (ClaimOutcome.READY, ClaimOutcome.WAITED):
+                    raise RuntimeError(f"request {i} ({mode}): {outcome.name}: {reason}")
+                if not _same_pages(pools, r.src, r.dst):
+                    raise AssertionError(f"request {i} ({mode}): a page differs from the source")
+                if i:
+                    lat[mode].append(took)
+                    ready += mode == "prefetched" and outcome == ClaimOutcome.READY
+    on, pre = lat["ondemand"], lat["prefetched"]
+    return {
+        "prefetch_lead_ms": lead_ms,
+        "prefetch_prefix_mib": p.pages * p.page_size / 2**20,
+        "prefetch_ondemand_ms_mean": statistics.mean(on),
+        "prefetch_ondemand_ms_p50": percentile(on, 0.5),
+        "prefetch_ondemand_ms_p99": percentile(on, 0.99),
+        "prefetch_prefetched_ms_mean": statistics.mean(pre),
+        "prefetch_prefetched_ms_p50": percentile(pre, 0.5),
+        "prefetch_prefetched_ms_p99": percentile(pre, 0.99),
+        "prefetch_speedup": statistics.mean(on) / statistics.mean(pre),
+        "prefetch_speedup_p50": percentile(on, 0.5) / percentile(pre, 0.5),
+        "prefetch_ready_share": ready / len(pre),
+    }
+
+
+def prefetch_only(p: BenchParams, requests: int, lead_ms: float) -> dict[str, float]:
+    """The prefetch part alone (``--prefetch``)."""
+    with tempfile.TemporaryDirectory(prefix="kvx-bench-", dir=_shm_dir()) as d:
+        pools = _Pools(p, d)
+        try:
+            progress.phase(f"prefetch: {requests} requests, on demand and {lead_ms:g} ms ahead")
+            return run_prefetch(p, pools, requests, lead_ms)
+        finally:
+            pools.close()
+
+
 def _mode_figures(
     m: str, o: dict[str, Any], serial: dict[str, Any], total: int, raw: float
 ) -> dict[str, float]:
@@ -527,12 +626,15 @@ def run(
     p: BenchParams,
     costs: bool = True,
     stages: dict[str, dict[str, StageHistogram]] | None = None,
+    prefetch: tuple[int, float] | None = None,
 ) -> dict[str, float]:
     """Run every part; return the figures (``costs``: also memcpy and the
     in-process AddTransferRequest cost, and :data:`RPC_CALLS` timed 64-chunk
     calls rather than 10). ``stages``, when given, receives the async run's
-    prefill stage histograms (``warm-up`` and ``timed``)."""
+    prefill stage histograms (``warm-up`` and ``timed``). ``prefetch``: requests
+    and lead time of the prefetch part (NIXL only), run after the others."""
     modes = submit_modes(p)
+    pf_figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="kvx-bench-", dir=_shm_dir()) as d:
         pools = _Pools(p, d)
         try:
@@ -542,6 +644,10 @@ def run(
             asyn = run_mode(p, pools, modes, RPC_CALLS if costs else 10)
             progress.phase(f"{p.transport}: raw transport")
             raw = raw_gbps(p, pools)
+            if prefetch is not None and p.transport == "nixl":
+                requests, lead_ms = prefetch
+                progress.phase(f"prefetch: {requests} requests, on demand and {lead_ms:g} ms ahead")
+                pf_figures = run_prefetch(p, pools, requests, lead_ms)
         finally:
             pools.close()
     total = p.rooms * p.pages * p.page_size
@@ -571,6 +677,7 @@ def run(
         "async_vs_raw": per_mode[f"{pm}_vs_raw"],
         **per_mode,
         **stage_figures(asyn["stages"]["timed"]),
+        **pf_figures,
     }
     if stages is not None:
         stages.update(asyn["stages"])
@@ -669,6 +776,26 @@ def print_table(figures: dict[str, float], p: BenchParams) -> None:
         print(f"{k:<30}{v:>12.3f}  {_TARGETS.get(k, '')}")
 
 
+def print_prefetch(figures: dict[str, float], p: BenchParams) -> None:
+    """The prefetch part: dispatch -> KV-ready both ways and their ratio."""
+    f = figures
+    print(
+        f"prefetch: dispatch -> KV-ready, prefix of {p.pages} pages x {p.page_size} B "
+        f"({f['prefetch_prefix_mib']:.1f} MiB), prefetch {f['prefetch_lead_ms']:g} ms ahead"
+    )
+    print(f"{'':<12}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}")
+    for mode in ("ondemand", "prefetched"):
+        print(
+            f"{mode:<12}{f[f'prefetch_{mode}_ms_mean']:>10.3f}"
+            f"{f[f'prefetch_{mode}_ms_p50']:>10.3f}{f[f'prefetch_{mode}_ms_p99']:>10.3f}"
+        )
+    print(
+        f"ratio (on demand / prefetched): means {f['prefetch_speedup']:.2f}, medians "
+        f"{f['prefetch_speedup_p50']:.2f}; prefetched claims that found the bytes there: "
+        f"{f['prefetch_ready_share']:.0%}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvmesh bench xfer``."""
     d = BenchParams()
@@ -723,6 +850,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.nixl_threads,
         help="NIXL UCX backend worker threads (0: NIXL's default)",
     )
+    ap.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="run only the prefetch part: dispatch to KV-ready on demand and prefetched "
+        "(NIXL; the full run includes it when the transport is nixl)",
+    )
+    ap.add_argument(
+        "--prefetch-requests",
+        type=int,
+        default=PREFETCH_REQUESTS,
+        help="requests of the prefetch part, each way",
+    )
+    ap.add_argument(
+        "--prefetch-lead-ms",
+        type=float,
+        default=PREFETCH_LEAD_MS,
+        help="how long before dispatch the prefetch is issued",
+    )
     ap.add_argument("--json", dest="json_path", help="also write figures and params here")
     return ap
 
@@ -754,6 +899,21 @@ def main(argv: Sequence[str]) -> int:
         chunks=a.chunks, max_run=a.max_run, queues=a.queues, iters=iters,
         nixl_threads=a.nixl_threads, submit=a.submit,
     )  # fmt: skip
+    if a.prefetch_requests < 1 or a.prefetch_lead_ms < 0:
+        print(
+            "kvmesh bench xfer: --prefetch-requests must be >= 1 and --prefetch-lead-ms >= 0",
+            file=sys.stderr,
+        )
+        return 2
+    if a.prefetch:
+        if transport != "nixl":
+            print("kvmesh bench xfer: --prefetch needs NIXL (a READ)", file=sys.stderr)
+            return 2
+        pf = prefetch_only(p, a.prefetch_requests, a.prefetch_lead_ms)
+        print_prefetch(pf, p)
+        if a.json_path:
+            write_report(a.json_path, pf, asdict(p))
+        return 0
     if a.sweep:
         rows = run_sweep(p, a.quick)
         print_sweep(rows, p)
@@ -761,10 +921,13 @@ def main(argv: Sequence[str]) -> int:
             write_report(a.json_path, None, asdict(p), sweep=rows)
         return 0
     stages: dict[str, dict[str, StageHistogram]] = {}
-    figures = run(p, stages=stages)
+    figures = run(p, stages=stages, prefetch=(a.prefetch_requests, a.prefetch_lead_ms))
     print_table(figures, p)
     print()
     print_stages(stages)
+    if "prefetch_speedup" in figures:
+        print()
+        print_prefetch(figures, p)
     if a.json_path:
         split = {
             part: {s: {"count": h.count, "mean_us": h.mean * 1e6, "p50_us": h.quantile(0.5) * 1e6}

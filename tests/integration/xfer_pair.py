@@ -26,7 +26,8 @@ from xfer.pool import KVPool, PoolGeometry
 
 
 class SidecarPair:
-    """Two pools and the prefill/decode sidecar processes over them."""
+    """Two pools and the prefill/decode sidecar processes over them (TCP unless
+    ``transport`` says otherwise; ``extra``: more flags for both sidecars)."""
 
     def __init__(
         self,
@@ -37,6 +38,8 @@ class SidecarPair:
         waiting_timeout_s: float,
         heartbeat_s: float = 0.5,
         metrics: bool = False,
+        transport: str = "tcp",
+        extra: list[str] | None = None,
     ) -> None:
         self.geo = geo
         name = f"kvx-{tag}-{os.getpid()}-{random.getrandbits(32):x}"
@@ -44,13 +47,13 @@ class SidecarPair:
         self.decode = KVPool.create(str(base / f"{name}-d"), geo)
         self.prefill.view[:] = os.urandom(geo.total_bytes)
         args = ["--heartbeat-interval-s", str(heartbeat_s)]
-        args += ["--waiting-timeout-s", str(waiting_timeout_s)]
+        args += ["--waiting-timeout-s", str(waiting_timeout_s), *(extra or [])]
         self.ps = Sidecar(
-            "prefill", self.prefill.path, geo, transport="tcp", extra=args,
+            "prefill", self.prefill.path, geo, transport=transport, extra=args,
             metrics_port=free_port() if metrics else 0,
         )  # fmt: skip
         self.ds = Sidecar(
-            "decode", self.decode.path, geo, transport="tcp", extra=args,
+            "decode", self.decode.path, geo, transport=transport, extra=args,
             metrics_port=free_port() if metrics else 0,
         )  # fmt: skip
         self.ps.wait_ready()
@@ -89,10 +92,16 @@ def sidecar_pair(
     tag: str,
     waiting_timeout_s: float,
     metrics: bool = False,
+    transport: str = "tcp",
+    extra: list[str] | None = None,
 ) -> Iterator[SidecarPair]:
-    """A :class:`SidecarPair` (pools in /dev/shm when there is one), closed after."""
+    """A :class:`SidecarPair` (pools in /dev/shm when there is one), closed after;
+    ``transport`` and ``extra`` (flags of both sidecars) as :class:`SidecarPair`'s."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("pools")
-    p = SidecarPair(base, geo, tag=tag, waiting_timeout_s=waiting_timeout_s, metrics=metrics)
+    p = SidecarPair(
+        base, geo, tag=tag, waiting_timeout_s=waiting_timeout_s, metrics=metrics,
+        transport=transport, extra=extra,
+    )  # fmt: skip
     try:
         yield p
     finally:

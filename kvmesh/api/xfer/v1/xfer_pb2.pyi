@@ -14,11 +14,39 @@ class RoomStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROOM_STATUS_WAITING_FOR_INPUT: _ClassVar[RoomStatus]
     ROOM_STATUS_TRANSFERRING: _ClassVar[RoomStatus]
     ROOM_STATUS_SUCCESS: _ClassVar[RoomStatus]
+
+class PrefetchState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_STATE_UNSPECIFIED: _ClassVar[PrefetchState]
+    PREFETCH_STATE_PULLING: _ClassVar[PrefetchState]
+    PREFETCH_STATE_READY: _ClassVar[PrefetchState]
+    PREFETCH_STATE_CANCELLED: _ClassVar[PrefetchState]
+    PREFETCH_STATE_FAILED: _ClassVar[PrefetchState]
+    PREFETCH_STATE_EXPIRED: _ClassVar[PrefetchState]
+
+class ClaimOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLAIM_OUTCOME_UNSPECIFIED: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_READY: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_WAITED: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_FALLBACK: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_FAILED: _ClassVar[ClaimOutcome]
 ROOM_STATUS_FAILED: RoomStatus
 ROOM_STATUS_BOOTSTRAPPING: RoomStatus
 ROOM_STATUS_WAITING_FOR_INPUT: RoomStatus
 ROOM_STATUS_TRANSFERRING: RoomStatus
 ROOM_STATUS_SUCCESS: RoomStatus
+PREFETCH_STATE_UNSPECIFIED: PrefetchState
+PREFETCH_STATE_PULLING: PrefetchState
+PREFETCH_STATE_READY: PrefetchState
+PREFETCH_STATE_CANCELLED: PrefetchState
+PREFETCH_STATE_FAILED: PrefetchState
+PREFETCH_STATE_EXPIRED: PrefetchState
+CLAIM_OUTCOME_UNSPECIFIED: ClaimOutcome
+CLAIM_OUTCOME_READY: ClaimOutcome
+CLAIM_OUTCOME_WAITED: ClaimOutcome
+CLAIM_OUTCOME_FALLBACK: ClaimOutcome
+CLAIM_OUTCOME_FAILED: ClaimOutcome
 
 class RegisterRoomRequest(_message.Message):
     __slots__ = ("room", "prefill_address", "dst_page_indices", "aux_index")
@@ -157,3 +185,87 @@ class HeartbeatResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("prefetch_id", "source_address", "src_page_indices", "dst_page_indices", "ttl_ms", "deadline_ms")
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    source_address: str
+    src_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    dst_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: int
+    deadline_ms: int
+    def __init__(self, prefetch_id: _Optional[int] = ..., source_address: _Optional[str] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("prefetch_id", "state")
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    state: PrefetchState
+    def __init__(self, prefetch_id: _Optional[int] = ..., state: _Optional[_Union[PrefetchState, str]] = ...) -> None: ...
+
+class CancelPrefetchRequest(_message.Message):
+    __slots__ = ("prefetch_id",)
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    def __init__(self, prefetch_id: _Optional[int] = ...) -> None: ...
+
+class CancelPrefetchResponse(_message.Message):
+    __slots__ = ("prior_state",)
+    PRIOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    prior_state: PrefetchState
+    def __init__(self, prior_state: _Optional[_Union[PrefetchState, str]] = ...) -> None: ...
+
+class ClaimPrefetchRequest(_message.Message):
+    __slots__ = ("prefetch_id", "timeout_ms", "fallback")
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    timeout_ms: int
+    fallback: bool
+    def __init__(self, prefetch_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., fallback: _Optional[bool] = ...) -> None: ...
+
+class ClaimPrefetchResponse(_message.Message):
+    __slots__ = ("outcome", "prior_state", "failure_reason", "bytes")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    outcome: ClaimOutcome
+    prior_state: PrefetchState
+    failure_reason: str
+    bytes: int
+    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., prior_state: _Optional[_Union[PrefetchState, str]] = ..., failure_reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class OpenReadRequest(_message.Message):
+    __slots__ = ("prefetch_id", "src_page_indices", "peer_name", "page_size", "transport")
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PEER_NAME_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    src_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    peer_name: str
+    page_size: int
+    transport: str
+    def __init__(self, prefetch_id: _Optional[int] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., peer_name: _Optional[str] = ..., page_size: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class OpenReadResponse(_message.Message):
+    __slots__ = ("instance_id", "agent_name", "agent_metadata", "page_count")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    PAGE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    agent_name: str
+    agent_metadata: bytes
+    page_count: int
+    def __init__(self, instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., page_count: _Optional[int] = ...) -> None: ...

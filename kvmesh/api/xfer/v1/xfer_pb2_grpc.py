@@ -75,6 +75,26 @@ class XferServiceStub:
                 request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvmesh.xfer.v1.XferService/Prefetch',
+                request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
+        self.CancelPrefetch = channel.unary_unary(
+                '/kvmesh.xfer.v1.XferService/CancelPrefetch',
+                request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.CancelPrefetchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.CancelPrefetchResponse.FromString,
+                _registered_method=True)
+        self.ClaimPrefetch = channel.unary_unary(
+                '/kvmesh.xfer.v1.XferService/ClaimPrefetch',
+                request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.ClaimPrefetchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.ClaimPrefetchResponse.FromString,
+                _registered_method=True)
+        self.OpenRead = channel.unary_unary(
+                '/kvmesh.xfer.v1.XferService/OpenRead',
+                request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.OpenReadRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.OpenReadResponse.FromString,
+                _registered_method=True)
 
 
 class XferServiceServicer:
@@ -137,6 +157,37 @@ class XferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Decode: start pulling a prefix from the sidecar holding it, before the
+        request that needs it arrives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelPrefetch(self, request, context):
+        """Decode: stop a prefetch and release its pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimPrefetch(self, request, context):
+        """Decode: the request arrived; take the prefetched pages (waiting for the
+        pull in flight, or pulling again when the prefetch did not complete).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenRead(self, request, context):
+        """Peer: a decode sidecar asks the holder of a prefix for its transport
+        metadata, to read the prefix's pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_XferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +230,26 @@ def add_XferServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'CancelPrefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelPrefetch,
+                    request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.CancelPrefetchRequest.FromString,
+                    response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.CancelPrefetchResponse.SerializeToString,
+            ),
+            'ClaimPrefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimPrefetch,
+                    request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.ClaimPrefetchRequest.FromString,
+                    response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.ClaimPrefetchResponse.SerializeToString,
+            ),
+            'OpenRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRead,
+                    request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.OpenReadRequest.FromString,
+                    response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.OpenReadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +469,114 @@ class XferService:
             '/kvmesh.xfer.v1.XferService/Heartbeat',
             kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.HeartbeatRequest.SerializeToString,
             kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.xfer.v1.XferService/Prefetch',
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PrefetchRequest.SerializeToString,
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelPrefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.xfer.v1.XferService/CancelPrefetch',
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.CancelPrefetchRequest.SerializeToString,
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.CancelPrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimPrefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.xfer.v1.XferService/ClaimPrefetch',
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.ClaimPrefetchRequest.SerializeToString,
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.ClaimPrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.xfer.v1.XferService/OpenRead',
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.OpenReadRequest.SerializeToString,
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.OpenReadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,20 @@ class XferServiceStub:
     """Peer: fail a room on the other side."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.HeartbeatRequest, _xfer_pb2.HeartbeatResponse]
     """Peer: liveness."""
+    Prefetch: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.PrefetchRequest, _xfer_pb2.PrefetchResponse]
+    """Decode: start pulling a prefix from the sidecar holding it, before the
+    request that needs it arrives.
+    """
+    CancelPrefetch: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.CancelPrefetchRequest, _xfer_pb2.CancelPrefetchResponse]
+    """Decode: stop a prefetch and release its pages."""
+    ClaimPrefetch: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.ClaimPrefetchRequest, _xfer_pb2.ClaimPrefetchResponse]
+    """Decode: the request arrived; take the prefetched pages (waiting for the
+    pull in flight, or pulling again when the prefetch did not complete).
+    """
+    OpenRead: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.OpenReadRequest, _xfer_pb2.OpenReadResponse]
+    """Peer: a decode sidecar asks the holder of a prefix for its transport
+    metadata, to read the prefix's pages.
+    """
 
 @_typing.type_check_only
 class XferServiceAsyncStub(XferServiceStub):
@@ -80,6 +94,20 @@ class XferServiceAsyncStub(XferServiceStub):
     """Peer: fail a room on the other side."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_xfer_pb2.HeartbeatRequest, _xfer_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Peer: liveness."""
+    Prefetch: _aio.UnaryUnaryMultiCallable[_xfer_pb2.PrefetchRequest, _xfer_pb2.PrefetchResponse]  # type: ignore[assignment]
+    """Decode: start pulling a prefix from the sidecar holding it, before the
+    request that needs it arrives.
+    """
+    CancelPrefetch: _aio.UnaryUnaryMultiCallable[_xfer_pb2.CancelPrefetchRequest, _xfer_pb2.CancelPrefetchResponse]  # type: ignore[assignment]
+    """Decode: stop a prefetch and release its pages."""
+    ClaimPrefetch: _aio.UnaryUnaryMultiCallable[_xfer_pb2.ClaimPrefetchRequest, _xfer_pb2.ClaimPrefetchResponse]  # type: ignore[assignment]
+    """Decode: the request arrived; take the prefetched pages (waiting for the
+    pull in flight, or pulling again when the prefetch did not complete).
+    """
+    OpenRead: _aio.UnaryUnaryMultiCallable[_xfer_pb2.OpenReadRequest, _xfer_pb2.OpenReadResponse]  # type: ignore[assignment]
+    """Peer: a decode sidecar asks the holder of a prefix for its transport
+    metadata, to read the prefix's pages.
+    """
 
 class XferServiceServicer(metaclass=_abc_1.ABCMeta):
     """The KV transfer sidecar."""
@@ -147,5 +175,43 @@ class XferServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_xfer_pb2.HeartbeatResponse, _abc.Awaitable[_xfer_pb2.HeartbeatResponse]]:
         """Peer: liveness."""
+
+    @_abc_1.abstractmethod
+    def Prefetch(
+        self,
+        request: _xfer_pb2.PrefetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_xfer_pb2.PrefetchResponse, _abc.Awaitable[_xfer_pb2.PrefetchResponse]]:
+        """Decode: start pulling a prefix from the sidecar holding it, before the
+        request that needs it arrives.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelPrefetch(
+        self,
+        request: _xfer_pb2.CancelPrefetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_xfer_pb2.CancelPrefetchResponse, _abc.Awaitable[_xfer_pb2.CancelPrefetchResponse]]:
+        """Decode: stop a prefetch and release its pages."""
+
+    @_abc_1.abstractmethod
+    def ClaimPrefetch(
+        self,
+        request: _xfer_pb2.ClaimPrefetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_xfer_pb2.ClaimPrefetchResponse, _abc.Awaitable[_xfer_pb2.ClaimPrefetchResponse]]:
+        """Decode: the request arrived; take the prefetched pages (waiting for the
+        pull in flight, or pulling again when the prefetch did not complete).
+        """
+
+    @_abc_1.abstractmethod
+    def OpenRead(
+        self,
+        request: _xfer_pb2.OpenReadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_xfer_pb2.OpenReadResponse, _abc.Awaitable[_xfer_pb2.OpenReadResponse]]:
+        """Peer: a decode sidecar asks the holder of a prefix for its transport
+        metadata, to read the prefix's pages.
+        """
 
 def add_XferServiceServicer_to_server(servicer: XferServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -52,6 +52,7 @@ node_modules/.bin/buf: package.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch node_modules/.bin/buf
 
+# npm ci runs the package's `prepare` script: tsc builds clients/node/dist/.
 clients/node/node_modules/.installed: clients/node/package-lock.json
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
@@ -74,6 +75,7 @@ check: setup
 	cd proto && ../node_modules/.bin/buf lint
 	tools/buf_breaking.sh
 	$(BIN)/python tools/gen_protos.py --check
+	cd clients/node && node tools/gen-stubs.js --check
 
 fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
@@ -84,11 +86,13 @@ gen: $(STAMP)
 
 ## Stubs of the API for other languages, not committed (docs/api.md, "Stubs for other
 ## languages"): Python and TypeScript, and Go when protoc-gen-go and protoc-gen-go-grpc
-## are on PATH, into $(STUBS_OUT) (relative to proto/).
+## are on PATH, into $(STUBS_OUT) (relative to proto/). Also the Node.js client's
+## committed TypeScript stubs, clients/node/src/gen/.
 STUBS_OUT ?= ../gen
 .PHONY: stubs
 stubs: $(STAMP) node_modules/.bin/buf
 	cd proto && ../node_modules/.bin/buf generate --template buf.gen.yaml -o $(STUBS_OUT)
+	cd proto && ../node_modules/.bin/buf generate --template buf.gen.node.yaml -o ../clients/node
 	@if command -v protoc-gen-go >/dev/null && command -v protoc-gen-go-grpc >/dev/null; then \
 		echo "cd proto && ../node_modules/.bin/buf generate --template buf.gen.go.yaml -o $(STUBS_OUT)"; \
 		cd proto && ../node_modules/.bin/buf generate --template buf.gen.go.yaml -o $(STUBS_OUT); \

@@ -339,6 +339,10 @@ class KvmeshSide:
         self._achannel: grpc.aio.Channel | None = None
         self._astub: Any = None
         self._ahealth: Any = None
+        #: Probe Matches over one MatchStream, as router_client sends them
+        #: (its own stream code), instead of one unary call each.
+        self.probe_stream = False
+        self._astream: Any = None
 
     def __enter__(self) -> KvmeshSide:
         self.child.start()
@@ -425,13 +429,25 @@ class KvmeshSide:
         self._achannel = grpc.aio.insecure_channel(self.target)
         self._astub = pb_grpc.IndexerServiceStub(self._achannel)
         self._ahealth = health_pb2_grpc.HealthStub(self._achannel)
+        if self.probe_stream:
+            from router_client.indexer_client import _MatchStream
+
+            self._astream = _MatchStream(self._achannel, lambda s, code: None, lambda s: None)
 
     async def aclose(self) -> None:
+        if self._astream is not None:
+            await self._astream.close()
+            self._astream = None
         if self._achannel is not None:
             await self._achannel.close()
             self._achannel = None
 
     async def amatch_tokens(self, k: int, timeout_s: float) -> Answer:
+        if self._astream is not None:
+            reply = await self._astream.ask(self._reqs_tokens[k], timeout_s)
+            if reply.code:
+                raise RuntimeError(f"MatchStream reply {reply.code}: {reply.message[:60]}")
+            return self._answer(reply.match)
         return self._answer(await self._astub.Match(self._reqs_tokens[k], timeout=timeout_s))
 
     async def ahealth(self, timeout_s: float) -> None:

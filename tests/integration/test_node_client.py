@@ -1,14 +1,18 @@
-"""The Node.js client (clients/node) against a real indexer: stubs from proto/ in another language.
+"""The Node.js client (clients/node) against a real indexer: generated TypeScript stubs.
 
 Starts an indexer in-process on a free port (its own event loop on a thread),
-installs the client's pinned packages with ``npm ci`` when node_modules is
-missing, and runs ``node --test``: the block-key vectors, then register,
-PublishEventsStream, Match by token ids and by keys computed in JavaScript, the
-INVALID_ARGUMENT field contract, and the standard error details decoded from
-``grpc-status-details-bin`` (a field violation; a retry delay from a second
-indexer with a per-client Match rate, :data:`LIMITED`). Fails when ``node`` (or
-``npm``, for a first install) is not on PATH. The same tests over mutual TLS with an
-authorization policy, and the TLS tests: tests/security/test_node_tls.py.
+installs the client's pinned packages with ``npm ci`` when node_modules lacks
+them, builds the package (``npm run build``: tsc of src/ and the committed
+protobuf-es stubs in src/gen/ to dist/) when dist/ is older than its sources,
+and runs ``node --test``: the block-key vectors (and a wrong vector rejected),
+the stubs' freshness against proto/, the packed file list and the unpacked
+tarball, the declarations' types, then register, PublishEventsStream, Match by
+token ids and by keys computed in JavaScript, the INVALID_ARGUMENT field
+contract, and the standard error details decoded from ``grpc-status-details-bin``
+(a field violation; a retry delay from a second indexer with a per-client Match
+rate, :data:`LIMITED`).
+Fails when ``node`` or ``npm`` is not on PATH. The same tests over mutual TLS
+with an authorization policy, and the TLS tests: tests/security/test_node_tls.py.
 """
 
 from __future__ import annotations
@@ -36,18 +40,34 @@ BLOCK = 16
 LIMITED: dict[str, Any] = {"limits": {"per_client": {"match_rps": 0.001, "match_burst": 1}}}
 
 
+#: Packages of clients/node/package.json whose absence from node_modules means ``npm ci``.
+NODE_PACKAGES = ("@grpc/grpc-js", "@bufbuild/protobuf", "@node-rs/xxhash", "typescript")
+
+
+def build_is_stale(client: Path) -> bool:
+    """Whether ``client``/dist is missing or older than a source of the build."""
+    built = client / "dist" / "index.js"
+    if not built.exists():
+        return True
+    sources = [client / "package.json", client / "tsconfig.json", *(client / "src").rglob("*.ts")]
+    return max(p.stat().st_mtime for p in sources) > built.stat().st_mtime
+
+
 def install_node_client() -> Path:
-    """The client directory with its node_modules installed (``npm ci`` when missing)."""
+    """The client directory, its node_modules installed and dist/ built (when missing or stale)."""
     assert shutil.which("node") is not None, "node is not on PATH (the Node.js client needs 18+)"
-    if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        npm = shutil.which("npm")
-        assert npm is not None, "npm is not on PATH and clients/node/node_modules is missing"
+    npm = shutil.which("npm")
+    assert npm is not None, "npm is not on PATH"
+    if not all((CLIENT / "node_modules" / name).is_dir() for name in NODE_PACKAGES):
+        # npm ci runs the package's `prepare` script: the build.
         subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
             cwd=CLIENT,
             check=True,
             timeout=300,
         )
+    if build_is_stale(CLIENT):
+        subprocess.run([npm, "run", "--silent", "build"], cwd=CLIENT, check=True, timeout=300)
     return CLIENT
 
 
@@ -137,5 +157,11 @@ def test_node_client_against_a_running_indexer(
     assert passed(lines, "indexer: register"), out
     assert passed(lines, "INVALID_ARGUMENT names"), out
     assert passed(lines, "vector: extreme token ids"), out
+    assert passed(lines, "a wrong vector is rejected"), out
+    assert passed(lines, "gen: src/gen is what buf.gen.node.yaml generates"), out
+    assert passed(lines, "gen: the check reports a changed, a missing and an extra file"), out
+    assert passed(lines, "pack: the file list holds the generated stubs"), out
+    assert passed(lines, "pack: the tarball, unpacked in another folder"), out
+    assert passed(lines, "types: the client is typed by the generated messages"), out
     assert passed(lines, "status: INVALID_ARGUMENT carries a google.rpc.BadRequest"), out
     assert passed(lines, "status: a rate refusal carries a google.rpc.RetryInfo"), out

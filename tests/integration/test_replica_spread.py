@@ -398,7 +398,7 @@ async def test_a_replica_added_later_gets_matches_within_a_connection_age(age_s:
 #: after a line on stdin, argv[2] more; prints how many of those were answered.
 NODE_SCRIPT = """
 const readline = require('node:readline');
-const { indexerClient, unary } = require('./src');
+const { indexerClient } = require('.');
 const [addresses, n, keys, policy] = [JSON.parse(process.argv[1]), Number(process.argv[2]),
   JSON.parse(process.argv[3]), process.argv[4]];
 const client = indexerClient(addresses, { loadBalancing: policy });
@@ -407,7 +407,7 @@ async function matches(count) {
   for (let lo = 0; lo < count; lo += 30) {
     const wave = [];
     for (let i = lo; i < Math.min(count, lo + 30); i++) {
-      wave.push(unary(client, 'Match', { model: 'test/model', block_keys: keys }, 5000));
+      wave.push(client.match({ model: 'test/model', blockKeys: keys.map(BigInt) }, { deadlineMs: 5000 }));
     }
     for (const res of await Promise.all(wave)) if (res.matches.length === 1) ok += 1;
   }

@@ -1,13 +1,14 @@
 'use strict';
 // The block-key test vectors of docs/spec/block-keys.md (version 2: with the
 // extra keys of salted and multimodal prompts), computed here with XXH3-64 from
-// @node-rs/xxhash: what a router in another language reproduces.
+// @node-rs/xxhash: what a router in another language reproduces. The file is
+// the one tests/unit/test_blockkeys.py checks the Python keys against.
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
 const path = require('node:path');
-const { namespaceSeed, encodeExtras, promptExtras, blockKeys } = require('../src');
+const { namespaceSeed, encodeExtras, promptExtras, blockKeys } = require('..');
 
 const VECTORS = path.resolve(__dirname, '..', '..', '..', 'docs', 'spec', 'block-key-vectors.json');
 const spec = JSON.parse(fs.readFileSync(VECTORS, 'utf8'));
@@ -23,19 +24,50 @@ test('the vector file is version 2 and has cases, salted and multimodal ones amo
   assert.ok(spec.vectors.some((v) => v.media.some(([, offset]) => offset % v.block_size !== 0)));
 });
 
+/** How the keys computed here differ from vector `v` (empty: they agree). */
+function mismatches(v) {
+  const problems = [];
+  const seed = namespaceSeed(v.model, v.lora_name).toString();
+  if (seed !== v.namespace_seed) problems.push(`namespace_seed: ${seed} != ${v.namespace_seed}`);
+  const keys = blockKeys(v.model, v.lora_name, v.token_ids, v.block_size, {
+    cacheSalt: v.cache_salt,
+    media: v.media,
+  }).map((k) => k.toString());
+  if (keys.length !== v.block_keys.length) problems.push(`${keys.length} keys, the vector has ${v.block_keys.length}`);
+  keys.forEach((k, i) => {
+    if (i < v.block_keys.length && k !== v.block_keys[i]) problems.push(`block_keys[${i}]: ${k} != ${v.block_keys[i]}`);
+  });
+  return problems;
+}
+
 for (const v of spec.vectors) {
   test(`vector: ${v.name}`, () => {
-    assert.equal(namespaceSeed(v.model, v.lora_name).toString(), v.namespace_seed);
-    const keys = blockKeys(v.model, v.lora_name, v.token_ids, v.block_size, {
-      cacheSalt: v.cache_salt,
-      media: v.media,
-    });
-    assert.deepEqual(
-      keys.map((k) => k.toString()),
-      v.block_keys,
-    );
+    assert.deepEqual(mismatches(v), []);
   });
 }
+
+test('a wrong vector is rejected: a changed key, a dropped salt, a moved image, another model', () => {
+  const salted = spec.vectors.find((v) => v.cache_salt && v.media.length && v.block_keys.length >= 2);
+  assert.ok(salted, 'no salted multimodal vector with two keys');
+  const last = salted.block_keys.length - 1;
+  const changed = [...salted.block_keys];
+  changed[last] = (BigInt(changed[last]) ^ 1n).toString();
+  assert.deepEqual(mismatches({ ...salted, block_keys: changed }), [
+    `block_keys[${last}]: ${salted.block_keys[last]} != ${changed[last]}`,
+  ]);
+  // Without the salt every key differs (it scopes the whole chain).
+  assert.equal(mismatches({ ...salted, cache_salt: '' }).length, salted.block_keys.length);
+  // The image one token later: the keys from its first block on differ.
+  const [identifier, offset, length] = salted.media[0];
+  const moved = { ...salted, media: [[identifier, offset + 1, length], ...salted.media.slice(1)] };
+  assert.ok(mismatches(moved).length >= 1);
+  // Another model: the seed and every key differ.
+  assert.equal(mismatches({ ...salted, model: `${salted.model}-x` }).length, 1 + salted.block_keys.length);
+  // The vector lists a key more than the prompt has full blocks.
+  assert.deepEqual(mismatches({ ...salted, block_keys: [...salted.block_keys, '1'] }).slice(0, 1), [
+    `${salted.block_keys.length} keys, the vector has ${salted.block_keys.length + 1}`,
+  ]);
+});
 
 test('extra keys: tag, LE32 length, data; an offset is LE64 two\'s complement', () => {
   assert.equal(encodeExtras().length, 0);

@@ -1,9 +1,10 @@
 'use strict';
 // Against a running indexer (KVMESH_INDEXER_ADDR=host:port, block size 16):
 // register instances, publish events over PublishEventsStream, Match by token
-// ids and by block keys computed here, and check the error contract.
+// ids and by block keys computed here, and check the error contract, all
+// through the typed client of the generated stubs (the built package, dist/).
 // Skipped when KVMESH_INDEXER_ADDR is not set. Over TLS with the
-// KVMESH_CLIENT_* variables (see optionsFromEnv in src/index.js); with an
+// KVMESH_CLIENT_* variables (see optionsFromEnv in src/connection.ts); with an
 // authorization policy the identity needs the admin role (these tests register
 // instances, publish, Match and remove instances).
 
@@ -14,41 +15,42 @@ const {
   grpc,
   indexerClient,
   optionsFromEnv,
-  unary,
   publishStream,
   errorField,
-  keysToWire,
   blockKeys,
-} = require('../src');
+  BatchOutcome,
+  Tier,
+} = require('..');
 
 const ADDR = process.env.KVMESH_INDEXER_ADDR;
 const BLOCK = Number(process.env.KVMESH_INDEXER_BLOCK_SIZE || 16);
 // A fresh namespace per run, so a shared indexer's other data cannot interfere.
 const MODEL = `node-client/${crypto.randomUUID()}`;
 const PROMPT = Array.from({ length: 3 * BLOCK + 5 }, (_, i) => 1000 + i); // 3 blocks + partial
+const PROMPT64 = PROMPT.map(BigInt); // token_ids is int64: BigInt in protobuf-es
 
 const opts = { skip: ADDR ? false : 'KVMESH_INDEXER_ADDR is not set' };
 
 function instance(worker) {
-  return { worker_id: worker, dp_rank: 0 };
+  return { workerId: worker, dpRank: 0 };
 }
+
+const stored = (value) => ({ kind: { case: 'stored', value } });
 
 test('indexer: register, publish over a stream, match', opts, async (t) => {
   const client = indexerClient(ADDR, optionsFromEnv());
   t.after(() => client.close());
-  await new Promise((resolve, reject) =>
-    client.waitForReady(Date.now() + 5000, (err) => (err ? reject(err) : resolve())),
-  );
+  await client.waitForReady(5000);
 
   for (const [worker, address] of [['node-a', 'http://a:8000'], ['node-b', 'http://b:8000']]) {
-    const res = await unary(client, 'RegisterInstance', {
+    const res = await client.registerInstance({
       instance: instance(worker),
       model: MODEL,
       address,
-      lease_ttl_seconds: 60,
+      leaseTtlSeconds: 60,
       incarnation: 'run-1',
     });
-    assert.equal(res.info.instance.worker_id, worker);
+    assert.equal(res.info.instance.workerId, worker);
     assert.equal(res.info.live, true);
     assert.equal(res.reset, true);
   }
@@ -60,59 +62,37 @@ test('indexer: register, publish over a stream, match', opts, async (t) => {
     // node-a: all three blocks by token ids; the indexer keys them itself.
     {
       instance: instance('node-a'),
-      sequence: '1',
+      sequence: 1n,
       events: [
-        {
-          stored: {
-            block_hashes: ['101', '102', '103'],
-            token_ids: PROMPT.slice(0, 3 * BLOCK),
-            block_size: BLOCK,
-            tier: 'TIER_GPU',
-          },
-        },
+        stored({ blockHashes: [101n, 102n, 103n], tokenIds: PROMPT64.slice(0, 3 * BLOCK), blockSize: BLOCK, tier: Tier.GPU }),
       ],
     },
     // node-b: a token id out of range; rejected in its ack, the stream goes on.
     {
       instance: instance('node-b'),
-      sequence: '1',
-      events: [
-        {
-          stored: {
-            block_hashes: ['201'],
-            token_ids: [...PROMPT.slice(0, BLOCK - 1), 2 ** 32],
-            block_size: BLOCK,
-          },
-        },
-      ],
+      sequence: 1n,
+      events: [stored({ blockHashes: [201n], tokenIds: [...PROMPT64.slice(0, BLOCK - 1), 2n ** 32n], blockSize: BLOCK })],
     },
     // node-b: the first two blocks by keys computed here, one on CPU.
     {
       instance: instance('node-b'),
-      sequence: '2',
+      sequence: 2n,
       events: [
-        { stored: { block_hashes: ['201'], block_keys: keysToWire(keys.slice(0, 1)), tier: 'TIER_GPU' } },
-        {
-          stored: {
-            block_hashes: ['202'],
-            parent_block_hash: '201',
-            block_keys: keysToWire(keys.slice(1, 2)),
-            tier: 'TIER_CPU',
-          },
-        },
+        stored({ blockHashes: [201n], blockKeys: keys.slice(0, 1), tier: Tier.GPU }),
+        stored({ blockHashes: [202n], parentBlockHash: 201n, blockKeys: keys.slice(1, 2), tier: Tier.CPU }),
       ],
     },
   ]);
 
   assert.equal(acks.length, 3);
-  assert.equal(acks[0].outcome, 'BATCH_OUTCOME_APPLIED');
-  assert.equal(acks[0].blocks_stored, 3);
-  assert.equal(acks[1].outcome, 'BATCH_OUTCOME_REJECTED');
+  assert.equal(acks[0].outcome, BatchOutcome.APPLIED);
+  assert.equal(acks[0].blocksStored, 3);
+  assert.equal(acks[1].outcome, BatchOutcome.REJECTED);
   assert.equal(acks[1].error.code, grpc.status.INVALID_ARGUMENT);
   assert.match(acks[1].error.field, new RegExp(`token_ids\\[${BLOCK - 1}\\]`));
-  assert.equal(acks[2].outcome, 'BATCH_OUTCOME_APPLIED');
-  assert.equal(acks[2].sequence, '2');
-  assert.equal(acks[2].blocks_stored, 2);
+  assert.equal(acks[2].outcome, BatchOutcome.APPLIED);
+  assert.equal(acks[2].sequence, 2n);
+  assert.equal(acks[2].blocksStored, 2);
 
   const expected = [
     { worker: 'node-a', address: 'http://a:8000', depth: 3, gpu: 3, cpu: 0 },
@@ -121,36 +101,37 @@ test('indexer: register, publish over a stream, match', opts, async (t) => {
   const check = (res) =>
     assert.deepEqual(
       res.matches.map((m) => ({
-        worker: m.instance.worker_id,
+        worker: m.instance.workerId,
         address: m.address,
         depth: m.depth,
-        gpu: m.gpu_blocks,
-        cpu: m.cpu_blocks,
+        gpu: m.gpuBlocks,
+        cpu: m.cpuBlocks,
       })),
       expected,
     );
 
-  const byTokens = await unary(client, 'Match', { model: MODEL, token_ids: PROMPT });
+  const byTokens = await client.match({ model: MODEL, tokenIds: PROMPT64 });
+  assert.equal(byTokens.$typeName, 'kvmesh.indexer.v1.MatchResponse');
   check(byTokens);
-  assert.equal(byTokens.total_blocks, 3);
-  assert.equal(byTokens.block_size, BLOCK);
+  assert.equal(byTokens.totalBlocks, 3);
+  assert.equal(byTokens.blockSize, BLOCK);
 
-  const byKeys = await unary(client, 'Match', { model: MODEL, block_keys: keysToWire(keys) });
+  const byKeys = await client.match({ model: MODEL, blockKeys: keys });
   check(byKeys);
-  assert.equal(byKeys.block_size, 0);
+  assert.equal(byKeys.blockSize, 0);
 
   // Another namespace (a LoRA adapter) matches nothing.
-  const lora = await unary(client, 'Match', { model: MODEL, lora_name: 'adapter', token_ids: PROMPT });
+  const lora = await client.match({ model: MODEL, loraName: 'adapter', tokenIds: PROMPT64 });
   assert.deepEqual(lora.matches, []);
 
-  // max_instances keeps only the deepest.
-  const top = await unary(client, 'Match', { model: MODEL, token_ids: PROMPT, max_instances: 1 });
-  assert.deepEqual(top.matches.map((m) => m.instance.worker_id), ['node-a']);
+  // maxInstances keeps only the deepest.
+  const top = await client.match({ model: MODEL, tokenIds: PROMPT64, maxInstances: 1 });
+  assert.deepEqual(top.matches.map((m) => m.instance.workerId), ['node-a']);
 
   for (const worker of ['node-a', 'node-b']) {
-    await unary(client, 'RemoveInstance', { instance: instance(worker) });
+    await client.removeInstance({ instance: instance(worker) });
   }
-  const gone = await unary(client, 'Match', { model: MODEL, token_ids: PROMPT });
+  const gone = await client.match({ model: MODEL, tokenIds: PROMPT64 });
   assert.deepEqual(gone.matches, []);
 });
 
@@ -158,9 +139,9 @@ test('indexer: INVALID_ARGUMENT names the offending field', opts, async (t) => {
   const client = indexerClient(ADDR, optionsFromEnv());
   t.after(() => client.close());
 
-  const tokens = Array.from({ length: BLOCK }, () => 7);
-  tokens[3] = -1;
-  await assert.rejects(unary(client, 'Match', { model: MODEL, token_ids: tokens }), (err) => {
+  const tokens = Array.from({ length: BLOCK }, () => 7n);
+  tokens[3] = -1n;
+  await assert.rejects(client.match({ model: MODEL, tokenIds: tokens }), (err) => {
     assert.equal(err.code, grpc.status.INVALID_ARGUMENT);
     assert.equal(errorField(err), 'token_ids[3]');
     assert.match(err.details, /token_ids\[3\]/);
@@ -168,7 +149,7 @@ test('indexer: INVALID_ARGUMENT names the offending field', opts, async (t) => {
   });
 
   await assert.rejects(
-    unary(client, 'Match', { model: MODEL, token_ids: tokens.map(() => 1), block_keys: ['1'] }),
+    client.match({ model: MODEL, tokenIds: tokens.map(() => 1n), blockKeys: [1n] }),
     (err) => {
       assert.equal(err.code, grpc.status.INVALID_ARGUMENT);
       assert.notEqual(errorField(err), '');
@@ -176,7 +157,7 @@ test('indexer: INVALID_ARGUMENT names the offending field', opts, async (t) => {
     },
   );
 
-  await assert.rejects(unary(client, 'Heartbeat', { instance: instance('never-registered') }), (err) => {
+  await assert.rejects(client.heartbeat({ instance: instance('never-registered') }), (err) => {
     assert.equal(err.code, grpc.status.NOT_FOUND);
     return true;
   });

@@ -13,13 +13,12 @@ const {
   grpc,
   indexerClient,
   optionsFromEnv,
-  unary,
   errorField,
   STATUS_DETAILS_METADATA,
   richStatus,
   fieldViolations,
   retryDelayMs,
-} = require('../src');
+} = require('..');
 
 const ADDR = process.env.KVMESH_INDEXER_ADDR;
 const LIMITED = process.env.KVMESH_INDEXER_LIMITED_ADDR;
@@ -34,9 +33,9 @@ test(
   async (t) => {
     const client = indexerClient(ADDR, optionsFromEnv());
     t.after(() => client.close());
-    const tokens = Array.from({ length: BLOCK }, () => 7);
-    tokens[3] = -1;
-    await assert.rejects(unary(client, 'Match', { model: MODEL, token_ids: tokens }), (err) => {
+    const tokens = Array.from({ length: BLOCK }, () => 7n);
+    tokens[3] = -1n;
+    await assert.rejects(client.match({ model: MODEL, tokenIds: tokens }), (err) => {
       assert.equal(err.code, grpc.status.INVALID_ARGUMENT);
       // The raw trailer is there, as bytes, for any protobuf library to decode.
       const [raw] = err.metadata.get(STATUS_DETAILS_METADATA);
@@ -61,14 +60,14 @@ test(
   async (t) => {
     const client = indexerClient(LIMITED, optionsFromEnv());
     t.after(() => client.close());
-    const request = { model: MODEL, block_keys: ['1'] };
+    const request = { model: MODEL, blockKeys: [1n] };
     const started = Date.now();
     // The bucket holds one Match: the first call passes (unless an earlier run spent it).
     let admitted = false;
     let refused = null;
     for (let i = 0; i < 2 && !refused; i += 1) {
       try {
-        await unary(client, 'Match', request);
+        await client.match(request);
         admitted = true;
       } catch (err) {
         refused = err;

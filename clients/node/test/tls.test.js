@@ -13,7 +13,7 @@ const crypto = require('node:crypto');
 const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
-const { grpc, connection, indexerClient, unary, keysToWire, blockKeys } = require('../src');
+const { grpc, connection, indexerClient, BatchOutcome, blockKeys } = require('..');
 
 const PKI = process.env.KVMESH_TLS_PKI;
 const MTLS = process.env.KVMESH_TLS_MTLS_ADDR;
@@ -22,6 +22,7 @@ const ROUTER_TOKEN = process.env.KVMESH_TLS_ROUTER_TOKEN;
 const BLOCK = Number(process.env.KVMESH_INDEXER_BLOCK_SIZE || 16);
 const MODEL = `node-tls/${crypto.randomUUID()}`;
 const PROMPT = Array.from({ length: 2 * BLOCK }, (_, i) => 500 + i);
+const PROMPT64 = PROMPT.map(BigInt); // token_ids is int64: BigInt in protobuf-es
 
 const opts = { skip: PKI ? false : 'KVMESH_TLS_PKI is not set' };
 
@@ -51,32 +52,32 @@ async function rejectsWith(promise, code) {
 }
 
 const register = (client, worker) =>
-  unary(client, 'RegisterInstance', {
-    instance: { worker_id: worker, dp_rank: 0 },
+  client.registerInstance({
+    instance: { workerId: worker, dpRank: 0 },
     model: MODEL,
     address: `http://${worker}:8000`,
-    lease_ttl_seconds: 60,
+    leaseTtlSeconds: 60,
     incarnation: 'run-1',
   });
 
 const publish = (client, worker, sequence) =>
-  unary(client, 'PublishEvents', {
+  client.publishEvents({
     batch: {
-      instance: { worker_id: worker, dp_rank: 0 },
-      sequence: String(sequence),
-      events: [{ stored: { block_hashes: ['1', '2'], block_keys: keysToWire(blockKeys(MODEL, '', PROMPT, BLOCK)) } }],
+      instance: { workerId: worker, dpRank: 0 },
+      sequence: BigInt(sequence),
+      events: [{ kind: { case: 'stored', value: { blockHashes: [1n, 2n], blockKeys: blockKeys(MODEL, '', PROMPT, BLOCK) } } }],
     },
   });
 
 test('tls: the router certificate may Match over mutual TLS', opts, async (t) => {
   const client = clientFor(t, MTLS, { tls: tlsAs('router-a') });
-  const res = await unary(client, 'Match', { model: MODEL, token_ids: PROMPT });
-  assert.equal(res.total_blocks, 2);
+  const res = await client.match({ model: MODEL, tokenIds: PROMPT64 });
+  assert.equal(res.totalBlocks, 2);
 });
 
 test('tls: without a client certificate the call fails UNAVAILABLE', opts, async (t) => {
   const client = clientFor(t, MTLS, { tls: tlsAs(null) });
-  await rejectsWith(unary(client, 'Match', { model: MODEL, token_ids: PROMPT }), grpc.status.UNAVAILABLE);
+  await rejectsWith(client.match({ model: MODEL, tokenIds: PROMPT64 }), grpc.status.UNAVAILABLE);
 });
 
 test('tls: an engine publishes for its own instances only', opts, async (t) => {
@@ -86,19 +87,19 @@ test('tls: an engine publishes for its own instances only', opts, async (t) => {
   const reg = await register(engineA, 'engine-a-0');
   assert.equal(reg.info.live, true);
   const ack = await publish(engineA, 'engine-a-0', 1);
-  assert.equal(ack.ack.outcome, 'BATCH_OUTCOME_APPLIED');
-  assert.equal(ack.ack.blocks_stored, 2);
+  assert.equal(ack.ack.outcome, BatchOutcome.APPLIED);
+  assert.equal(ack.ack.blocksStored, 2);
 
   await rejectsWith(register(engineA, 'engine-b-1'), grpc.status.PERMISSION_DENIED);
   await rejectsWith(publish(engineA, 'engine-b-0', 1), grpc.status.PERMISSION_DENIED);
   // An engine may not Match (a router's method).
-  await rejectsWith(unary(engineA, 'Match', { model: MODEL, token_ids: PROMPT }), grpc.status.PERMISSION_DENIED);
+  await rejectsWith(engineA.match({ model: MODEL, tokenIds: PROMPT64 }), grpc.status.PERMISSION_DENIED);
 
   // What engine-a published is there for a router.
   const router = clientFor(t, MTLS, { tls: tlsAs('router-a') });
-  const res = await unary(router, 'Match', { model: MODEL, token_ids: PROMPT });
+  const res = await router.match({ model: MODEL, tokenIds: PROMPT64 });
   assert.deepEqual(
-    res.matches.map((m) => [m.instance.worker_id, m.depth]),
+    res.matches.map((m) => [m.instance.workerId, m.depth]),
     [['engine-a-0', 2]],
   );
 });
@@ -110,23 +111,23 @@ test('tls: a bearer token over TLS (client certificate optional)', opts, async (
   fs.writeFileSync(tokenFile, `${ROUTER_TOKEN}\n`);
 
   const good = clientFor(t, OPTIONAL, { tls: tlsAs(null), tokenFile });
-  const res = await unary(good, 'Match', { model: MODEL, token_ids: PROMPT });
-  assert.equal(res.total_blocks, 2);
+  const res = await good.match({ model: MODEL, tokenIds: PROMPT64 });
+  assert.equal(res.totalBlocks, 2);
 
   const wrong = clientFor(t, OPTIONAL, { tls: tlsAs(null), token: 'not-a-known-token' });
-  await rejectsWith(unary(wrong, 'Match', { model: MODEL, token_ids: PROMPT }), grpc.status.UNAUTHENTICATED);
+  await rejectsWith(wrong.match({ model: MODEL, tokenIds: PROMPT64 }), grpc.status.UNAUTHENTICATED);
 
   // The file is read again when it changes.
   fs.writeFileSync(tokenFile, 'rotated-to-an-unknown-token\n');
-  await rejectsWith(unary(good, 'Match', { model: MODEL, token_ids: PROMPT }), grpc.status.UNAUTHENTICATED);
+  await rejectsWith(good.match({ model: MODEL, tokenIds: PROMPT64 }), grpc.status.UNAUTHENTICATED);
 });
 
 test('tls: serverName overrides the name the server certificate is checked against', opts, async (t) => {
   // The server certificate names localhost and 127.0.0.1, not kvmesh.invalid.
   const named = clientFor(t, MTLS, { tls: tlsAs('router-a', { serverName: 'localhost' }) });
-  await unary(named, 'Match', { model: MODEL, token_ids: PROMPT });
+  await named.match({ model: MODEL, tokenIds: PROMPT64 });
   const wrong = clientFor(t, MTLS, { tls: tlsAs('router-a', { serverName: 'kvmesh.invalid' }) });
-  await rejectsWith(unary(wrong, 'Match', { model: MODEL, token_ids: PROMPT }), grpc.status.UNAVAILABLE);
+  await rejectsWith(wrong.match({ model: MODEL, tokenIds: PROMPT64 }), grpc.status.UNAVAILABLE);
 });
 
 test('tls: certificate files watched for rotation (reloadIntervalMs)', opts, async (t) => {
@@ -146,7 +147,7 @@ test('tls: certificate files watched for rotation (reloadIntervalMs)', opts, asy
   install(path.join(PKI, 'rogue', 'router-a.crt'), path.join(PKI, 'rogue', 'router-a.key'));
   const tls = { caFile: path.join(PKI, 'ca.crt'), certFile, keyFile, reloadIntervalMs: 50 };
   const client = clientFor(t, MTLS, { tls });
-  const match = () => unary(client, 'Match', { model: MODEL, token_ids: PROMPT }, 2000);
+  const match = () => client.match({ model: MODEL, tokenIds: PROMPT64 }, { deadlineMs: 2000 });
   await rejectsWith(match(), grpc.status.UNAVAILABLE);
 
   install(path.join(PKI, 'router-a.crt'), path.join(PKI, 'router-a.key'));
@@ -162,7 +163,7 @@ test('tls: certificate files watched for rotation (reloadIntervalMs)', opts, asy
     }
   }
   assert.ok(res, `Match never succeeded with the rotated certificate: ${last && last.details}`);
-  assert.equal(res.total_blocks, 2);
+  assert.equal(res.totalBlocks, 2);
 });
 
 test('connection: a bearer token is never sent in plaintext', () => {

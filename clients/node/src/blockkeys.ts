@@ -1,11 +1,10 @@
-'use strict';
 // Block keys (docs/spec/block-keys.md, version 2): chained XXH3-64 over
 // fixed-size token blocks, seeded by the namespace, each block's bytes followed
 // by its extra keys (cache salt, multimodal items; none for a plain text block,
 // whose key is then the version-1 one). Keys are unsigned 64-bit integers,
-// returned as BigInt.
+// returned as BigInt: what the uint64/fixed64 fields of the generated messages take.
 
-const { xxh3 } = require('@node-rs/xxhash');
+import { xxh3 } from '@node-rs/xxhash';
 
 const TOKEN_LIMIT = 2 ** 32;
 
@@ -14,18 +13,35 @@ const TAG_SALT = 0x01;
 const TAG_MEDIA = 0x02;
 const TAG_OTHER = 0x03;
 
+/** An integer offset or length: a safe-integer Number or a BigInt. */
+export type Int = number | bigint;
+
+/** A multimodal item as a block sees it: `[identifier, offset]` (offset from the block's first token). */
+export type BlockMedia = readonly [identifier: string, offset: Int];
+
+/** A multimodal item of a prompt: `[identifier, offset, length]` of its placeholder tokens. */
+export type PromptMedia = readonly [identifier: string, offset: Int, length: Int];
+
+/** Extra keys of a prompt, as the request gives them to the engine. */
+export interface BlockKeyOptions {
+  /** The request's cache_salt: enters block 0 only, so it scopes the whole chain. */
+  cacheSalt?: string;
+  /** Each multimodal item, in prompt order. */
+  media?: readonly PromptMedia[];
+}
+
 /** XXH3-64 (seed 0, default secret) of a byte buffer, as an unsigned BigInt. */
-function h(buf) {
+function h(buf: Buffer): bigint {
   return BigInt.asUintN(64, xxh3.xxh64(buf));
 }
 
 /** The namespace seed: H(UTF8(model) || 0x00 || UTF8(loraName)). */
-function namespaceSeed(model, loraName = '') {
+export function namespaceSeed(model: string, loraName = ''): bigint {
   return h(Buffer.concat([Buffer.from(model, 'utf8'), Buffer.from([0]), Buffer.from(loraName, 'utf8')]));
 }
 
 /** One extra-key item: tag || LE32(data length) || data. */
-function item(tag, data) {
+function item(tag: number, data: Buffer): Buffer {
   const head = Buffer.alloc(5);
   head.writeUInt8(tag, 0);
   head.writeUInt32LE(data.length, 1);
@@ -33,7 +49,7 @@ function item(tag, data) {
 }
 
 /** An integer offset (Number or BigInt) as a BigInt; throws RangeError otherwise. */
-function offsetOf(value, what) {
+function offsetOf(value: Int, what: string): bigint {
   if (typeof value === 'bigint') return value;
   if (!Number.isSafeInteger(value)) throw new RangeError(`${what}: offset ${value} is not an integer`);
   return BigInt(value);
@@ -44,10 +60,14 @@ function offsetOf(value, what) {
  * then each multimodal item `[identifier, offset]` (UTF-8 identifier followed
  * by the offset as LE64 two's complement: the item's first token relative to
  * the block's first, negative when the item began in an earlier block), then
- * each opaque extra (a Buffer or Uint8Array).
+ * each opaque extra.
  */
-function encodeExtras(salt = '', media = [], other = []) {
-  const parts = [];
+export function encodeExtras(
+  salt = '',
+  media: readonly BlockMedia[] = [],
+  other: readonly Uint8Array[] = [],
+): Buffer {
+  const parts: Buffer[] = [];
   if (salt) parts.push(item(TAG_SALT, Buffer.from(salt, 'utf8')));
   media.forEach(([identifier, offset], i) => {
     const off = Buffer.alloc(8);
@@ -60,25 +80,28 @@ function encodeExtras(salt = '', media = [], other = []) {
 
 /**
  * E_i of each of a prompt's first `nBlocks` blocks, as the engine scopes them:
- * `cacheSalt` enters block 0 only (it scopes the whole chain); each item of
- * `media`, `[identifier, offset, length]` of its placeholder tokens in the
- * prompt, enters every block its tokens overlap, with its offset relative to
- * that block. null when there is no salt and no item (plain text).
+ * `cacheSalt` enters block 0 only; each item of `media` enters every block its
+ * tokens overlap, with its offset relative to that block. null when there is
+ * no salt and no item (plain text).
  */
-function promptExtras(nBlocks, blockSize, cacheSalt = '', media = []) {
+export function promptExtras(
+  nBlocks: number,
+  blockSize: number,
+  cacheSalt = '',
+  media: readonly PromptMedia[] = [],
+): Buffer[] | null {
   if (!cacheSalt && media.length === 0) return null;
-  const items = media.map(([identifier, offset, length], i) => [
-    identifier,
-    offsetOf(offset, `media[${i}]`),
-    offsetOf(length, `media[${i}]`),
-  ]);
-  const out = [];
+  const items = media.map(
+    ([identifier, offset, length], i) =>
+      [identifier, offsetOf(offset, `media[${i}]`), offsetOf(length, `media[${i}]`)] as const,
+  );
+  const out: Buffer[] = [];
   for (let i = 0; i < nBlocks; i++) {
     const start = BigInt(i * blockSize);
     const end = BigInt((i + 1) * blockSize);
     const inBlock = items
       .filter(([, offset, length]) => offset < end && start < offset + length)
-      .map(([identifier, offset]) => [identifier, offset - start]);
+      .map(([identifier, offset]): BlockMedia => [identifier, offset - start]);
     out.push(encodeExtras(i === 0 ? cacheSalt : '', inBlock));
   }
   return out;
@@ -86,18 +109,22 @@ function promptExtras(nBlocks, blockSize, cacheSalt = '', media = []) {
 
 /**
  * The block keys of a prompt: one per full block of `blockSize` tokens (the
- * partial last block gets none). `options.cacheSalt` (string) and
- * `options.media` (`[identifier, offset, length]` per multimodal item, in
- * prompt order) as the request gives them to the engine; without them the
- * keys are those of a plain text prompt. Throws RangeError for a token id
- * outside [0, 2^32), naming its index.
+ * partial last block gets none). Without `options.cacheSalt` and
+ * `options.media` the keys are those of a plain text prompt. Throws RangeError
+ * for a token id outside [0, 2^32), naming its index.
  */
-function blockKeys(model, loraName, tokenIds, blockSize, options = {}) {
+export function blockKeys(
+  model: string,
+  loraName: string,
+  tokenIds: readonly number[],
+  blockSize: number,
+  options: BlockKeyOptions = {},
+): bigint[] {
   if (!Number.isInteger(blockSize) || blockSize < 1) {
     throw new RangeError(`blockSize must be a positive integer, got ${blockSize}`);
   }
   const { cacheSalt = '', media = [] } = options;
-  const keys = [];
+  const keys: bigint[] = [];
   let prev = namespaceSeed(model, loraName);
   const blocks = Math.floor(tokenIds.length / blockSize);
   const extras = promptExtras(blocks, blockSize, cacheSalt, media);
@@ -112,10 +139,9 @@ function blockKeys(model, loraName, tokenIds, blockSize, options = {}) {
       }
       payload.writeUInt32LE(t, 8 + 4 * j);
     }
-    prev = h(extras && extras[i].length ? Buffer.concat([payload, extras[i]]) : payload);
+    const extra = extras ? extras[i] : null;
+    prev = h(extra && extra.length ? Buffer.concat([payload, extra]) : payload);
     keys.push(prev);
   }
   return keys;
 }
-
-module.exports = { namespaceSeed, encodeExtras, promptExtras, blockKeys };

@@ -407,7 +407,8 @@ async function matches(count) {
   for (let lo = 0; lo < count; lo += 30) {
     const wave = [];
     for (let i = lo; i < Math.min(count, lo + 30); i++) {
-      wave.push(client.match({ model: 'test/model', blockKeys: keys.map(BigInt) }, { deadlineMs: 5000 }));
+      const req = { model: 'test/model', blockKeys: keys.map(BigInt) };
+      wave.push(client.match(req, { deadlineMs: 5000 }));
     }
     for (const res of await Promise.all(wave)) if (res.matches.length === 1) ok += 1;
   }

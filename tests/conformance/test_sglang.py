@@ -136,7 +136,7 @@ class Runs:
         for item in self._request.session.items:
             spec = getattr(item, "callspec", None)
             scenario = spec.params.get("scenario") if spec is not None else None
-            if scenario in SPECS:
+            if isinstance(scenario, str) and scenario in SPECS:
                 wanted.add(scenario)
         return [s for s in _SLOWEST_FIRST if s in wanted]
 

@@ -316,7 +316,7 @@ def test_the_follower_needs_only_the_index_core_of_the_indexer(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
-    ("scenario", "refused"),
+    ("child", "refused"),
     [
         # The tracing SDK is the server's (or an application's) choice, loaded only
         # when tracing is configured.
@@ -338,9 +338,9 @@ def test_the_follower_needs_only_the_index_core_of_the_indexer(tmp_path: Path) -
     ],
 )
 def test_the_blocker_fails_an_import_that_needs_what_it_refuses(
-    scenario: dict[str, Any], refused: str, tmp_path: Path
+    child: dict[str, Any], refused: str, tmp_path: Path
 ) -> None:
-    done = run_child({"blocker": blocker(), **scenario}, tmp_path)
+    done = run_child({"blocker": blocker(), **child}, tmp_path)
     assert done.returncode != 0, done.stdout
     last = done.stderr.strip().splitlines()[-1]
     # The module itself, or one of its submodules (google.rpc is a namespace package).

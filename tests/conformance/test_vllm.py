@@ -115,7 +115,7 @@ class Runs:
         for item in self._request.session.items:
             spec = getattr(item, "callspec", None)
             scenario = spec.params.get("scenario") if spec is not None else None
-            if scenario and scenario not in wanted:
+            if isinstance(scenario, str) and scenario and scenario not in wanted:
                 wanted.append(scenario)
         return wanted if "full" in wanted else ["full", *wanted]
 

@@ -4,8 +4,11 @@ Event work does not yield on its own: an awaited ZMQ receive that is ready at
 once returns without a loop turn, and the memory backend's apply awaits
 nothing. Work of that kind calls :meth:`Pacer.pace` between its pieces, and
 every piece of one event loop draws on one budget (:func:`loop_pacer`): the
-ZMQ subscribers, and the memory backend's apply of a long batch
-(indexer/memory.py). Once the budget is spent, that work waits one whole
+ZMQ subscribers (between batches, and between the events of one batch as it
+is decoded: indexer/kvevents/decode.py, ``decode_batch_paced``), the memory
+backend's apply of a long batch (indexer/memory.py), and the Matches of one
+MatchStream message that the memory backend answers inline
+(indexer/server.py). Once the budget is spent, that work waits one whole
 loop turn, in which gRPC calls and health probes run.
 """
 

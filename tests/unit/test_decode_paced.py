@@ -104,7 +104,7 @@ def test_the_paced_decoder_gives_what_decode_batch_gives(payload: bytes) -> None
 
 
 _JUNK = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**64), 2**64 - 1) | st.text(max_size=3),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=3),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
     max_leaves=6,
 )

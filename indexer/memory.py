@@ -931,12 +931,21 @@ class MemoryIndex(Index):
     async def load_instance(self, state: InstanceState, content: EventBatch) -> None:
         """Hold an instance as a snapshot gave it (a follower's copy): registered
         anew with ``state``'s spec, its blocks from ``content``, its applied
-        sequence and staleness as ``state`` says."""
+        sequence, staleness and lease as ``state`` says.
+
+        The lease is the snapshot's, not a fresh one: an instance whose lease
+        ran out at the replica before it was reaped must not come back for a
+        whole lease period in the copy (the replica's renewals reach the copy
+        as changes).
+        """
         spec = state.spec
         if spec.instance in self._instances:
             await self.remove_instance(spec.instance)  # it starts empty
         await self.register(spec)
         inst = self._get(spec.instance, NotFound)
+        inst.lease_expires_at = state.lease_expires_at
+        self._visible_until = -math.inf
+        self._dirty = True
         if content.events:
             counts = [0, 0, 0]
             for ev in content.events:
@@ -948,6 +957,24 @@ class MemoryIndex(Index):
             inst.depth1, inst.hits = _no_depth1(), {}
             self._visible_until = -math.inf
             self._dirty = True
+
+    def renewed_at(self, instance: InstanceId, at: float) -> None:
+        """The instance's lease as renewed at ``at`` by another index (a
+        follower's copy: the replica's time of the change, not the copy's).
+
+        A copy that applies a change late would otherwise renew from its own
+        clock, and keep an instance the replica has let expire for that much
+        longer.
+        """
+        inst = self._instances.get(instance)
+        if inst is None:
+            return
+        expires = at + inst.spec.lease_ttl_s
+        if expires < inst.lease_expires_at:
+            # Lowered: the fast path's bound may no longer hold (see _visible_until).
+            self._visible_until = -math.inf
+            self._dirty = True
+        inst.lease_expires_at = expires
 
     # -- quotas (indexer/index.py, "Quotas") ----------------------------------
 

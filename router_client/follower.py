@@ -70,7 +70,13 @@ LAG_WINDOW = 4096
 #: bounds what it sends (its limits.max_message_bytes, 16 MiB by default),
 #: where grpc's default of 4 MiB would end the stream at the first larger
 #: change (a batch of some 250,000 blocks). A channel passed in needs the same.
-RECEIVE_OPTIONS = (("grpc.max_receive_message_length", -1),)
+RECEIVE_OPTIONS = (
+    ("grpc.max_receive_message_length", -1),
+    # gRPC's own reconnect backoff grows to 120 s: after a replica restarted a
+    # few times the copy stayed out of sync long past the follower's own 2 s cap.
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 #: Reconnect backoff: first and longest pause, seconds.
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
@@ -386,17 +392,25 @@ class IndexFollower:
 
     async def _apply(self, ch: pb.WatchChange, kind: str | None) -> None:
         idx = self.index
+        # A lease runs from the replica's time of the change (applied_at), not
+        # from when the copy applied it.
         if kind == "registered":
             state = state_from_pb(ch.registered.info)
             await idx.register(state.spec)
+            if ch.applied_at:
+                idx.renewed_at(state.spec.instance, ch.applied_at)
             self._hybrid.pop(state.spec.model, None)
         elif kind == "renewed":
             iid = InstanceId(ch.renewed.worker_id, ch.renewed.dp_rank)
             with contextlib.suppress(KvmeshError):
                 await idx.heartbeat(iid)
+                if ch.applied_at:
+                    idx.renewed_at(iid, ch.applied_at)
         elif kind == "batch":
             batch = batch_from_pb(ch.batch)
             await idx.apply(batch)
+            if ch.applied_at:
+                idx.renewed_at(batch.instance, ch.applied_at)
             if any(getattr(ev, "lora_name", "") == HYBRID_LORA for ev in batch.events):
                 self._hybrid = {}
         elif kind == "gone":

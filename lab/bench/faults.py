@@ -16,8 +16,15 @@ violations, then every violation with its minimal sequence. ``--json FILE``
 writes ``{"figures": {"operations", "faults_injected", "fault_kinds",
 "replicas", "violations", ...}, "params": {...}, "violations": [...]}``.
 
+``--follower`` adds a router's follower (router_client/follower.py) to every
+memory-backend round: it follows the replica over a real WatchIndex stream
+that the harness cuts and stalls, and its Matches are checked against the
+model under the follower's lag bound (lab/faults/fleet.py); the figures then
+count its answers (``follower``: checked, fallback while out of sync, behind
+while stalled; snapshots, resyncs, reconnects).
+
 ``--keep I,J,...`` (with ``--target``, ``--profile``, ``--seed``,
-``--replicas``) replays exactly the operations of that round with those
+``--replicas``, ``--follower``) replays exactly the operations of that round with those
 indices, as a shrunk violation prints them. The exit code is 1 when a
 violation was found.
 """
@@ -52,7 +59,7 @@ from lab.faults.driver import (
     shrink,
 )
 from lab.faults.faults import ClusterTarget, StandaloneTarget, Target
-from lab.faults.fleet import CACHE_TTL_S, SOCKET_TIMEOUT_S
+from lab.faults.fleet import CACHE_TTL_S, FOLLOWER_LAG_S, SOCKET_TIMEOUT_S
 from lab.faults.ops import PROFILES, describe, profile_ops
 from lab.redisproc import RedisClusterProcess, RedisProcess
 
@@ -92,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--targets", default="standalone,cluster,memory",
         help="comma-separated: standalone, cluster, memory",
     )  # fmt: skip
+    ap.add_argument(
+        "--follower",
+        action="store_true",
+        help="memory rounds also follow the replica with a router's follower and check it",
+    )
     ap.add_argument("--profiles", default="", help="comma-separated profiles (default: rotation)")
     ap.add_argument("--ops", type=int, default=ROUND_OPS, help="operations per round")
     ap.add_argument(
@@ -175,13 +187,16 @@ async def _run(
             replicas=args.replicas,
             ops=args.ops,
             duration_s=max(left, 1.0),
+            follower=args.follower and kind == "memory",
         )
         progress.phase(f"round {k}: {kind}/{profile}, seed {p.seed}")
         res = await run_round(targets[kind], p)
         status = str(res.violations[0]) if res.violations else "ok"
         print(
             f"round {k}: {kind}/{profile} seed {p.seed}: {res.operations} ops, "
-            f"{sum(res.faults.values())} faults, {res.elapsed_s:.1f}s: {status[:160]}",
+            f"{sum(res.faults.values())} faults, {res.elapsed_s:.1f}s"
+            + (f", follower {dict(res.follower)}" if res.follower else "")
+            + f": {status[:160]}",
             flush=True,
         )
         if res.violations:
@@ -197,8 +212,10 @@ def _figures(rounds: Sequence[RoundResult], replicas: int) -> dict[str, Any]:
     kinds: Counter[str] = Counter()
     by_inv: Counter[str] = Counter()
     by_target: Counter[str] = Counter()
+    follower: Counter[str] = Counter()
     for r in rounds:
         kinds.update(r.faults)
+        follower.update(r.follower)
         by_target[r.target] += r.operations
         if r.violations:
             by_inv[r.violations[0].invariant] += 1
@@ -211,6 +228,7 @@ def _figures(rounds: Sequence[RoundResult], replicas: int) -> dict[str, Any]:
         "violations_by_invariant": dict(sorted(by_inv.items())),
         "rounds": len(rounds),
         "operations_by_target": dict(sorted(by_target.items())),
+        **({"follower": dict(sorted(follower.items()))} if follower else {}),
     }
 
 
@@ -266,7 +284,7 @@ def _replay(args: argparse.Namespace) -> int:
     with _targets([args.target]) as targets:
         p = RunParams(
             seed=args.seed, profile=args.profile, replicas=args.replicas, ops=max(keep) + 1,
-            keep=keep,
+            keep=keep, follower=args.follower,
         )  # fmt: skip
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             res = runner.run(run_round(targets[args.target], p))
@@ -304,6 +322,8 @@ def main(argv: Sequence[str]) -> int:
             "lag_margin_s": LAG_MARGIN_S,
             "recovery_s": RECOVERY_S,
             "call_timeout_s": CALL_TIMEOUT_S,
+            "follower": args.follower,
+            "follower_lag_s": FOLLOWER_LAG_S,
             "cluster": "3 masters, 1 replica each",
             "machine": platform.machine(),
             "cpus": os.cpu_count(),

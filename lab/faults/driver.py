@@ -76,7 +76,15 @@ from kvmesh.blockkeys import block_keys, to_signed
 from kvmesh.errors import FailedPrecondition, KvmeshError, NotFound
 from lab.faults.engines import ZmqEngine
 from lab.faults.faults import Target
-from lab.faults.fleet import Fleet, IndexWrapper, LeaseClock, Replica
+from lab.faults.fleet import (
+    FOLLOWER_LAG_S,
+    Fleet,
+    FollowerLink,
+    HarnessFollower,
+    IndexWrapper,
+    LeaseClock,
+    Replica,
+)
 from lab.faults.invariants import Violation
 from lab.faults.model import FleetModel, Identity, same_incarnation
 from lab.faults.ops import (
@@ -134,6 +142,7 @@ from lab.faults.ops import (
     generate,
     profile_ops,
 )
+from router_client.indexer_client import instance_name
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +191,12 @@ STEP_TIMEOUT_S = 120.0
 
 #: Longest the fleet of a round may take to stop.
 CLOSE_TIMEOUT_S = 30.0
+
+#: Chance, per operation, that a round with a follower cuts its stream, and that
+#: it stalls it (for FOLLOWER_STALL_STEPS operations).
+FOLLOWER_CUT_P = 0.015
+FOLLOWER_STALL_P = 0.03
+FOLLOWER_STALL_STEPS = (15, 40)
 
 #: Operations between two full checks (ListInstances, DumpIndex, GetStats, ZMQ).
 FULL_CHECK_EVERY = 25
@@ -293,6 +308,10 @@ class RunParams:
     script: tuple[Op, ...] | None = None
     #: How long a ZMQ subscriber may take to catch up (``zmq_stuck`` beyond).
     zmq_catch_up_s: float = ZMQ_CATCH_UP_S
+    #: Follow the memory replica with a router's follower and check its Matches
+    #: (lab/faults/fleet.py); ``follower_cls`` (tests: a broken one) is its class.
+    follower: bool = False
+    follower_cls: type[HarnessFollower] = HarnessFollower
 
 
 @dataclass
@@ -307,6 +326,10 @@ class RoundResult:
     #: (index in the generated sequence, operation) of every operation run.
     ran: list[tuple[int, Op]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    #: The follower's Matches: checked (caught up, against the model), fallback
+    #: (None: out of sync), behind (answered while its stream was stalled), and
+    #: its snapshots, resyncs and reconnects.
+    follower: Counter[str] = field(default_factory=Counter)
 
 
 # -- wire helpers ----------------------------------------------------------------------
@@ -446,6 +469,8 @@ class Driver:
         self.fault_end = -math.inf
         self.purge_pending = False
         self._names = 0
+        self.follower: FollowerLink | None = None
+        self.follower_figures: Counter[str] = Counter()
 
     # -- plumbing --------------------------------------------------------------------
 
@@ -604,6 +629,9 @@ class Driver:
         async def step() -> None:
             await self.execute(op)
             await self.probe(op)
+            if self.follower is not None:
+                self.follower_fault()
+                await self.follower_probe(op)
             if full:
                 await self.full_check()
 
@@ -1009,9 +1037,12 @@ class Driver:
         max_instances: int,
         got: Sequence[InstanceMatch],
         reply: Reply,
+        who: str = "",
     ) -> None:
-        """Check one Match answer of replica ``r`` against the model (see CONSISTENCY.md)."""
+        """Check one Match answer of replica ``r`` (or of ``who``, answering as it
+        would) against the model (see CONSISTENCY.md)."""
         now = self.clock()
+        who = who or f"replica {r}"
         seen = Counter(m.instance for m in got)
         twice = [str(i) for i, c in seen.items() if c > 1]
         if twice:
@@ -1030,37 +1061,37 @@ class Driver:
                 if m.depth > want_d:
                     self.violate(
                         "zmq_phantom",
-                        f"{m.instance} matched {m.depth} blocks; its engine holds {want_d}",
+                        f"{who}: {m.instance} matched {m.depth} blocks; its engine holds {want_d}",
                     )
                 continue
             v = self.views(m.instance, r, reply, now)
             if not v.may_show(include_stale):
                 self.violate(
                     "ghost_instance",
-                    f"replica {r} named {m.instance} ({m.address}); within the lag bound it "
+                    f"{who} named {m.instance} ({m.address}); within the lag bound it "
                     f"was {v.describe(now)}",
                 )
             if m.address not in v.addresses or m.stale not in v.stale_flags:
                 self.violate(
                     "stale_identity",
-                    f"replica {r} named {m.instance} at {m.address!r} stale={m.stale}; within "
+                    f"{who} named {m.instance} at {m.address!r} stale={m.stale}; within "
                     f"the lag bound it was {v.describe(now)}",
                 )
             g, c, d = self.model.index.depth(m.instance, ns, keys)
             if m.depth > g + c + d:
                 self.violate(
                     "removed_reported",
-                    f"replica {r}: {m.instance} matched {m.depth} blocks, holds {g + c + d}",
+                    f"{who}: {m.instance} matched {m.depth} blocks, holds {g + c + d}",
                 )
             if m.depth < g + c + d:
                 self.violate(
                     "ack_lost",
-                    f"replica {r}: {m.instance} matched {m.depth} blocks, holds {g + c + d}",
+                    f"{who}: {m.instance} matched {m.depth} blocks, holds {g + c + d}",
                 )
             if (m.gpu_blocks, m.cpu_blocks, m.disk_blocks) != (g, c, d):
                 self.violate(
                     "wrong_read",
-                    f"{m.instance} tiers {(m.gpu_blocks, m.cpu_blocks, m.disk_blocks)}, "
+                    f"{who}: {m.instance} tiers {(m.gpu_blocks, m.cpu_blocks, m.disk_blocks)}, "
                     f"contract {(g, c, d)}",
                 )
         floor = min((m.depth for m in got), default=0)
@@ -1080,7 +1111,7 @@ class Driver:
                 iid,
                 ns,
                 keys,
-                f"replica {r} left out {iid} (holds {depth} of {len(keys)} blocks, "
+                f"{who} left out {iid} (holds {depth} of {len(keys)} blocks, "
                 f"{v.describe(now)} throughout the lag window); answer {list(got)}",
             )
 
@@ -1131,6 +1162,113 @@ class Driver:
         await self.check_match(
             r.n, Namespace(model, lora), keys, include_stale, 0, reply.value.matches, reply
         )
+
+    # -- the follower ---------------------------------------------------------------
+
+    def follower_fault(self) -> None:
+        """Cut or stall the follower's stream, or end a stall, drawn from the seed and
+        the operation's index (so that a replay with --keep draws the same)."""
+        link = self.follower
+        assert link is not None
+        if link.stalled:
+            if self.step >= link.stall_until:
+                link.resume()
+            return
+        rng = random.Random(f"{self.seed}/follower/{self.step}")
+        x = rng.random()
+        if x < FOLLOWER_CUT_P:
+            self.faults["follower_cut"] += 1
+            link.cut()
+        elif x < FOLLOWER_CUT_P + FOLLOWER_STALL_P:
+            self.faults["follower_stall"] += 1
+            link.stall(self.step + rng.randint(*FOLLOWER_STALL_STEPS))
+
+    async def follower_probe(self, op: Op) -> None:
+        """A Match on the follower, checked against the model (CONSISTENCY.md, "A
+        router's follower"): None (out of sync) is a fallback, never wrong; an
+        answer from a copy holding everything the replica acknowledged must be
+        the replica's; one from a copy behind is polled until it catches up, and
+        past FOLLOWER_LAG_S (unless the stream is stalled) is ``follower_lag``."""
+        rng = random.Random(zlib.crc32(repr(op).encode()) ^ self.seed ^ 0x5F0110)
+        spaces = [(m, "") for m in MODELS] + [(MODELS[0], "l"), (SG_MODEL, "")]
+        if self.engines:
+            spaces.append((ZMQ_MODEL, ""))
+        model, lora = rng.choice(spaces)
+        by_keys = model == ZMQ_MODEL and rng.random() < 0.5
+        chain, blocks = rng.randrange(CHAINS), rng.randint(1, CHAIN_BLOCKS)
+        await self.follower_check(model, lora, self.match_keys(model, lora, chain, blocks, by_keys))
+
+    async def follower_check(self, model: str, lora: str, keys: Sequence[int]) -> None:
+        """One Match on the follower, checked (see :meth:`follower_probe`)."""
+        link = self.follower
+        assert link is not None
+        f = link.f
+        ns = Namespace(model, lora)
+        start = time.monotonic()
+        while True:
+            out = f.match(model, lora, keys)
+            t = time.monotonic()
+            if out is None:
+                self.follower_figures["fallback"] += 1
+                quiet = t - max(f.unsynced_at, link.fault_end, self.fault_end)
+                if not f.synced and not link.stalled and quiet > RECOVERY_S:
+                    self.violate(
+                        "not_recovered",
+                        f"the follower has been out of sync for {t - f.unsynced_at:.1f} s, "
+                        f"{quiet:.1f} s after the last fault",
+                    )
+                return
+            # The copy's own answer (addresses and stale flags too), read in the
+            # same step of the loop as the router's.
+            raw = f.index.match_sync(ns, keys)
+            caught = link.caught_up()
+            named = {instance_name(m.instance.worker_id, m.instance.dp_rank): m for m in raw}
+            seen = Counter(m.instance for m in raw)
+            twice = [str(i) for i, c in seen.items() if c > 1]
+            if twice:
+                self.violate("listed_twice", f"the follower named {twice} twice: {raw}")
+            mine = {
+                n: (m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks) for n, m in named.items()
+            }
+            theirs = {
+                n: (w.depth, w.gpu_blocks, w.cpu_blocks, w.disk_blocks)
+                for n, w in out.matches.items()
+            }
+            if mine != theirs:
+                self.violate("wrong_read", f"the follower answered {theirs}; its copy holds {mine}")
+            if caught:
+                self.follower_figures["checked"] += 1
+                reply = Reply(None, "OK", "", t, t, False)
+                await self.check_match(0, ns, keys, False, 0, raw, reply, who="follower")
+                return
+            if link.stalled:
+                self.follower_figures["behind"] += 1
+                return
+            since = t - max(start, link.fault_end)
+            if since > FOLLOWER_LAG_S:
+                self.violate(
+                    "follower_lag",
+                    f"the follower answered from a copy at position {f.position} "
+                    f"(loaded from the replica's run {f.synced_run}, which is in run "
+                    f"{link.replica.run}); the replica is at {link.replica_position()}, "
+                    f"{since:.2f} s after it acknowledged (F = {FOLLOWER_LAG_S:g} s)",
+                )
+            await asyncio.sleep(0.002)
+
+    async def follower_final(self) -> None:
+        """At the end of a round: the stream flowing again, the follower must be in
+        sync within RECOVERY_S, and then answer every chain of every model."""
+        link = self.follower
+        assert link is not None
+        if link.stalled:
+            link.resume()
+        if not await link.f.wait_synced(RECOVERY_S):
+            self.violate("not_recovered", f"the follower did not sync within {RECOVERY_S:g} s")
+        spaces = [(m, "") for m in MODELS] + [(MODELS[0], "l"), (SG_MODEL, "")]
+        for model, lora in spaces:
+            for chain in range(CHAINS):
+                keys = self.match_keys(model, lora, chain, CHAIN_BLOCKS, False)
+                await self.follower_check(model, lora, keys)
 
     @staticmethod
     async def _no_grpc(stub: Any, sg: Any, t: float) -> Any:
@@ -1805,8 +1943,13 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
         zmq_policy=PROFILES[p.profile].zmq_policy,
     )
     driver = Driver(fleet, p.seed, engines=engines, zmq_catch_up_s=p.zmq_catch_up_s)
+    link: FollowerLink | None = None
     try:
         await fleet.start()
+        if p.follower and target.kind == "memory":
+            link = driver.follower = FollowerLink(fleet.replicas[0], clock, p.follower_cls)
+            if not await link.start(RECOVERY_S):
+                raise RuntimeError(f"the follower did not sync within {RECOVERY_S:g} s")
         since_full = 0
         for i, op in _ops_of(p, target.kind):
             if p.duration_s and time.monotonic() - t_start > p.duration_s:
@@ -1826,9 +1969,17 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
                 await driver.full_check(range(replicas))
                 if engines:
                     await driver.zmq_check()
+                if link is not None:
+                    await driver.follower_final()
             except _Stop:
                 pass
     finally:
+        if link is not None:
+            if (f := link.follower) is not None:
+                driver.follower_figures.update(
+                    snapshots=f.snapshots, resyncs=f.resyncs, reconnects=f.reconnects
+                )
+            await link.close()
         try:
             await asyncio.wait_for(fleet.close(), CLOSE_TIMEOUT_S)
         except TimeoutError:
@@ -1838,6 +1989,7 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
         ctx.destroy(linger=0)
     res.faults = driver.faults
     res.violations = driver.violations
+    res.follower = driver.follower_figures
     res.elapsed_s = time.monotonic() - t_start
     return res
 
@@ -1875,6 +2027,8 @@ async def shrink(target: Target, failed: RoundResult, budget_s: float = 60.0) ->
                 wrap=failed.params.wrap,
                 script=failed.params.script,
                 zmq_catch_up_s=failed.params.zmq_catch_up_s,
+                follower=failed.params.follower,
+                follower_cls=failed.params.follower_cls,
             )
             got = await run_round(target, p)
             if got.violations and got.violations[0].invariant == want:
@@ -1895,7 +2049,8 @@ def replay_line(res: RoundResult) -> str:
     keep = ",".join(str(i) for i, _ in res.ran)
     return (
         f"kvmesh bench faults --target {res.target} --profile {p.profile} "
-        f"--replicas {p.replicas} --seed {p.seed} --keep {keep}"
+        f"--replicas {p.replicas} --seed {p.seed}{' --follower' if p.follower else ''} "
+        f"--keep {keep}"
     )
 
 

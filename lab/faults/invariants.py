@@ -39,6 +39,10 @@ INVARIANTS: dict[str, str] = {
     "zmq_lost": "the engine's replay buffer covered everything the subscriber missed, yet "
     "the index lacks part of the engine's cache",
     "zmq_stuck": "a ZMQ subscriber did not catch up with its engine within ZMQ_CATCH_UP_S",
+    "follower_lag": "a router's follower answered a Match from a copy that lacked a change "
+    "its replica had acknowledged longer than its lag bound F (FOLLOWER_LAG_S) before, or "
+    "longer than F after its stalled stream flowed again, instead of catching up or "
+    "answering nothing",
     "starved": "a Match waited for a whole ZMQ ingest burst: the replica served no gRPC "
     "while it ingested",
 }

@@ -7,12 +7,15 @@ what shows that its invariants can fail.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 
+from indexer.convert import batch_from_pb
 from indexer.index import Index
 from indexer.memory import MemoryIndex
 from indexer.model import (
     ApplyResult,
+    BlockRemoved,
     BlockStored,
     EventBatch,
     IndexDump,
@@ -23,6 +26,8 @@ from indexer.model import (
     InstanceState,
     Namespace,
 )
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from lab.faults.fleet import HarnessFollower
 
 
 class Delegating(Index):
@@ -141,3 +146,25 @@ BROKEN: dict[str, tuple[type[Delegating], frozenset[str]]] = {
     "stale_address_forever": (StaleAddressForever, frozenset({"stale_identity"})),
     "ignores_removal": (IgnoresRemoval, frozenset({"ghost_instance", "removed_reported"})),
 }
+
+
+class FollowerIgnoresBlockRemovals(HarnessFollower):
+    """A router's follower that applies every change but the BlockRemoved events
+    of a batch: its copy keeps blocks its replica dropped (until a snapshot)."""
+
+    async def _apply(self, ch: pb.WatchChange, kind: str | None) -> None:
+        if kind != "batch":
+            await super()._apply(ch, kind)
+            return
+        batch = batch_from_pb(ch.batch)
+        kept = tuple(e for e in batch.events if not isinstance(e, BlockRemoved))
+        await self.index.apply(dataclasses.replace(batch, events=kept))
+
+
+class FollowerStopsApplying(HarnessFollower):
+    """A router's follower that loads its snapshots but applies no change after
+    one, and keeps answering: a consumer stuck while its copy looks in sync."""
+
+    async def _on(self, ch: pb.WatchChange) -> None:
+        if ch.WhichOneof("change") in ("snapshot", "synced", "resync"):
+            await super()._on(ch)

@@ -57,6 +57,9 @@ FAULTS_OF: dict[str, tuple[str, ...]] = {
     "zmq_stale": ("zmq_truncate", "zmq_late_join"),
 }
 
+#: Fault kinds a round with a follower must have injected on its stream.
+FOLLOWER_FAULTS = ("follower_cut", "follower_stall")
+
 
 @dataclass(frozen=True)
 class Case:
@@ -67,12 +70,14 @@ class Case:
     seed: int
     ops: int
     zmq_catch_up_s: float = 8.0
+    #: With a router's follower of the memory replica, its Matches checked too.
+    follower: bool = False
     #: Why the case fails on the code as it is ('' : it passes).
     known: str = ""
 
     @property
     def id(self) -> str:
-        return f"{self.target}-{self.profile}"
+        return f"{self.target}-{self.profile}" + ("-follower" if self.follower else "")
 
 
 CASES = [
@@ -104,6 +109,8 @@ CASES = [
     Case("memory", "zmq_stale", 10, 80),
     Case("memory", "starve", 1, 6),
     Case("memory", "names", 1, 12),
+    # The follower through replica restarts, stream cuts and stalls (a couple of s).
+    Case("memory", "replica", 3, 300, follower=True),
 ]
 
 
@@ -116,7 +123,11 @@ def _param(c: Case) -> object:
 async def test_fleet_keeps_the_contract(case: Case, request: pytest.FixtureRequest) -> None:
     target = request.getfixturevalue(case.target)
     p = RunParams(
-        seed=case.seed, profile=case.profile, ops=case.ops, zmq_catch_up_s=case.zmq_catch_up_s
+        seed=case.seed,
+        profile=case.profile,
+        ops=case.ops,
+        zmq_catch_up_s=case.zmq_catch_up_s,
+        follower=case.follower,
     )
     res = await run_round(target, p)
     if res.violations:
@@ -124,8 +135,11 @@ async def test_fleet_keeps_the_contract(case: Case, request: pytest.FixtureReque
             res = await shrink(target, res, SHRINK_BUDGET_S)
         pytest.fail(format_round(res), pytrace=False)
     assert res.operations == case.ops
-    for kind in FAULTS_OF.get(case.profile, ()):
+    kinds = FAULTS_OF.get(case.profile, ()) + (FOLLOWER_FAULTS if case.follower else ())
+    for kind in kinds:
         assert res.faults[kind] > 0, f"{case.id}: no {kind} injected in {dict(res.faults)}"
+    if case.follower:
+        assert res.follower["checked"] > 0, f"{case.id}: no follower answer checked"
 
 
 async def _keeps_contract(

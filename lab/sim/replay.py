@@ -17,6 +17,21 @@ simulated engines (:mod:`lab.sim.engine`) by the policy under test:
   request arriving earlier with the same new prefix is routed without them,
   as a real router would route it.
 
+**Follower and outage** (:mod:`lab.sim.outage`). ``--follower`` runs
+cache_shared twice: its routers asking the indexer (remote) and asking an
+:class:`router_client.follower.IndexFollower` of it first (follower), the
+remote Match and load-only routing behind it as ``IndexerClient`` falls back.
+Before each routing decision the replay waits (wall time, virtual time
+stopped) until the follower applied what the indexer acknowledged, so the
+two compare where answers come from, not the follower's lag. ``--outage
+START_S:DURATION_S`` runs each mode once more with the indexer killed at
+``START_S`` replay seconds after the first arrival and started again, empty,
+at ``START_S + DURATION_S``; the engines then register again and publish
+what they hold (:class:`lab.sim.outage.RefeedPublisher`), and the replay
+waits for the follower to load its new snapshot. Either flag without
+``--indexer`` starts ``kvmesh indexer serve`` (memory backend) on a free
+loopback port for the replay; ``--outage`` needs that process.
+
 Everything runs on one discrete-event queue, so a run is fast and, with the
 in-process index, deterministic for a seed. Hit rates count prompt blocks
 found cached on the chosen worker; the bounds are one LRU cache of ``W x
@@ -51,8 +66,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -71,10 +88,18 @@ from kvmesh.stats import percentile
 from lab.bench.report import write_report
 from lab.sim.clock import VirtualClock
 from lab.sim.engine import ServiceModel, SimEngine, SimRequest
+from lab.sim.outage import (
+    RECONNECT_OPTIONS,
+    HeldCopy,
+    IndexerProcess,
+    Outage,
+    RefeedPublisher,
+)
 from lab.sim.publish import GrpcPublisher, MemoryPublisher
 from lab.synth import measure
 from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_block_key
 from router_client.config import DEFAULT_BALANCE, RouterConfig
+from router_client.follower import RECEIVE_OPTIONS, IndexFollower
 from router_client.indexer_client import (
     IndexerClient,
     MatchOutcome,
@@ -127,6 +152,33 @@ class ReplaySettings:
     event_lag_s: float = 0.0
     ttft_slo_s: float = DEFAULT_TTFT_SLO_S
     trace: str = BUNDLED_TRACE
+    #: Run cache_shared with a follower of the indexer too (module docstring).
+    follower: bool = False
+    #: Run cache_shared once more per mode through this indexer outage.
+    outage: Outage | None = None
+    #: Also a follower answering from its last copy while out of sync (HeldCopy).
+    follower_hold: bool = False
+
+
+#: Wall seconds the replay waits for the follower: to apply what the indexer
+#: acknowledged before a decision, and to load a snapshot.
+CATCH_UP_TIMEOUT_S = 2.0
+SYNC_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class SharedRun:
+    """How one cache_shared run reaches the indexer (``--follower``, ``--outage``)."""
+
+    label: str
+    follower: bool = False
+    outage: Outage | None = None
+    #: The follower answers from its last copy while out of sync (HeldCopy).
+    hold: bool = False
+    #: After the restart the engines publish what they hold again (False: they
+    #: carry on with their next batches only, and the index starts empty).
+    refeed: bool = True
+    process: IndexerProcess | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +225,22 @@ class PolicyResult:
     early_turns: float = 0.0
     #: Hit blocks of every request, in trace order.
     request_hits: list[int] = field(default_factory=list, repr=False)
+    #: Hit rate of the requests arriving during the outage window, and during
+    #: as long a window after it (None without ``--outage``).
+    outage_hit_rate: float | None = None
+    after_hit_rate: float | None = None
+    #: Matches the follower answered, of all the routers' Matches (follower runs).
+    follower_matches: int = 0
+    matches: int = 0
+    #: Decisions made before the follower caught up within the timeout.
+    catch_up_timeouts: int = 0
+    #: Wall seconds from the indexer's restart to the follower in sync again.
+    resync_s: float | None = None
+    #: Batches the engines made that the indexer did not take, blocks published again.
+    lost_batches: int = 0
+    refed_blocks: int = 0
+    #: Matches a held copy answered while the follower was out of sync (--follower-hold).
+    held_matches: int = 0
 
     @property
     def utilisation(self) -> float:
@@ -224,6 +292,36 @@ class ReplayResult:
             out[f"{r.policy}_prefill_utilisation"] = r.prefill_util
             out[f"{r.policy}_slot_utilisation"] = r.slot_util
             out[f"{r.policy}_early_turns"] = r.early_turns
+            if r.outage_hit_rate is not None and r.after_hit_rate is not None:
+                out[f"{r.policy}_outage_window_hit_rate"] = r.outage_hit_rate
+                out[f"{r.policy}_after_window_hit_rate"] = r.after_hit_rate
+            if r.policy.startswith("cache_shared_"):
+                out[f"{r.policy}_lost_batches"] = r.lost_batches
+                out[f"{r.policy}_refed_blocks"] = r.refed_blocks
+            if r.policy.startswith("cache_shared_follower"):
+                out[f"{r.policy}_follower_share"] = (
+                    r.follower_matches / r.matches if r.matches else 0.0
+                )
+                out[f"{r.policy}_catch_up_timeouts"] = r.catch_up_timeouts
+            if r.resync_s is not None:
+                out[f"{r.policy}_resync_s"] = r.resync_s
+            if r.policy.startswith("cache_shared_follower_hold"):
+                out[f"{r.policy}_held_matches"] = r.held_matches
+        by = {r.policy: r for r in self.results}
+        pairs = (
+            ("follower_vs_remote", "cache_shared_follower", "cache_shared"),
+            ("follower_vs_remote_outage", "cache_shared_follower_outage", "cache_shared_outage"),
+            ("follower_outage_vs_remote", "cache_shared_follower_outage", "cache_shared"),
+            ("hold_vs_remote_outage", "cache_shared_follower_hold_outage", "cache_shared_outage"),
+            ("hold_outage_vs_remote", "cache_shared_follower_hold_outage", "cache_shared"),
+        )
+        for name, a, b in pairs:
+            local, remote = by.get(a), by.get(b)
+            if local is None or remote is None:
+                continue
+            out[f"{name}_hit_ratio"] = local.hit_rate / remote.hit_rate if remote.hit_rate else 0.0
+            if local.outage_hit_rate is not None and remote.outage_hit_rate:
+                out[f"{name}_window_hit_ratio"] = local.outage_hit_rate / remote.outage_hit_rate
         return out
 
 
@@ -305,8 +403,12 @@ async def run_policy(
     *,
     on_request: Callable[[int], Awaitable[None]] | None = None,
     previous_turn: Sequence[int | None] | None = None,
+    run: SharedRun | None = None,
 ) -> PolicyResult:
     """Replay the trace through one policy and return its figures.
+
+    ``run`` (cache_shared with ``settings.indexer``): a follower, an outage of
+    ``run.process`` (module docstring); the result is labelled ``run.label``.
 
     ``on_request(i)`` is awaited after the ``i``-th request was routed (tests
     use it to inject faults, e.g. stop the indexer mid-replay).
@@ -338,10 +440,32 @@ async def run_policy(
             r.load.report(worker, load, at)
 
     index: MemoryIndex | None = None
-    publisher: MemoryPublisher | GrpcPublisher
+    publisher: MemoryPublisher | GrpcPublisher | RefeedPublisher
     channel = None
+    follower: IndexFollower | None = None
+    follower_channel = None
     shared_grpc = policy == "cache_shared" and settings.indexer is not None
-    if shared_grpc:
+    refeed: RefeedPublisher | None = None
+    held: HeldCopy | None = None
+    if shared_grpc and run is not None:
+        target = str(settings.indexer)
+        channel = grpc.aio.insecure_channel(target, options=RECONNECT_OPTIONS)
+        publisher = refeed = RefeedPublisher(channel, REPLAY_MODEL, MOONCAKE_BLOCK_SIZE)
+        if run.follower:
+            follower_channel = grpc.aio.insecure_channel(
+                target, options=[*RECEIVE_OPTIONS, *RECONNECT_OPTIONS]
+            )
+            follower = IndexFollower(channel=follower_channel, models=[REPLAY_MODEL])
+            await follower.start()
+        held = HeldCopy(follower) if follower is not None and run.hold else None
+        for r in routers:
+            r.indexer = IndexerClient(
+                channel=channel,
+                settings=config.indexer,
+                model=REPLAY_MODEL,
+                follower=held if held is not None else follower,
+            )
+    elif shared_grpc:
         channel = grpc.aio.insecure_channel(str(settings.indexer))
         publisher = GrpcPublisher(channel, REPLAY_MODEL)
         for r in routers:
@@ -352,6 +476,18 @@ async def run_policy(
     if policy == "cache_shared":
         for n in names:
             await publisher.register(n)
+    if follower is not None and not await follower.wait_synced(SYNC_TIMEOUT_S):
+        raise RuntimeError(f"the follower did not sync within {SYNC_TIMEOUT_S:g} s")
+    outage = run.outage if run is not None else None
+    process = run.process if run is not None else None
+    if outage is not None and process is None:
+        raise ValueError("an outage needs the replay's own indexer process")
+    t_first = trace[0].timestamp / 1000.0 / settings.speed if trace else 0.0
+    down = False
+    restarted = False
+    timeouts = 0
+    resync_s: float | None = None
+    broken_at = 0
 
     publishes = policy == "cache_shared"
     engines = {
@@ -379,9 +515,21 @@ async def run_policy(
     for i, (treq, k) in enumerate(zip(trace, keys, strict=True)):
         t = treq.timestamp / 1000.0 / speed
         sim.run_until(t)
+        if outage is not None and process is not None and run is not None and not restarted:
+            if not down and t - t_first >= outage.start_s:
+                process.stop()
+                down = True
+                broken_at = follower.reconnects if follower is not None else 0
+            if down and t - t_first >= outage.end_s:
+                resync_s = await _restart(run, process, refeed, follower, broken_at)
+                down, restarted = False, True
+        published = False
         for e in fleet:
             if e.outbox:
+                published = True
                 await e.flush()
+        if follower is not None and refeed is not None and published and not down:
+            timeouts += not await _caught_up(follower, refeed.acked)
         ri = rng.randrange(len(routers))
         router = routers[ri]
         rreq = RouteRequest(
@@ -400,6 +548,9 @@ async def run_policy(
         request_hits[i] = hits
         if on_request is not None:
             await on_request(i)
+    if down and process is not None and run is not None:
+        # The outage outlasted the trace: the indexer is started again for the next run.
+        resync_s = await _restart(run, process, refeed, follower, broken_at)
     sim.run_until(float("inf"))
     for e in fleet:
         await e.flush()
@@ -407,6 +558,19 @@ async def run_policy(
         for (stage, why), count in r.decisions.items():
             if stage == "prefill":
                 reasons[why] += count
+    follower_matches = matches = 0
+    for r in routers:
+        if r.indexer is not None:
+            follower_matches += r.indexer.follower_matches
+            matches += sum(r.indexer.calls.values())
+    if follower is not None:
+        await follower.close()
+    if follower_channel is not None:
+        await follower_channel.close()
+    if refeed is not None:
+        # The next run starts from an empty index.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await refeed.remove_all()
     if channel is not None:
         await publisher.close()
         for r in routers:
@@ -426,8 +590,18 @@ async def run_policy(
             if prev is not None and arrivals[i] < finished_at[prev]
         )
     hit = stats.hit_rate
+    windows: list[float | None] = [None, None]
+    window = settings.outage if run is not None else None
+    if window is not None:
+        spans = ((window.start_s, window.end_s), (window.end_s, window.end_s + window.duration_s))
+        for j, (a, b) in enumerate(spans):
+            w = HitStats()
+            for at, blocks, h in zip(arrivals, keys, request_hits, strict=True):
+                if a <= at - t_first < b:
+                    w.add(len(blocks), h)
+            windows[j] = w.hit_rate
     return PolicyResult(
-        policy=policy,
+        policy=run.label if run is not None else policy,
         hit_rate=hit,
         bound_fraction=hit / pooled_bound if pooled_bound else 0.0,
         worker_cv=worker_cv(per_worker),
@@ -449,7 +623,62 @@ async def run_policy(
         ),
         early_turns=early / len(trace) if trace else 0.0,
         request_hits=request_hits,
+        outage_hit_rate=windows[0],
+        after_hit_rate=windows[1],
+        follower_matches=follower_matches,
+        matches=matches,
+        catch_up_timeouts=timeouts,
+        resync_s=resync_s,
+        lost_batches=refeed.lost if refeed is not None else 0,
+        refed_blocks=refeed.refed_blocks if refeed is not None else 0,
+        held_matches=held.held_matches if held is not None else 0,
     )
+
+
+async def _restart(
+    run: SharedRun,
+    process: IndexerProcess,
+    refeed: RefeedPublisher | None,
+    follower: IndexFollower | None,
+    broken_at: int,
+) -> float:
+    """Start the indexer again, publish the engines' caches to it, wait for the
+    follower's snapshot of the new server (its stream ended after the stop:
+    ``reconnects`` past ``broken_at``); the wall seconds from the start to the
+    follower in sync."""
+    t0 = time.monotonic()
+    await process.start()
+    if refeed is not None:
+        await refeed.refeed(republish=run.refeed)
+    if follower is not None:
+        deadline = time.monotonic() + SYNC_TIMEOUT_S
+        while not (follower.synced and follower.reconnects > broken_at):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the follower did not sync within {SYNC_TIMEOUT_S:g} s")
+            await asyncio.sleep(0.005)
+        if refeed is not None:
+            await _caught_up(follower, refeed.acked, SYNC_TIMEOUT_S)
+    return time.monotonic() - t0
+
+
+async def _caught_up(
+    follower: IndexFollower, acked: dict[str, int], timeout_s: float = CATCH_UP_TIMEOUT_S
+) -> bool:
+    """Wait until the follower holds every batch the indexer acknowledged (each
+    engine's last sequence); False when it is out of sync or not there in time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not follower.synced:
+            return False
+        got = {
+            s.spec.instance.worker_id: s.applied_sequence or 0
+            for s in await follower.index.list_instances(REPLAY_MODEL)
+        }
+        if all(got.get(w, 0) >= seq for w, seq in acked.items()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.0005)
 
 
 async def _no_publish(batch: object) -> None:
@@ -579,13 +808,34 @@ async def run_replay(
             raise ValueError("--load needs a trace whose requests span some time")
         settings = replace(settings, speed=settings.load / at_one.fleet)
     results = []
-    for p in policies:
-        hook = None if on_request is None else _bind(on_request, p)
-        results.append(
-            await run_policy(
-                p, trace, keys, settings, pooled, on_request=hook, previous_turn=previous
-            )
-        )
+    runs = shared_runs(settings)
+    process: IndexerProcess | None = None
+    with contextlib.ExitStack() as stack:
+        if runs and "cache_shared" in policies and settings.indexer is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-replay-")))
+            process = IndexerProcess(folder, MOONCAKE_BLOCK_SIZE)
+            stack.callback(process.close)
+            await process.start()
+            settings = replace(settings, indexer=process.target)
+        plain: list[SharedRun | None] = [None]
+        for p in policies:
+            hook = None if on_request is None else _bind(on_request, p)
+            for run in [*runs] or plain if p == "cache_shared" else plain:
+                if run is not None:
+                    run.process = process
+                    hook = None if on_request is None else _bind(on_request, run.label)
+                results.append(
+                    await run_policy(
+                        p,
+                        trace,
+                        keys,
+                        settings,
+                        pooled,
+                        on_request=hook,
+                        previous_turn=previous,
+                        run=run,
+                    )
+                )
     if at_one is None:
         # The p2c basis at the given speed: the run's own P2C hits, or a run for them.
         ran = next((r for r in results if r.policy == "p2c"), None)
@@ -593,6 +843,22 @@ async def run_replay(
         at_one = offered_utilisation(trace, hits, workers, service)
     offered = at_one.scaled(settings.speed)
     return ReplayResult(settings, len(trace), pooled, inf, results, offered)
+
+
+def shared_runs(settings: ReplaySettings) -> list[SharedRun]:
+    """cache_shared's runs for ``--follower`` and ``--outage`` (none without them):
+    remote and follower, each without and with the outage."""
+    if not settings.follower and settings.outage is None:
+        return []
+    modes = [("cache_shared", False)]
+    if settings.follower:
+        modes.append(("cache_shared_follower", True))
+    out = [SharedRun(label, f) for label, f in modes]
+    if settings.outage is not None:
+        out += [SharedRun(f"{label}_outage", f, settings.outage) for label, f in modes]
+        if settings.follower and settings.follower_hold:
+            out.append(SharedRun("cache_shared_follower_hold_outage", True, settings.outage, True))
+    return out
 
 
 def previous_turns(trace: Sequence[TraceRequest]) -> list[int | None]:
@@ -625,6 +891,7 @@ def format_table(result: ReplayResult) -> str:
     s = result.settings
     m = s.service
     o = result.offered
+    width = max([13, *(len(r.policy) for r in result.results)])
     pace = f"speed {s.speed:.3g}x" + (f" for load {s.load:g}" if s.load is not None else "")
     lines = [
         f"{s.trace}: {result.requests} requests, R={s.routers} routers, W={s.workers} workers, "
@@ -637,13 +904,13 @@ def format_table(result: ReplayResult) -> str:
         f"bounds: pooled LRU ({s.workers}x{s.capacity} blocks) "
         f"{result.pooled_bound:.1%}, infinite cache {result.infinite_bound:.1%}",
         "",
-        f"{'policy':<13} {'hit':>6} {'of pool':>8} {'req CV':>7} {'load CV':>8} {'util':>5} "
+        f"{'policy':<{width}} {'hit':>6} {'of pool':>8} {'req CV':>7} {'load CV':>8} {'util':>5} "
         f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'queue':>7} {'goodput':>8}  decisions by reason",
     ]
     for r in result.results:
         why = ", ".join(f"{k} {v}" for k, v in r.reasons.items())
         lines.append(
-            f"{r.policy:<13} {r.hit_rate:>6.1%} {r.bound_fraction:>8.1%} {r.worker_cv:>7.3f} "
+            f"{r.policy:<{width}} {r.hit_rate:>6.1%} {r.bound_fraction:>8.1%} {r.worker_cv:>7.3f} "
             f"{r.load_cv:>8.3f} {r.utilisation:>5.2f} {_secs(r.ttft_p50_ms):>9} "
             f"{_secs(r.ttft_p95_ms):>7} {_secs(r.ttft_p99_ms):>7} {_secs(r.queue_mean_ms):>7} "
             f"{r.goodput:>8.1%}  {why}"
@@ -654,7 +921,48 @@ def format_table(result: ReplayResult) -> str:
         "queue: mean wait for the prefill to start; goodput: TTFT within the SLO)",
         f"requests arriving before their conversation's previous turn finished: {early}",
     ]
+    lines += _shared_lines(result)
     return "\n".join(lines)
+
+
+def _shared_lines(result: ReplayResult) -> list[str]:
+    """The table's lines for ``--follower`` and ``--outage`` (none without them)."""
+    s = result.settings
+    runs = [r for r in result.results if r.policy.startswith("cache_shared_")]
+    if not runs:
+        return []
+    out = [""]
+    if s.outage is not None:
+        o = s.outage
+        out.append(
+            f"indexer outage from {o.start_s:g} s to {o.end_s:g} s (replay seconds after the "
+            f"first arrival); window hit rates: during it, and {o.duration_s:g} s after it"
+        )
+    shared = [r for r in result.results if r.policy.startswith("cache_shared")]
+    width = max(len(r.policy) for r in shared)
+    for r in shared:
+        parts = [f"{r.policy:<{width}} hit {r.hit_rate:.1%}"]
+        if r.outage_hit_rate is not None and r.after_hit_rate is not None:
+            parts.append(f"outage window {r.outage_hit_rate:.1%}, after {r.after_hit_rate:.1%}")
+        if r.policy.startswith("cache_shared_follower"):
+            share = r.follower_matches / r.matches if r.matches else 0.0
+            parts.append(f"follower answered {share:.1%} of Matches")
+        if r.resync_s is not None:
+            parts.append(f"restart to in sync {r.resync_s:.2f} s wall")
+        if r.lost_batches:
+            parts.append(f"{r.lost_batches} batches lost, {r.refed_blocks} blocks re-published")
+        if r.held_matches:
+            parts.append(f"{r.held_matches} Matches from the held copy")
+        out.append("; ".join(parts))
+    figures = result.figures()
+    ratios = [
+        f"{k} {v:.3f}"
+        for k, v in figures.items()
+        if k.startswith("follower_vs_remote") and k.endswith("ratio")
+    ]
+    if ratios:
+        out.append("follower / remote: " + ", ".join(ratios))
+    return out
 
 
 def _secs(ms: float) -> str:
@@ -817,6 +1125,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="drive a live indexer at ADDR over gRPC (cache_shared) (default: one in-process)",
     )
+    p.add_argument(
+        "--follower",
+        action="store_true",
+        help="run cache_shared also with a follower of the indexer answering Matches in "
+        "process (without --indexer: the replay starts kvmesh indexer serve for it)",
+    )
+    p.add_argument(
+        "--follower-hold",
+        action="store_true",
+        help="with --follower and --outage: one more outage run whose follower answers from "
+        "its last copy while out of sync (IndexFollower answers nothing then)",
+    )
+    p.add_argument(
+        "--outage",
+        default=None,
+        metavar="START_S:DURATION_S",
+        help="run cache_shared also with the indexer killed START_S replay seconds after "
+        "the first arrival and restarted, empty, DURATION_S later (not with --indexer: "
+        "the replay starts and stops kvmesh indexer serve itself)",
+    )
     return p
 
 
@@ -836,6 +1164,15 @@ def _check(args: argparse.Namespace) -> str | None:
         return "need --prefill-tokens-per-s > 0, --decode-ms-per-token >= 0, --max-running >= 1"
     if args.event_lag_ms < 0 or args.ttft_slo_s <= 0:
         return "need --event-lag-ms >= 0 and --ttft-slo-s > 0"
+    if args.follower_hold and not (args.follower and args.outage):
+        return "--follower-hold needs --follower and --outage"
+    if args.outage is not None:
+        if args.indexer is not None:
+            return "--outage stops the replay's own indexer: not with --indexer"
+        try:
+            Outage.parse(args.outage)
+        except ValueError as e:
+            return str(e)
     return None
 
 
@@ -881,14 +1218,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         event_lag_s=args.event_lag_ms / 1000.0,
         ttft_slo_s=args.ttft_slo_s,
         trace=trace_name(args.trace),
+        follower=args.follower,
+        follower_hold=args.follower_hold,
+        outage=Outage.parse(args.outage) if args.outage is not None else None,
     )
+    if (settings.follower or settings.outage) and "cache_shared" not in policies:
+        print("kvmesh replay: --follower and --outage run cache_shared", file=sys.stderr)
+        return 2
     started: dict[str, float] = {}
+    total = len(policies) + max(0, len(shared_runs(settings)) - 1)
 
     async def report(policy: str, i: int) -> None:
         if policy not in started:
             started[policy] = time.monotonic()
             n = len(started)
-            progress.phase(f"{policy} ({n}/{len(policies)}): {len(trace):,} requests")
+            progress.phase(f"{policy} ({n}/{total}): {len(trace):,} requests")
         progress.tick(lambda: f"{policy}: {i + 1:,}/{len(trace):,} requests")
 
     try:

@@ -420,15 +420,9 @@ class XferClient:
         """Decode (a router or the engine): start pulling ``src_page_indices`` of the
         sidecar at ``source_address`` into ``dst_page_indices``; returns ``(prefetch id,
         state)`` once the source accepted the read (the bytes land in the background)."""
-        req = pb.PrefetchRequest(
-            prefetch_id=prefetch_id,
-            source_address=source_address,
-            src_page_indices=src_page_indices,
-            dst_page_indices=dst_page_indices,
-            ttl_ms=ttl_ms,
-            deadline_ms=deadline_ms,
+        req, timeout = self._prefetch_request(
+            source_address, src_page_indices, dst_page_indices, prefetch_id, ttl_ms, deadline_ms
         )
-        timeout = max(self.timeout_s, deadline_ms / 1000 + 1.0)
         try:
             resp = self._stub.Prefetch(req, timeout=timeout)
         except grpc.RpcError as e:
@@ -447,6 +441,21 @@ class XferClient:
     ) -> grpc.Future[Any]:
         """:meth:`prefetch` without waiting for the answer (a router issuing it ahead of
         dispatch); the future's ``result()`` raises ``grpc.RpcError`` on a refusal."""
+        req, timeout = self._prefetch_request(
+            source_address, src_page_indices, dst_page_indices, prefetch_id, ttl_ms, deadline_ms
+        )
+        return self._stub.Prefetch.future(req, timeout=timeout)
+
+    def _prefetch_request(
+        self,
+        source_address: str,
+        src_page_indices: Sequence[int],
+        dst_page_indices: Sequence[int],
+        prefetch_id: int,
+        ttl_ms: int,
+        deadline_ms: int,
+    ) -> tuple[pb.PrefetchRequest, float]:
+        """A Prefetch request and its call's timeout (past the pull's own deadline)."""
         req = pb.PrefetchRequest(
             prefetch_id=prefetch_id,
             source_address=source_address,
@@ -455,8 +464,7 @@ class XferClient:
             ttl_ms=ttl_ms,
             deadline_ms=deadline_ms,
         )
-        timeout = max(self.timeout_s, deadline_ms / 1000 + 1.0)
-        return self._stub.Prefetch.future(req, timeout=timeout)
+        return req, max(self.timeout_s, deadline_ms / 1000 + 1.0)
 
     def cancel_prefetch(self, prefetch_id: int) -> PrefetchState:
         """Stop a prefetch and release its pages; returns its state before the cancel."""

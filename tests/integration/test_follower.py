@@ -93,6 +93,19 @@ async def _register(h: Harness, w: _World, key: tuple[str, int], *, new: bool = 
     )
 
 
+async def _register_w0(h: Harness) -> None:
+    """Register w0/dp0 of model m (lease 60 s), for the large-instance tests."""
+    await h.stub.RegisterInstance(
+        pb.RegisterInstanceRequest(
+            instance=pb.InstanceRef(worker_id="w0", dp_rank=0),
+            model="m",
+            address="http://w0-0",
+            lease_ttl_seconds=60,
+            incarnation="i",
+        )
+    )
+
+
 def _store(w: _World, key: tuple[str, int]) -> pb.Event:
     rng = w.rng
     p = w.prompt()
@@ -584,15 +597,7 @@ async def test_an_instance_larger_than_a_message_reaches_the_follower_in_parts()
     prompts: list[list[int]] = []
     f = IndexFollower(h.server.address)
     try:
-        await h.stub.RegisterInstance(
-            pb.RegisterInstanceRequest(
-                instance=pb.InstanceRef(worker_id="w0", dp_rank=0),
-                model="m",
-                address="http://w0-0",
-                lease_ttl_seconds=60,
-                incarnation="i",
-            )
-        )
+        await _register_w0(h)
         for seq in range(320):  # 320 prompts of 64 blocks
             tokens = [rng.randrange(1 << 20) for _ in range(64 * BLOCK)]
             prompts.append(tokens)
@@ -639,15 +644,7 @@ async def test_a_change_larger_than_grpcs_default_message_reaches_the_follower()
     f = IndexFollower(h.server.address)
     rng = random.Random(13)
     try:
-        await h.stub.RegisterInstance(
-            pb.RegisterInstanceRequest(
-                instance=pb.InstanceRef(worker_id="w0", dp_rank=0),
-                model="m",
-                address="http://w0-0",
-                lease_ttl_seconds=60,
-                incarnation="i",
-            )
-        )
+        await _register_w0(h)
         await f.start()
         assert await f.wait_synced(10)
         n = 300_000
@@ -677,15 +674,7 @@ async def test_changes_a_follower_fell_behind_by_come_in_bounded_responses() -> 
     rng = random.Random(14)
     iid = InstanceId("w0", 0)
     try:
-        await h.stub.RegisterInstance(
-            pb.RegisterInstanceRequest(
-                instance=pb.InstanceRef(worker_id="w0", dp_rank=0),
-                model="m",
-                address="http://w0-0",
-                lease_ttl_seconds=60,
-                incarnation="i",
-            )
-        )
+        await _register_w0(h)
         call: Any = h.stub.WatchIndex(pb.WatchIndexRequest(instance_parts=True), timeout=30)
         first = await call.read()
         assert first.changes[-1].WhichOneof("change") == "synced"

@@ -266,7 +266,7 @@ class PublishEventsStreamResponse(_message.Message):
     def __init__(self, ack: _Optional[_Union[BatchAck, _Mapping]] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale", "max_instances", "cache_salt", "media", "packed_token_ids")
+    __slots__ = ("model", "lora_name", "token_ids", "block_keys", "max_blocks", "include_stale", "max_instances", "cache_salt", "media", "packed_token_ids", "include_predicted")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class MatchRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PREDICTED_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -287,7 +288,8 @@ class MatchRequest(_message.Message):
     cache_salt: str
     media: _containers.RepeatedCompositeFieldContainer[MediaRange]
     packed_token_ids: bytes
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ..., max_instances: _Optional[int] = ..., cache_salt: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaRange, _Mapping]]] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
+    include_predicted: bool
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., include_stale: _Optional[bool] = ..., max_instances: _Optional[int] = ..., cache_salt: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaRange, _Mapping]]] = ..., packed_token_ids: _Optional[bytes] = ..., include_predicted: _Optional[bool] = ...) -> None: ...
 
 class MediaRange(_message.Message):
     __slots__ = ("identifier", "offset", "length")
@@ -300,7 +302,7 @@ class MediaRange(_message.Message):
     def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class InstanceMatch(_message.Message):
-    __slots__ = ("instance", "address", "depth", "gpu_blocks", "cpu_blocks", "disk_blocks", "stale", "tokens")
+    __slots__ = ("instance", "address", "depth", "gpu_blocks", "cpu_blocks", "disk_blocks", "stale", "tokens", "predicted_depth")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +311,7 @@ class InstanceMatch(_message.Message):
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     instance: InstanceRef
     address: str
     depth: int
@@ -317,7 +320,8 @@ class InstanceMatch(_message.Message):
     disk_blocks: int
     stale: bool
     tokens: int
-    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., address: _Optional[str] = ..., depth: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., stale: _Optional[bool] = ..., tokens: _Optional[int] = ...) -> None: ...
+    predicted_depth: int
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., address: _Optional[str] = ..., depth: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., stale: _Optional[bool] = ..., tokens: _Optional[int] = ..., predicted_depth: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("matches", "total_blocks", "block_size")
@@ -528,3 +532,25 @@ class WatchIndexResponse(_message.Message):
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     changes: _containers.RepeatedCompositeFieldContainer[WatchChange]
     def __init__(self, changes: _Optional[_Iterable[_Union[WatchChange, _Mapping]]] = ...) -> None: ...
+
+class PredictPlacementRequest(_message.Message):
+    __slots__ = ("model", "lora_name", "instance", "block_keys", "ttl_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora_name: str
+    instance: InstanceRef
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class PredictPlacementResponse(_message.Message):
+    __slots__ = ("predicted_blocks", "ttl_ms")
+    PREDICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    predicted_blocks: int
+    ttl_ms: int
+    def __init__(self, predicted_blocks: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...

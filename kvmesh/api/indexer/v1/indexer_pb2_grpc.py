@@ -95,6 +95,11 @@ class IndexerServiceStub:
                 request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexResponse.FromString,
                 _registered_method=True)
+        self.PredictPlacement = channel.unary_unary(
+                '/kvmesh.indexer.v1.IndexerService/PredictPlacement',
+                request_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PredictPlacementRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PredictPlacementResponse.FromString,
+                _registered_method=True)
 
 
 class IndexerServiceServicer:
@@ -197,6 +202,15 @@ class IndexerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PredictPlacement(self, request, context):
+        """Record where a router just sent a request (router role): the blocks the
+        instance is about to hold, predicted for a short ttl so that every
+        router's Match (include_predicted) sees them before the engine's events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +273,11 @@ def add_IndexerServiceServicer_to_server(servicer, server):
                     servicer.WatchIndex,
                     request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexRequest.FromString,
                     response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexResponse.SerializeToString,
+            ),
+            'PredictPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.PredictPlacement,
+                    request_deserializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PredictPlacementRequest.FromString,
+                    response_serializer=kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PredictPlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -586,6 +605,33 @@ class IndexerService:
             '/kvmesh.indexer.v1.IndexerService/WatchIndex',
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexRequest.SerializeToString,
             kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.WatchIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PredictPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.indexer.v1.IndexerService/PredictPlacement',
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PredictPlacementRequest.SerializeToString,
+            kvmesh_dot_indexer_dot_v1_dot_indexer__pb2.PredictPlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -79,6 +79,11 @@ class IndexerServiceStub:
     buffer is told WatchResync and sent a new snapshot, never dropped
     silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
     """
+    PredictPlacement: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.PredictPlacementRequest, _indexer_pb2.PredictPlacementResponse]
+    """Record where a router just sent a request (router role): the blocks the
+    instance is about to hold, predicted for a short ttl so that every
+    router's Match (include_predicted) sees them before the engine's events.
+    """
 
 @_typing.type_check_only
 class IndexerServiceAsyncStub(IndexerServiceStub):
@@ -124,6 +129,11 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     replica applies, in order. A follower that falls behind by more than its
     buffer is told WatchResync and sent a new snapshot, never dropped
     silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+    """
+    PredictPlacement: _aio.UnaryUnaryMultiCallable[_indexer_pb2.PredictPlacementRequest, _indexer_pb2.PredictPlacementResponse]  # type: ignore[assignment]
+    """Record where a router just sent a request (router role): the blocks the
+    instance is about to hold, predicted for a short ttl so that every
+    router's Match (include_predicted) sees them before the engine's events.
     """
 
 class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -239,6 +249,17 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         replica applies, in order. A follower that falls behind by more than its
         buffer is told WatchResync and sent a new snapshot, never dropped
         silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+        """
+
+    @_abc_1.abstractmethod
+    def PredictPlacement(
+        self,
+        request: _indexer_pb2.PredictPlacementRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_indexer_pb2.PredictPlacementResponse, _abc.Awaitable[_indexer_pb2.PredictPlacementResponse]]:
+        """Record where a router just sent a request (router role): the blocks the
+        instance is about to hold, predicted for a short ttl so that every
+        router's Match (include_predicted) sees them before the engine's events.
         """
 
 def add_IndexerServiceServicer_to_server(servicer: IndexerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

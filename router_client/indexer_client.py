@@ -374,6 +374,9 @@ class WorkerMatch:
     #: The hit in tokens when it ends inside a block (a hybrid engine's finer
     #: hash unit); 0: ``depth`` whole blocks.
     tokens: int = 0
+    #: With predictions asked for: the prefix held confirmed or predicted
+    #: (route-time predictions, PredictPlacement), >= ``depth``; 0 otherwise.
+    predicted_depth: int = 0
 
 
 @dataclass(frozen=True, slots=True)

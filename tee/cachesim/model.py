@@ -284,15 +284,22 @@ class SlidingWindow:
 
 @dataclass(frozen=True, slots=True)
 class FleetAccess:
-    """Hits of one request on its worker (``None`` when unrouted) and on both bounds."""
+    """Hits of one request on its worker (``None`` when unrouted) and on both bounds.
+
+    ``available_hits``: the longest prefix any worker's cache held when the
+    request arrived (``None`` when unrouted): what the best decision would have hit.
+    """
 
     worker_hits: int | None
     pooled_hits: int
     infinite_hits: int
+    available_hits: int | None = None
 
 
 #: Labels :class:`FleetCache` uses in its bounds window.
 ROUTED, POOLED, INFINITE = "routed", "pooled", "infinite"
+#: Labels of the decision accounting in the bounds window (OPTIMAL counts requests only).
+AVAILABLE, OPTIMAL = "available", "optimal"
 
 
 @dataclass(slots=True)
@@ -305,6 +312,13 @@ class FleetCache:
     worker is also replayed into that worker's cache (created on first sight,
     which grows the pooled capacity unless it is fixed). Worker CV is over
     requests per worker.
+
+    **Decision accounting.** For a routed request, the *available* hit is the
+    longest prefix any worker's cache holds before the request's own worker
+    takes it in: the hit the best decision would have had. A decision is
+    optimal when its worker's hit equals it. Available is at most the pooled
+    bound's hit only on average: a fleet of small caches can hold a prefix the
+    pooled LRU already evicted, so per request either can be larger.
     """
 
     worker_capacity: int | None
@@ -318,6 +332,8 @@ class FleetCache:
     pooled_stats: HitStats = field(default_factory=HitStats)
     infinite_stats: HitStats = field(default_factory=HitStats)
     worker_stats: dict[str, HitStats] = field(default_factory=dict)
+    available_stats: HitStats = field(default_factory=HitStats)
+    optimal_decisions: int = 0
     worker_window: SlidingWindow = field(init=False)
     bounds_window: SlidingWindow = field(init=False)
 
@@ -344,19 +360,27 @@ class FleetCache:
         """Replay one request (its block keys, the worker it was routed to) at time ``now``."""
         n = len(keys)
         worker_hits: int | None = None
+        available: int | None = None
         if worker is not None:
-            worker_hits = self.worker(worker).access(keys).hits
+            cache = self.worker(worker)
+            available = max(c.lookup_prefix(keys) for c in self.workers.values())
+            worker_hits = cache.access(keys).hits
             self.worker_stats[worker].add(n, worker_hits)
             self.routed_stats.add(n, worker_hits)
+            self.available_stats.add(n, available)
+            self.optimal_decisions += worker_hits == available
             self.worker_window.add(now, worker, n, worker_hits)
             self.bounds_window.add(now, ROUTED, n, worker_hits)
+            self.bounds_window.add(now, AVAILABLE, n, available)
+            if worker_hits == available:
+                self.bounds_window.add(now, OPTIMAL, 0, 0)
         pooled_hits = self.pooled.access(keys).hits
         infinite_hits = self.infinite.access(keys).hits
         self.pooled_stats.add(n, pooled_hits)
         self.infinite_stats.add(n, infinite_hits)
         self.bounds_window.add(now, POOLED, n, pooled_hits)
         self.bounds_window.add(now, INFINITE, n, infinite_hits)
-        return FleetAccess(worker_hits, pooled_hits, infinite_hits)
+        return FleetAccess(worker_hits, pooled_hits, infinite_hits, available)
 
     def insert(self, keys: Sequence[int], worker: str | None) -> None:
         """Cache ``keys`` without counting hits (e.g. prompt + output after a response)."""
@@ -379,7 +403,12 @@ class FleetCache:
             "pooled_capacity": self.pooled.capacity,
             "policy": str(self.policy),
             "total": _bounds_dict(
-                self.routed_stats, self.pooled_stats, self.infinite_stats, self.worker_stats
+                self.routed_stats,
+                self.pooled_stats,
+                self.infinite_stats,
+                self.worker_stats,
+                self.available_stats,
+                self.optimal_decisions,
             ),
             "window": {
                 "seconds": self.window_s,
@@ -388,13 +417,20 @@ class FleetCache:
                     window.get(POOLED, HitStats()),
                     window.get(INFINITE, HitStats()),
                     {w: per_worker_window.get(w, HitStats()) for w in self.workers},
+                    window.get(AVAILABLE, HitStats()),
+                    window.get(OPTIMAL, HitStats()).requests,
                 ),
             },
         }
 
 
 def _bounds_dict(
-    routed: HitStats, pooled: HitStats, infinite: HitStats, workers: Mapping[str, HitStats]
+    routed: HitStats,
+    pooled: HitStats,
+    infinite: HitStats,
+    workers: Mapping[str, HitStats],
+    available: HitStats,
+    optimal: int,
 ) -> dict[str, object]:
     return {
         "requests": pooled.requests,
@@ -404,4 +440,6 @@ def _bounds_dict(
         "infinite_bound": infinite.as_dict(),
         "worker_cv": worker_cv(s.requests for s in workers.values()),
         "per_worker": {w: s.as_dict() for w, s in sorted(workers.items())},
+        "available": available.as_dict(),
+        "optimal_decisions": optimal,
     }

@@ -113,6 +113,11 @@ class _SimCollector(Collector):
                 ("hit_rate", "Routed hit rate since start."),
                 ("pooled_bound_hit_rate", "Hit rate of the pooled (global oracle) cache."),
                 ("infinite_bound_hit_rate", "Hit rate of an unbounded cache."),
+                (
+                    "available_hit_rate",
+                    "Hit rate the best worker's cache held for each routed request.",
+                ),
+                ("optimal_share", "Share of routed requests sent to a worker holding it."),
                 ("worker_cv", "Coefficient of variation of requests per worker."),
                 ("requests", "Requests (ingest events) seen."),
                 ("blocks", "Blocks of those requests."),
@@ -122,6 +127,10 @@ class _SimCollector(Collector):
             fams["hit_rate"].add_metric([model], fleet.routed_stats.hit_rate)
             fams["pooled_bound_hit_rate"].add_metric([model], fleet.pooled_stats.hit_rate)
             fams["infinite_bound_hit_rate"].add_metric([model], fleet.infinite_stats.hit_rate)
+            fams["available_hit_rate"].add_metric([model], fleet.available_stats.hit_rate)
+            routed = fleet.routed_stats.requests
+            share = fleet.optimal_decisions / routed if routed else 0.0
+            fams["optimal_share"].add_metric([model], share)
             fams["worker_cv"].add_metric([model], fleet.worker_cv())
             fams["requests"].add_metric([model], fleet.pooled_stats.requests)
             fams["blocks"].add_metric([model], fleet.pooled_stats.blocks)
@@ -140,6 +149,8 @@ def _figures_pb(d: dict[str, Any]) -> pb.CacheFigures:
         infinite_bound=hs(d["infinite_bound"]),
         worker_cv=d["worker_cv"],
         workers=[pb.WorkerHitStats(worker=w, stats=hs(s)) for w, s in d["per_worker"].items()],
+        available=hs(d["available"]),
+        optimal_decisions=d["optimal_decisions"],
     )
 
 

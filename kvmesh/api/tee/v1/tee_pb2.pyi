@@ -123,7 +123,7 @@ class WorkerHitStats(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., stats: _Optional[_Union[HitStats, _Mapping]] = ...) -> None: ...
 
 class CacheFigures(_message.Message):
-    __slots__ = ("requests", "blocks", "routed", "pooled_bound", "infinite_bound", "worker_cv", "workers")
+    __slots__ = ("requests", "blocks", "routed", "pooled_bound", "infinite_bound", "worker_cv", "workers", "available", "optimal_decisions")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,8 @@ class CacheFigures(_message.Message):
     INFINITE_BOUND_FIELD_NUMBER: _ClassVar[int]
     WORKER_CV_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMAL_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     blocks: int
     routed: HitStats
@@ -138,7 +140,9 @@ class CacheFigures(_message.Message):
     infinite_bound: HitStats
     worker_cv: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerHitStats]
-    def __init__(self, requests: _Optional[int] = ..., blocks: _Optional[int] = ..., routed: _Optional[_Union[HitStats, _Mapping]] = ..., pooled_bound: _Optional[_Union[HitStats, _Mapping]] = ..., infinite_bound: _Optional[_Union[HitStats, _Mapping]] = ..., worker_cv: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerHitStats, _Mapping]]] = ...) -> None: ...
+    available: HitStats
+    optimal_decisions: int
+    def __init__(self, requests: _Optional[int] = ..., blocks: _Optional[int] = ..., routed: _Optional[_Union[HitStats, _Mapping]] = ..., pooled_bound: _Optional[_Union[HitStats, _Mapping]] = ..., infinite_bound: _Optional[_Union[HitStats, _Mapping]] = ..., worker_cv: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerHitStats, _Mapping]]] = ..., available: _Optional[_Union[HitStats, _Mapping]] = ..., optimal_decisions: _Optional[int] = ...) -> None: ...
 
 class ModelReport(_message.Message):
     __slots__ = ("model", "workers", "total", "window", "window_seconds")

@@ -281,6 +281,25 @@ class Limits(StrictModel):
     max_lease_ttl_s: float = Field(
         default=3600.0, gt=0, description="Longest lease a registration may ask for."
     )
+    prediction_ttl_ms: int = Field(
+        default=2000,
+        ge=1,
+        description="Life of a route-time prediction (PredictPlacement) that asks for "
+        "ttl_ms=0: about the lag of an engine's KV events behind the routing of a request "
+        "(its prefill plus the event's trip), after which the events confirm or replace it.",
+    )
+    max_prediction_ttl_ms: int = Field(
+        default=30000,
+        ge=1,
+        description="Longest life a PredictPlacement may ask for; a longer ttl_ms is cut to it "
+        "(the response says the ttl applied).",
+    )
+    max_predicted_blocks_per_instance: int = Field(
+        default=65536,
+        ge=1,
+        description="Most predicted blocks one instance holds (every router's predictions "
+        "together); past it the oldest predictions go first.",
+    )
     max_namespaces: int = Field(
         default=1024,
         ge=1,
@@ -596,6 +615,11 @@ class IndexerConfig(StrictModel):
             raise ValueError(
                 f"default_lease_ttl_s ({self.default_lease_ttl_s}) exceeds "
                 f"limits.max_lease_ttl_s ({lim.max_lease_ttl_s})"
+            )
+        if lim.prediction_ttl_ms > lim.max_prediction_ttl_ms:
+            raise ValueError(
+                f"limits.prediction_ttl_ms ({lim.prediction_ttl_ms}) exceeds "
+                f"limits.max_prediction_ttl_ms ({lim.max_prediction_ttl_ms})"
             )
         # A prompt at the block cap must fit in one message, else the cap's
         # INVALID_ARGUMENT could never be reached (grpc would refuse first).

@@ -29,6 +29,7 @@ from indexer.model import (
     MatchQuery,
     MatchResult,
     Namespace,
+    Prediction,
     ServiceStats,
     Tier,
 )
@@ -253,6 +254,17 @@ def match_query_from_pb(req: pb.MatchRequest) -> MatchQuery:
         max_instances=req.max_instances,
         cache_salt=req.cache_salt,
         media=tuple((m.identifier, m.offset, m.length) for m in req.media),
+        include_predicted=req.include_predicted,
+    )
+
+
+def prediction_from_pb(req: pb.PredictPlacementRequest) -> Prediction:
+    """PredictPlacementRequest -> Prediction (an unset instance is an empty worker id)."""
+    return Prediction(
+        namespace=Namespace(req.model, req.lora_name),
+        instance=instance_from_pb(req.instance),
+        keys=req.block_keys,
+        ttl_s=req.ttl_ms / 1000,
     )
 
 
@@ -267,6 +279,7 @@ def instance_match_to_pb(m: InstanceMatch) -> pb.InstanceMatch:
         disk_blocks=m.disk_blocks,
         stale=m.stale,
         tokens=m.tokens,
+        predicted_depth=m.predicted_depth,
     )
 
 
@@ -284,6 +297,7 @@ _TAG_CPU = b"\x28"  # InstanceMatch.cpu_blocks = 5
 _TAG_DISK = b"\x30"  # InstanceMatch.disk_blocks = 6
 _STALE_TRUE = b"\x38\x01"  # InstanceMatch.stale = 7, true
 _TAG_TOKENS = b"\x40"  # InstanceMatch.tokens = 8, varint
+_TAG_PREDICTED = b"\x48"  # InstanceMatch.predicted_depth = 9, varint
 
 
 class MatchResponseEncoder:
@@ -354,6 +368,8 @@ class MatchResponseEncoder:
             body += _STALE_TRUE
         if m.tokens:
             body += _TAG_TOKENS + varint(m.tokens)
+        if m.predicted_depth:
+            body += _TAG_PREDICTED + varint(m.predicted_depth)
         return _TAG_MATCHES + varint(len(body)) + body
 
 
@@ -391,6 +407,9 @@ def stats_to_pb(stats: ServiceStats) -> pb.GetStatsResponse:
         sequence_gaps=c.sequence_gaps,
         matches=c.matches,
         matched_blocks=c.matched_blocks,
+        predicted_blocks=idx.predicted_blocks,
+        predictions_recorded=c.predictions_recorded,
+        predicted_matches=c.predicted_matches,
     )
 
 

@@ -44,6 +44,26 @@ Match
   those ``d`` blocks have their fastest copy there. Sorted by depth
   descending, then worker id, then dp rank. Unknown namespace: empty.
 
+Predictions (``predict``; Match with ``include_predicted``)
+  A prediction is (namespace, instance, ordered keys, expiry ``now + ttl``):
+  a router sent the instance a request for those blocks, which its engine
+  will hold once the prefill runs and its events arrive. ``predict`` needs
+  the instance registered and live (:class:`NotFound` otherwise) and serving
+  the namespace's model (:class:`FailedPrecondition` on "model"); keys the
+  instance holds confirmed (any tier) are not recorded, the others are (a
+  key predicted again takes the new expiry), and it returns how many were.
+  Past ``max_per_instance`` predicted keys of one instance the oldest go
+  first. A prediction is never held: ``depth``, the tier counts and every
+  other read ignore it. Match with ``include_predicted`` adds, per instance,
+  ``predicted_depth``: the largest ``p`` such that each of ``k[0..p)`` is
+  held confirmed or predicted unexpired for it (``p >= depth``); an instance
+  (visible as above) that has ``k[0]`` by prediction only is returned with
+  ``depth`` 0 and tiers 0. Sorted by depth descending, then predicted_depth
+  descending, then worker id, dp rank. A store of a key confirms it (its
+  prediction is dropped); a removal finds none (a key is never both held and
+  predicted); a clear, a reset, removal or reap drops every prediction of
+  the instance. Without ``include_predicted`` nothing of this shows.
+
 Quotas (``InstanceSpec.quota``, ``EventBatch.quota``; None: none)
   An instance created with a quota naming an identity counts under it (its
   *owner*) until it is removed or reaped; registering it again, by anyone,
@@ -97,6 +117,7 @@ from indexer.model import (
     Namespace,
     QuotaUsage,
 )
+from kvmesh.errors import FailedPrecondition
 
 
 class Index(abc.ABC):
@@ -130,9 +151,31 @@ class Index(abc.ABC):
 
     @abc.abstractmethod
     async def match(
-        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        include_stale: bool = False,
+        include_predicted: bool = False,
     ) -> list[InstanceMatch]:
-        """Per-instance longest gap-free prefix of ``keys``, deepest first."""
+        """Per-instance longest gap-free prefix of ``keys``, deepest first
+        (``include_predicted``: see "Predictions" above)."""
+
+    async def predict(
+        self,
+        namespace: Namespace,
+        instance: InstanceId,
+        keys: Sequence[int],
+        ttl_s: float,
+        max_per_instance: int,
+    ) -> int:
+        """Record a prediction (see "Predictions" above); return the keys recorded.
+
+        This default refuses: a backend that cannot share predictions says so.
+        """
+        raise FailedPrecondition(
+            f"PredictPlacement is not supported by the {self.name} backend", field="instance"
+        )
 
     @abc.abstractmethod
     async def reap_expired(self) -> list[InstanceId]:

@@ -177,6 +177,7 @@ class InstrumentedIndex(Index):
                 "list_instances",
                 "apply",
                 "match",
+                "predict",
                 "reap_expired",
                 "stats",
                 "dump",
@@ -233,11 +234,32 @@ class InstrumentedIndex(Index):
             return await self.inner.apply(batch)
 
     async def match(
-        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        include_stale: bool = False,
+        include_predicted: bool = False,
     ) -> list[InstanceMatch]:
         """See :meth:`Index.match`."""
         with self._observe("match", {"kvmesh.blocks": len(keys)}):
+            if include_predicted:
+                return await self.inner.match(
+                    namespace, keys, include_stale=include_stale, include_predicted=True
+                )
             return await self.inner.match(namespace, keys, include_stale=include_stale)
+
+    async def predict(
+        self,
+        namespace: Namespace,
+        instance: InstanceId,
+        keys: Sequence[int],
+        ttl_s: float,
+        max_per_instance: int,
+    ) -> int:
+        """See :meth:`Index.predict`."""
+        with self._observe("predict", {"kvmesh.blocks": len(keys)}):
+            return await self.inner.predict(namespace, instance, keys, ttl_s, max_per_instance)
 
     async def reap_expired(self) -> list[InstanceId]:
         """See :meth:`Index.reap_expired`."""

@@ -39,6 +39,7 @@ from indexer.model import (
     MatchQuery,
     MatchResult,
     Namespace,
+    Prediction,
     ServiceStats,
 )
 from indexer.quotas import QuotaPolicy, is_admin
@@ -213,6 +214,16 @@ def _unit_entry(ev: BlockStored, expected: int) -> bool:
         and expected % size == 0
         and len(ev.token_ids) == size * len(ev.block_hashes)
     )
+
+
+def _reach(m: InstanceMatch) -> tuple[int, int, str, int]:
+    """Which hits ``max_instances`` keeps with predictions: the farthest reach first."""
+    return (-max(m.depth, m.predicted_depth), -m.depth, m.instance.worker_id, m.instance.dp_rank)
+
+
+def _answer_order(m: InstanceMatch) -> tuple[int, int, str, int]:
+    """The order of a Match answered with predictions: depth, then predicted_depth."""
+    return (-m.depth, -m.predicted_depth, m.instance.worker_id, m.instance.dp_rank)
 
 
 class IndexerLogic:
@@ -877,13 +888,27 @@ class IndexerLogic:
         )
 
     async def match(self, query: MatchQuery) -> MatchResult:
-        """Validate, key and truncate the prompt, then ask the index."""
+        """Validate, key and truncate the prompt, then ask the index.
+
+        With ``include_predicted`` (indexer/index.py, "Predictions") the hits
+        carry ``predicted_depth``, and ``max_instances`` keeps the deepest by
+        ``max(depth, predicted_depth)`` (the answer's order stays depth, then
+        predicted_depth).
+        """
         keys, bs = self.keys_for(query)
         if keys:
             try:
-                hits = await self.index.match(
-                    query.namespace, keys, include_stale=query.include_stale
-                )
+                if query.include_predicted:
+                    hits = await self.index.match(
+                        query.namespace,
+                        keys,
+                        include_stale=query.include_stale,
+                        include_predicted=True,
+                    )
+                else:
+                    hits = await self.index.match(
+                        query.namespace, keys, include_stale=query.include_stale
+                    )
             except Unavailable as e:
                 self._note_error(e)
                 raise
@@ -909,9 +934,45 @@ class IndexerLogic:
         self.counters.matches += 1
         if hits:
             self.counters.matched_blocks += hits[0].depth
+        if query.include_predicted:
+            if any(h.predicted_depth > h.depth for h in hits):
+                self.counters.predicted_matches += 1
+            if query.max_instances and len(hits) > query.max_instances:
+                kept = sorted(hits, key=_reach)[: query.max_instances]
+                hits = sorted(kept, key=_answer_order)
         if query.max_instances and len(hits) > query.max_instances:
             hits = hits[: query.max_instances]
         return MatchResult(hits, len(keys), bs)
+
+    async def predict(self, prediction: Prediction) -> tuple[int, int]:
+        """Validate and record a route-time prediction (indexer/index.py,
+        "Predictions"): the blocks recorded and the ttl applied, in ms."""
+        ns = prediction.namespace
+        _check_name(ns.model, "model")
+        _check_name(ns.lora_name, "lora_name", required=False)
+        check_instance(prediction.instance)
+        lim = self.config.limits
+        keys = prediction.keys
+        if not keys:
+            raise InvalidArgument("no block keys to predict", field="block_keys")
+        if len(keys) > lim.max_blocks_per_event:
+            raise InvalidArgument(
+                f"{len(keys)} block keys, more than {lim.max_blocks_per_event} "
+                "(limits.max_blocks_per_event)",
+                field="block_keys",
+            )
+        ttl_ms = round(prediction.ttl_s * 1000)
+        if not math.isfinite(prediction.ttl_s) or ttl_ms < 0:
+            raise InvalidArgument(f"must be >= 0, got {prediction.ttl_s}", field="ttl_ms")
+        ttl_ms = min(ttl_ms or lim.prediction_ttl_ms, lim.max_prediction_ttl_ms)
+        # Advice: a failed prediction leaves health alone (the pings and the
+        # Matches judge the backend; a Redis ACL without the rights predictions
+        # need, SECURITY.md, must not take the replica out of service).
+        n = await self.index.predict(
+            ns, prediction.instance, keys, ttl_ms / 1000, lim.max_predicted_blocks_per_instance
+        )
+        self.counters.predictions_recorded += n
+        return n, ttl_ms
 
     async def _hybrids_of(self, model: str) -> frozenset[InstanceId]:
         """The instances of ``model`` that hold the hybrid marker, read at most
@@ -950,9 +1011,10 @@ class IndexerLogic:
         block = bs or self.config.block_size_for(query.namespace.model)
         prompt: Prompt | None = None
         out: list[InstanceMatch] = []
-        cut: dict[int, dict[InstanceId, int]] = {}
+        cut: dict[int, dict[InstanceId, tuple[int, int]]] = {}
         for h in hits:
-            if not self.groups.hybrid(h.instance):
+            if not self.groups.hybrid(h.instance) or not h.depth:
+                # Not hybrid, or held by prediction only (nothing confirmed to cut).
                 out.append(h)
                 continue
             if prompt is None:
@@ -963,19 +1025,20 @@ class IndexerLogic:
             if d == h.depth:
                 out.append(h._replace(tokens=tokens) if tokens else h)
             elif d > 0:
-                cut.setdefault(d, {})[h.instance] = tokens
+                cut.setdefault(d, {})[h.instance] = (tokens, h.predicted_depth)
             elif tokens:  # inside the first block: no whole block reused
                 out.append(h._replace(depth=0, gpu_blocks=0, cpu_blocks=0, disk_blocks=0, tokens=t))
         for d, wanted in cut.items():
             again = await self.index.match(query.namespace, keys[:d], include_stale=True)
             out += [
-                m._replace(tokens=wanted[m.instance]) if wanted[m.instance] else m
+                m._replace(tokens=wanted[m.instance][0], predicted_depth=wanted[m.instance][1])
                 for m in again
                 if m.instance in wanted and m.depth == d
             ]
         out.sort(
             key=lambda m: (
                 -(m.tokens or m.depth * block),
+                -m.predicted_depth,
                 m.instance.worker_id,
                 m.instance.dp_rank,
             )

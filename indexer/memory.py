@@ -32,6 +32,16 @@ collection that reached it would walk every block (60 ms at 721 k blocks):
 that is why shared blocks' holders live apart. What is left to walk is the
 tables of shared blocks, one visit per block several instances hold.
 
+Predictions (indexer/index.py, "Predictions"): per namespace ``key ->
+{instance number: expiry}``, and per instance its predicted entries oldest
+first (the cap, and dropping them all on a clear, reset, removal or reap),
+plus one heap of expiries that each prediction call and each Match asking for
+predictions purge a bounded amount of (:data:`PURGE_BUDGET`): a prediction is
+pushed once and popped once, so expired ones cost their own record, never a
+Match. A store drops the instance's prediction of the key it stores (a key is
+never both held and predicted). Times come from the index's ``clock`` (a
+replay in virtual time passes ``now`` to :meth:`MemoryIndex.predict_sync`).
+
 Semantics are those of :mod:`indexer.index`. Every method runs to completion
 without awaiting, so each is atomic on the event loop, except the apply of a
 long batch: it goes a slice at a time and lets the loop run between slices
@@ -43,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -115,6 +126,11 @@ _SHARD = SHARDS - 1
 HIT_CACHE_SIZE = 64
 #: Blocks a capped dump resolves between two turns of the loop.
 DUMP_SLICE_BLOCKS = 4096
+#: Expired predictions one call purges at most (see _purge_predictions).
+PURGE_BUDGET = 4096
+#: Predicted keys one instance holds at most when the caller names no cap
+#: (the service passes limits.max_predicted_blocks_per_instance).
+MAX_PREDICTED_PER_INSTANCE = 65536
 
 #: A block table's entry: ``number << 3 | mask`` (one instance holds the
 #: block), or SHARED (several do: ``{number: mask}`` in the namespace's table
@@ -165,6 +181,18 @@ def _match_order(m: InstanceMatch) -> tuple[int, InstanceId]:
     return (-m.depth, m.instance)
 
 
+def _predicted_order(m: InstanceMatch) -> tuple[int, int, InstanceId]:
+    return (-m.depth, -m.predicted_depth, m.instance)
+
+
+_new_tuple = tuple.__new__
+
+
+def _with_predicted(m: InstanceMatch, predicted_depth: int) -> InstanceMatch:
+    """``m`` with ``predicted_depth`` (half the cost of ``_replace``)."""
+    return _new_tuple(InstanceMatch, (*m[:8], predicted_depth))
+
+
 def _no_depth1() -> list[InstanceMatch | None]:
     return [None] * 8
 
@@ -208,6 +236,9 @@ class _Instance:
     owner: str = ""
     counted: int = 0
     loras: set[Namespace] | None = None
+    #: Route-time predictions (indexer/index.py, "Predictions"): namespace
+    #: number << 64 | key -> expiry, oldest recorded first (None: none).
+    predicted: dict[int, float] | None = None
 
 
 @dataclass(slots=True)
@@ -320,6 +351,14 @@ class MemoryIndex(Index):
         #: Followers of this index (WatchIndex): every applied change is
         #: published here when set (see "Watching" below); None: nobody may watch.
         self.watch: WatchHub | None = None
+        #: Per namespace, the predicted holders of each key: ``{number: expiry}``
+        #: (see "Predictions" below; each also in its _Instance.predicted).
+        self._pred: dict[Namespace, dict[int, dict[int, float]]] = {}
+        #: ``(expiry, number, entry)`` of every prediction recorded, soonest
+        #: first, for the purge; an entry re-predicted or dropped since is skipped.
+        self._pred_heap: list[tuple[float, int, int]] = []
+        #: Predictions held (expired ones not purged yet included).
+        self._pred_count = 0
 
     # -- instances -----------------------------------------------------------
 
@@ -588,6 +627,8 @@ class MemoryIndex(Index):
                     counts[1] += self._clear_entries(inst, piece.entries)
                     continue
                 if isinstance(piece, AllBlocksCleared):
+                    if inst.predicted:
+                        self._drop_predictions(inst)
                     inst.engine_hashes.clear()
                     inst.copies.clear()
                     inst.bits = 0
@@ -722,6 +763,8 @@ class MemoryIndex(Index):
         if pairs:
             self._ns_pairs[ns] += pairs
         inst.bits += stored
+        if inst.predicted:
+            self._confirm(inst, base, keys[: len(ev.block_hashes)])
         return stored, removed, 0
 
     def _remove_hash(self, inst: _Instance, h: int, mask: int) -> int:
@@ -786,6 +829,8 @@ class MemoryIndex(Index):
 
     def _clear(self, inst: _Instance) -> int:
         removed = self._clear_entries(inst, inst.engine_hashes.values())
+        if inst.predicted:
+            self._drop_predictions(inst)
         inst.engine_hashes.clear()
         inst.copies.clear()
         inst.bits = 0
@@ -1113,18 +1158,228 @@ class MemoryIndex(Index):
             return QuotaUsage()
         return QuotaUsage(o.instances, len(o.namespaces), o.blocks)
 
+    # -- predictions (indexer/index.py, "Predictions") -----------------------
+
+    def _holds(self, ns: Namespace, key: int, no: int) -> bool:
+        """Whether instance ``no`` holds ``key`` of ``ns`` confirmed (any tier)."""
+        tables = self._blocks.get(ns)
+        if tables is None:
+            return False
+        h = tables[key & _SHARD].get(key)
+        if h is None:
+            return False
+        if h:
+            return h >> 3 == no
+        return no in self._shared[ns][key & _SHARD][key]
+
+    def _drop_prediction(self, inst: _Instance, entry: int) -> None:
+        """Forget ``inst``'s prediction of ``entry`` (namespace number << 64 | key)."""
+        assert inst.predicted is not None
+        del inst.predicted[entry]
+        self._pred_count -= 1
+        ns = self._ns_list[entry >> 64]
+        table = self._pred[ns]
+        key = entry & _U64
+        holders = table[key]
+        del holders[inst.no]
+        if not holders:
+            del table[key]
+            if not table:
+                del self._pred[ns]
+
+    def _drop_predictions(self, inst: _Instance) -> None:
+        """Forget every prediction of ``inst`` (a clear, a reset, its removal)."""
+        for entry in list(inst.predicted or ()):
+            self._drop_prediction(inst, entry)
+        inst.predicted = None
+
+    def _confirm(self, inst: _Instance, base: int, keys: Sequence[int]) -> None:
+        """Stored ``keys`` (namespace number ``base``) are held: their predictions go."""
+        predicted = inst.predicted
+        assert predicted is not None
+        for key in keys:
+            entry = base | key
+            if entry in predicted:
+                self._drop_prediction(inst, entry)
+        if not predicted:
+            inst.predicted = None
+
+    def _purge_predictions(self, now: float, budget: int = PURGE_BUDGET) -> None:
+        """Drop predictions expired by ``now``, soonest first, at most ``budget``
+        heap entries a call: each entry is pushed once and popped once, so the
+        purge costs the records their own share, never a Match more."""
+        heap = self._pred_heap
+        by_no = self._by_no
+        while heap and heap[0][0] <= now and budget:
+            budget -= 1
+            expiry, no, entry = heapq.heappop(heap)
+            inst = by_no.get(no)
+            if inst is None or inst.predicted is None:
+                continue
+            if inst.predicted.get(entry) == expiry:
+                self._drop_prediction(inst, entry)
+                if not inst.predicted:
+                    inst.predicted = None
+
+    async def predict(
+        self,
+        namespace: Namespace,
+        instance: InstanceId,
+        keys: Sequence[int],
+        ttl_s: float,
+        max_per_instance: int,
+    ) -> int:
+        """See :meth:`Index.predict`."""
+        return self.predict_sync(namespace, instance, keys, ttl_s, max_per_instance)
+
+    def predict_sync(
+        self,
+        namespace: Namespace,
+        instance: InstanceId,
+        keys: Sequence[int],
+        ttl_s: float,
+        max_per_instance: int = MAX_PREDICTED_PER_INSTANCE,
+        now: float | None = None,
+    ) -> int:
+        """Synchronous :meth:`predict` (a replay in virtual time passes ``now``;
+        else the index's clock). O(len(keys)) plus the purge's share."""
+        if now is None:
+            now = self._clock()
+        inst = self._instances.get(instance)
+        if inst is None or inst.lease_expires_at <= now:
+            raise NotFound(f"instance {instance} is not registered and live", field="instance")
+        if namespace.model != inst.spec.model:
+            raise FailedPrecondition(
+                f"instance {instance} serves model {inst.spec.model!r}, not {namespace.model!r}",
+                field="model",
+            )
+        self._purge_predictions(now)
+        expiry = now + ttl_s
+        base = self._ns_id(namespace) << 64
+        table = self._pred.get(namespace)
+        if table is None:
+            table = self._pred[namespace] = {}
+        predicted = inst.predicted
+        if predicted is None:
+            predicted = inst.predicted = {}
+        no = inst.no
+        recorded = 0
+        heap = self._pred_heap
+        for key in keys:
+            if self._holds(namespace, key, no):
+                continue
+            entry = base | key
+            if predicted.pop(entry, None) is None:
+                self._pred_count += 1
+            predicted[entry] = expiry  # the newest last
+            holders = table.get(key)
+            if holders is None:
+                holders = table[key] = {}
+            holders[no] = expiry
+            heapq.heappush(heap, (expiry, no, entry))
+            recorded += 1
+        while len(predicted) > max_per_instance:
+            self._drop_prediction(inst, next(iter(predicted)))
+        if not predicted:
+            inst.predicted = None
+        if not table and namespace in self._pred:
+            del self._pred[namespace]
+        return recorded
+
+    def _match_predicted(
+        self, namespace: Namespace, keys: Sequence[int], include_stale: bool
+    ) -> list[InstanceMatch]:
+        """Match with ``include_predicted``: the confirmed answer, each hit with its
+        ``predicted_depth``, plus the instances holding ``keys[0]`` by prediction.
+
+        Each candidate walks on from its confirmed depth while a key is
+        predicted for it (a dict look-up) or held: the cost is the confirmed
+        Match plus one step per candidate and per predicted block, whatever
+        the number of expired predictions (those met are skipped by expiry).
+        """
+        hits = self.match_sync(namespace, keys, include_stale=include_stale)
+        now = self._clock()
+        self._purge_predictions(now)
+        table = self._pred.get(namespace)
+        if not keys:
+            return hits
+        if table is None:
+            return [_with_predicted(h, h.depth) for h in hits]
+        instances = self._instances
+        by_no = self._by_no
+        n_keys = len(keys)
+        out: list[InstanceMatch] = []
+        seen: set[int] = set()
+        for h in hits:
+            no = instances[h.instance].no
+            seen.add(no)
+            d = h.depth
+            # Most hits end where nothing is predicted: one look-up settles them.
+            if d < n_keys and (nxt := table.get(keys[d])) is not None and no in nxt:
+                d = self._walk_predicted(namespace, table, keys, no, d, n_keys, now)
+            out.append(_with_predicted(h, d))
+        first = table.get(keys[0])
+        for no, expiry in (first or {}).items():
+            if no in seen or expiry <= now:
+                continue
+            inst = by_no[no]
+            if inst.lease_expires_at <= now or (inst.stale and not include_stale):
+                continue
+            d = self._walk_predicted(namespace, table, keys, no, 0, n_keys, now)
+            out.append(
+                InstanceMatch(inst.spec.instance, inst.spec.address, 0, 0, 0, 0, inst.stale, 0, d)
+            )
+        out.sort(key=_predicted_order)
+        return out
+
+    def _walk_predicted(
+        self,
+        namespace: Namespace,
+        table: dict[int, dict[int, float]],
+        keys: Sequence[int],
+        no: int,
+        depth: int,
+        n_keys: int,
+        now: float,
+    ) -> int:
+        """How far instance ``no`` holds ``keys`` confirmed or predicted from
+        ``depth`` (its confirmed depth: ``keys[depth]`` is not held)."""
+        d = depth
+        while d < n_keys:
+            key = keys[d]
+            holders = table.get(key)
+            predicted = holders is not None and holders.get(no, 0.0) > now
+            if not predicted and not (d > depth and self._holds(namespace, key, no)):
+                break
+            d += 1
+        return d
+
     # -- reads ---------------------------------------------------------------
 
     async def match(
-        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        include_stale: bool = False,
+        include_predicted: bool = False,
     ) -> list[InstanceMatch]:
         """Per-instance longest gap-free prefix of ``keys``, deepest first."""
+        if include_predicted:
+            return self._match_predicted(namespace, keys, include_stale)
         return self.match_sync(namespace, keys, include_stale=include_stale)
 
     def match_sync(
-        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        include_stale: bool = False,
+        include_predicted: bool = False,
     ) -> list[InstanceMatch]:
         """Synchronous :meth:`match`, for in-process callers and benchmarks."""
+        if include_predicted:
+            return self._match_predicted(namespace, keys, include_stale)
         tables = self._blocks.get(namespace)
         if tables is None or not keys:
             return []
@@ -1266,6 +1521,8 @@ class MemoryIndex(Index):
             st.namespaces.append(NamespaceStats(ns, n_blocks, pairs))
             st.blocks += n_blocks
             st.block_instances += pairs
+        self._purge_predictions(now, budget=len(self._pred_heap))
+        st.predicted_blocks = self._pred_count
         return st
 
     async def dump_blocks(

@@ -277,7 +277,10 @@ class InstanceMatch(NamedTuple):
     NamedTuple because a Match builds one per holder of the first block.
     ``tokens``: the hit in tokens when it ends inside block ``depth`` (an
     engine hashing in units finer than its blocks, indexer/groups.py); 0
-    when it is ``depth`` whole blocks.
+    when it is ``depth`` whole blocks. ``predicted_depth``: only when the
+    Match asked for predictions (``include_predicted``), the longest gap-free
+    prefix held confirmed or predicted (>= ``depth``; an instance holding
+    ``keys[0]`` by prediction alone has ``depth`` 0); 0 otherwise.
     """
 
     instance: InstanceId
@@ -288,6 +291,7 @@ class InstanceMatch(NamedTuple):
     disk_blocks: int = 0
     stale: bool = False
     tokens: int = 0
+    predicted_depth: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +314,8 @@ class IndexStats:
     blocks: int = 0
     block_instances: int = 0
     namespaces: list[NamespaceStats] = field(default_factory=list)
+    #: (block, instance) predictions held and not yet expired (PredictPlacement).
+    predicted_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -343,6 +349,24 @@ class MatchQuery:
     #: multimodal item's placeholder tokens. Only with ``token_ids``.
     cache_salt: str = ""
     media: Sequence[tuple[str, int, int]] = ()
+    #: Also count route-time predictions (:class:`Prediction`): fills
+    #: ``InstanceMatch.predicted_depth`` and adds instances holding the first
+    #: block by prediction alone (depth 0).
+    include_predicted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A route-time prediction (PredictPlacement): a router sent a request for
+    ``keys`` (in order) of ``namespace`` to ``instance``, whose engine will hold
+    them once its prefill runs. Held for ``ttl_s`` seconds (0: the server's
+    default) unless the engine's events confirm or drop them first; never
+    counted as held (indexer/index.py, "Predictions")."""
+
+    namespace: Namespace
+    instance: InstanceId
+    keys: Sequence[int]
+    ttl_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +395,10 @@ class Counters:
     events_skipped: dict[str, int] = field(default_factory=dict)
     #: Stored blocks whose parent the instance did not hold (not keyable).
     blocks_orphaned: int = 0
+    #: (block, instance) predictions recorded by PredictPlacement.
+    predictions_recorded: int = 0
+    #: Matches whose answer a prediction deepened (some predicted_depth > depth).
+    predicted_matches: int = 0
 
 
 @dataclass(slots=True)

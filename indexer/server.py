@@ -223,6 +223,8 @@ INDEXER_RULES: dict[str, MethodRule] = {
     "DumpIndex": MethodRule(("admin",)),
     "Ping": MethodRule(("*",)),
     "WatchIndex": MethodRule(("router",)),
+    # One per routed request, as a Match is: the same role and rate.
+    "PredictPlacement": MethodRule(("router",), rate="match"),
 }
 
 #: Converted watch changes kept for the next follower that reads them (each
@@ -588,6 +590,14 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         return match_stream_error(rid, err)
 
     @observed
+    async def PredictPlacement(
+        self, request: pb.PredictPlacementRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PredictPlacementResponse:
+        """Record a router's route-time prediction (indexer/index.py, "Predictions")."""
+        n, ttl_ms = await self.logic.predict(convert.prediction_from_pb(request))
+        return pb.PredictPlacementResponse(predicted_blocks=n, ttl_ms=ttl_ms)
+
+    @observed
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetStatsResponse:
@@ -842,6 +852,8 @@ class IndexerServer:
             "sequence_gaps": c.sequence_gaps,
             "matches": c.matches,
             "matched_blocks": c.matched_blocks,
+            "predictions_recorded": c.predictions_recorded,
+            "predicted_matches": c.predicted_matches,
             "instances_reaped": c.instances_reaped,
             "reap_errors": c.reap_errors,
         }

@@ -397,13 +397,21 @@ def instance_name(worker_id: str, dp_rank: int = 0) -> str:
     return worker_id if dp_rank == 0 else f"{worker_id}/dp{dp_rank}"
 
 
+def parse_instance_name(name: str) -> tuple[str, int]:
+    """``(worker_id, dp_rank)`` of a name :func:`instance_name` made."""
+    worker, sep, rank = name.rpartition("/dp")
+    if sep and worker and rank.isdigit() and rank[0] != "0":
+        return worker, int(rank)
+    return name, 0
+
+
 def outcome_from_response(resp: pb.MatchResponse) -> MatchOutcome:
     """Convert a MatchResponse to an OK :class:`MatchOutcome`."""
     return MatchOutcome(
         MatchStatus.OK,
         {
             instance_name(m.instance.worker_id, m.instance.dp_rank): WorkerMatch(
-                m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks, m.tokens
+                m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks, m.tokens, m.predicted_depth
             )
             for m in resp.matches
         },
@@ -540,6 +548,8 @@ class IndexerClient:
         )
         self.in_flight = 0
         self.calls: dict[MatchStatus, int] = dict.fromkeys(MatchStatus, 0)
+        #: PredictPlacement attempts by how they ended (:meth:`predict`).
+        self.predict_calls: dict[MatchStatus, int] = dict.fromkeys(MatchStatus, 0)
         # Decided once: tracing off leaves the call path as it was.
         self._tracing = tracing_enabled()
         # server.address/port of the client spans, from the target the channel dials
@@ -564,11 +574,19 @@ class IndexerClient:
         self._messages_sent = 0
         self._messages_received = 0
 
-    async def match(self, keys: Sequence[int]) -> MatchOutcome:
-        """Match ``keys``; never raises for indexer trouble (see the module docstring)."""
+    async def match(self, keys: Sequence[int], *, include_predicted: bool = False) -> MatchOutcome:
+        """Match ``keys``; never raises for indexer trouble (see the module docstring).
+
+        ``include_predicted``: also count route-time predictions (every
+        router's :meth:`predict`): each :class:`WorkerMatch` carries
+        ``predicted_depth``, and workers holding the first block by
+        prediction alone come with depth 0. Such a Match always goes to the
+        indexer, never to the follower (a follower's copy holds no
+        predictions), under the same deadline, bound and breaker.
+        """
         if not keys:
             return self._count(MatchOutcome(MatchStatus.OK))
-        if self.follower is not None:
+        if self.follower is not None and not include_predicted:
             local = self.follower.match(self._model, self._lora, keys)
             if local is not None:
                 self.follower_matches += 1
@@ -582,7 +600,11 @@ class IndexerClient:
         timeout = self.settings.deadline_ms / 1000.0
         stream = self._open_stream() if self._use_stream else None
         req = pb.MatchRequest(
-            model=self._model, lora_name=self._lora, block_keys=keys, max_blocks=len(keys)
+            model=self._model,
+            lora_name=self._lora,
+            block_keys=keys,
+            max_blocks=len(keys),
+            include_predicted=include_predicted,
         )
         self.in_flight += 1
         try:
@@ -602,6 +624,52 @@ class IndexerClient:
             self.in_flight -= 1
         self.breaker.success()
         return self._count(outcome_from_response(resp))
+
+    async def predict(self, worker_name: str, keys: Sequence[int], ttl_ms: int = 0) -> MatchStatus:
+        """Tell the indexer a request for ``keys`` was just sent to ``worker_name``
+        (an :func:`instance_name`): every router's Match with ``include_predicted``
+        then sees those blocks there for ``ttl_ms`` (0: the indexer's default)
+        or until the engine's events confirm or drop them.
+
+        Advice, like a Match: one unary PredictPlacement under the Match
+        deadline, the in-flight bound and the breaker; it never raises for
+        indexer trouble and returns how the call ended (OK, or why not:
+        BUSY and CIRCUIT_OPEN make no call; ERROR is a refusal such as
+        NOT_FOUND for a worker the indexer does not hold live). Counted in
+        :attr:`predict_calls`.
+        """
+        if not keys:
+            return self._count_predict(MatchStatus.OK)
+        if self.in_flight >= self.settings.max_in_flight:
+            return self._count_predict(MatchStatus.BUSY)
+        if not self.breaker.allow():
+            return self._count_predict(MatchStatus.CIRCUIT_OPEN)
+        worker_id, dp_rank = parse_instance_name(worker_name)
+        req = pb.PredictPlacementRequest(
+            model=self._model,
+            lora_name=self._lora,
+            instance=pb.InstanceRef(worker_id=worker_id, dp_rank=dp_rank),
+            block_keys=keys,
+            ttl_ms=ttl_ms,
+        )
+        self.in_flight += 1
+        try:
+            await self._stub.PredictPlacement(req, timeout=self.settings.deadline_ms / 1000.0)
+        except grpc.aio.AioRpcError as e:
+            status = _FAILURE_CODES.get(e.code())
+            if status is None:
+                self.breaker.release()
+                return self._count_predict(MatchStatus.ERROR)
+            self.breaker.failure()
+            return self._count_predict(status)
+        finally:
+            self.in_flight -= 1
+        self.breaker.success()
+        return self._count_predict(MatchStatus.OK)
+
+    def _count_predict(self, status: MatchStatus) -> MatchStatus:
+        self.predict_calls[status] += 1
+        return status
 
     def _failed(self, code: grpc.StatusCode) -> MatchOutcome:
         """The outcome of a Match that ended with status ``code``, told to the breaker."""

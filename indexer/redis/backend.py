@@ -1641,7 +1641,12 @@ class RedisIndex(Index):
     # -- reads -----------------------------------------------------------------
 
     async def match(
-        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        include_stale: bool = False,
+        include_predicted: bool = False,
     ) -> list[InstanceMatch]:
         """Per-instance longest gap-free prefix of ``keys``, deepest first (one EVALSHA).
 
@@ -1650,7 +1655,10 @@ class RedisIndex(Index):
         against ``P:gen`` once it is older than ``instance_cache_ttl_s``: a
         moved generation makes the script answer nothing, and the Match reads
         the table and asks again (three round trips instead of one).
+        ``include_predicted``: see :meth:`_match_predicted`.
         """
+        if include_predicted:
+            return await self._match_predicted(namespace, keys, include_stale)
         if not keys:
             return []
         nskey = (namespace.model, namespace.lora_name)
@@ -1726,6 +1734,95 @@ class RedisIndex(Index):
         ranked = [(-m.depth, m.instance, m) for m in out]
         ranked.sort()
         return [r[2] for r in ranked]
+
+    async def _match_predicted(
+        self, namespace: Namespace, keys: Sequence[int], include_stale: bool
+    ) -> list[InstanceMatch]:
+        """Match with predictions (indexer/index.py, "Predictions"): the Match,
+        then one ``pmatch.lua`` for every hit's predicted depth and the holders
+        of block 0 by prediction alone (two EVALSHAs; KEYS.md, "Predictions").
+
+        Cluster: no prediction can be recorded there (:meth:`predict`), so
+        each hit's predicted depth is its depth.
+        """
+        hits = await self.match(namespace, keys, include_stale=include_stale)
+        if not keys:
+            return hits
+        if self.cluster:
+            return [h._replace(predicted_depth=h.depth) for h in hits]
+        by_name = self._by_name
+        pairs: list[bytes | int] = []
+        for h in hits:
+            pairs += (by_name[h.instance].int_id, h.depth)
+        now = self._clock()
+        res = await self._eval(
+            self._scripts["pmatch"],
+            0,
+            self._base,
+            K.ns_id(namespace.model, namespace.lora_name),
+            repr(float(now)),
+            _pack(keys, "keys"),
+            *pairs,
+        )
+        depths = {res[j]: int(res[j + 1]) for j in range(0, 2 * len(hits), 2)}
+        out = [h._replace(predicted_depth=depths[by_name[h.instance].int_id]) for h in hits]
+        extra = [(res[j], int(res[j + 1])) for j in range(2 * len(hits), len(res), 2)]
+        if any(int_id not in self._by_id for int_id, _ in extra):
+            await self._refresh()  # an instance registered after our snapshot
+        for int_id, d in extra:
+            inst = self._by_id.get(int_id)
+            if inst is None or inst.exp <= now or (inst.stale and not include_stale):
+                continue
+            out.append(
+                InstanceMatch(inst.instance, inst.spec.address, 0, 0, 0, 0, inst.stale, 0, d)
+            )
+        ranked = [(-m.depth, -m.predicted_depth, m.instance, m) for m in out]
+        ranked.sort()
+        return [r[3] for r in ranked]
+
+    async def predict(
+        self,
+        namespace: Namespace,
+        instance: InstanceId,
+        keys: Sequence[int],
+        ttl_s: float,
+        max_per_instance: int,
+    ) -> int:
+        """See :meth:`Index.predict`: one ``predict.lua`` (KEYS.md, "Predictions").
+
+        Standalone only: a Cluster answers FailedPrecondition (its block layout
+        places keys by chain position; predictions are not placed yet).
+        """
+        if self.cluster:
+            raise FailedPrecondition(
+                "PredictPlacement is not supported by the redis backend in Cluster mode",
+                field="instance",
+            )
+        _, ikey = self._inst_key(instance)
+        now = self._clock()
+        ttl_ms = max(1, round(ttl_s * 1000))
+        res = await self._eval(
+            self._scripts["predict"],
+            1,
+            ikey,
+            self._base,
+            repr(float(now)),
+            namespace.model,
+            K.ns_id(namespace.model, namespace.lora_name),
+            "%.17g" % (now + ttl_s),
+            ttl_ms,
+            max_per_instance,
+            _pack(keys, "block_keys"),
+        )
+        if res[0] == b"nf":
+            raise NotFound(f"instance {instance} is not registered and live", field="instance")
+        if res[0] == b"model":
+            raise FailedPrecondition(
+                f"instance {instance} serves model {res[1].decode('utf-8', 'replace')!r}, "
+                f"not {namespace.model!r}",
+                field="model",
+            )
+        return int(res[1])
 
     def _hits(
         self,

@@ -66,6 +66,8 @@ ACL_COMMANDS = (
     # inside scripts (indexer/redis/lua/)
     "del", "exists", "get", "hdel", "hget", "hincrby", "hlen", "hscan", "hset", "hsetnx",
     "incr", "sadd", "set", "srem", "time", "unlink", "zadd", "zrange", "zrem",
+    # route-time predictions only (predict.lua): their names' TTLs
+    "pexpire", "pttl",
 )  # fmt: skip
 #: Extra commands of a cluster client: the slot map, and the command table
 #: redis-py reads to find the keys of a command (both at discovery).

@@ -47,6 +47,10 @@ NODE_GEN = b"g:"  # cluster: + {node tag} -> copy of GEN on that node
 NODE_COUNTS = b"c:"  # cluster: + {node tag} -> hash 'U' + ns id -> 1 when unplaced copies exist
 KHOLDERS = b"kh"  # cluster: hash ns id + block key -> number of ids holding it (for NS_BLOCKS)
 BLOCK = b"b:"  # + ns id + block key -> hash int id -> tier mask
+PREDICTED = b"pr:"  # + ns id + block key -> hash int id -> prediction expiry (KEYS.md)
+PREDICTED_ORDER = (
+    b"po:"  # + decimal int id -> list of its predicted ns id + block key, oldest first
+)
 QUOTA = b"q:"  # + identity -> hash of what its instances hold (KEYS.md, "Quotas")
 LORAS = b"l:"  # + decimal int id -> set of the LoRA ns ids it stored in (quotas)
 # Cluster control keys of the two-phase apply and the copy-tag registry. The

@@ -32,7 +32,17 @@ __all__ = [
 #: The folder of the backend's Lua scripts.
 LUA_DIR = Path(__file__).with_name("lua")
 #: Scripts of a single-node Redis.
-SCRIPTS = ("match", "apply", "register", "heartbeat", "remove", "purge", "snapshot")
+SCRIPTS = (
+    "match",
+    "apply",
+    "register",
+    "heartbeat",
+    "remove",
+    "purge",
+    "snapshot",
+    "predict",
+    "pmatch",
+)
 #: Cluster mode: scripts on the control slot (they report a bumped generation).
 CLUSTER_CONTROL = ("register", "heartbeat", "remove", "snapshot", "capply", "cpurge")
 #: Cluster mode: scripts on a data node.

@@ -737,14 +737,21 @@ class BusyIndex(MemoryIndex):
         self.started = asyncio.Event()
 
     def match_sync(
-        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        include_stale: bool = False,
+        include_predicted: bool = False,
     ) -> list[InstanceMatch]:
         self.order.append(len(keys))
         self.started.set()
         end = time.perf_counter() + self.BUSY_S
         while time.perf_counter() < end:
             pass
-        return super().match_sync(namespace, keys, include_stale=include_stale)
+        return super().match_sync(
+            namespace, keys, include_stale=include_stale, include_predicted=include_predicted
+        )
 
 
 async def test_a_long_message_of_inline_matches_lets_other_calls_in() -> None:

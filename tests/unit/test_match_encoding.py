@@ -20,6 +20,7 @@ match_st = st.builds(
     disk_blocks=counts,
     stale=st.booleans(),
     tokens=counts,
+    predicted_depth=counts,
 )
 result_st = st.builds(
     MatchResult,

@@ -131,6 +131,8 @@ while p <= #ARGV do
         else
           if old ~= 0 then
             redis.call('HDEL', bk, id)
+            -- A prediction of the block the engine dropped goes with it.
+            redis.call('HDEL', B .. 'pr:' .. suf, id)
             if redis.call('EXISTS', bk) == 0 then
               ns_add(sub(suf, 1, 8), -1, -1)
             else

@@ -122,7 +122,8 @@ end
 
 -- Queue the int id of `meta` for purging when it still has entries; return it or ''.
 local function retire(id)
-  if redis.call('EXISTS', B .. 'e:' .. id) == 1 then
+  -- Its route-time predictions (standalone: 'po:' lists them) are purged too.
+  if redis.call('EXISTS', B .. 'e:' .. id) == 1 or redis.call('EXISTS', B .. 'po:' .. id) == 1 then
     redis.call('SADD', B .. 'dead', id)
     return id
   end

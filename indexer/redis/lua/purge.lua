@@ -1,4 +1,5 @@
--- Drop up to ~ARGV[3] entries of a retired int id ARGV[2]; return how many remain.
+-- Drop up to ~ARGV[3] entries (and predictions) of a retired int id ARGV[2];
+-- return how many remain.
 -- Runs in chunks so that a huge instance never holds Redis for long.
 local id = ARGV[2]
 local limit = tonumber(ARGV[3])
@@ -15,7 +16,15 @@ repeat
   end
 until done >= limit or cur == '0'
 ns_flush()
-local left = redis.call('HLEN', ek)
+-- Then its route-time predictions, oldest first (KEYS.md, "Predictions").
+local po = B .. 'po:' .. id
+if redis.call('EXISTS', po) == 1 then
+  for _, e in ipairs(redis.call('ZRANGE', po, 0, limit - 1)) do
+    redis.call('HDEL', B .. 'pr:' .. e, id)
+    redis.call('ZREM', po, e)
+  end
+end
+local left = redis.call('HLEN', ek) + redis.call('EXISTS', po)
 if left == 0 then
   redis.call('SREM', B .. 'dead', id)
   redis.call('UNLINK', B .. 'cp:' .. id)

@@ -384,7 +384,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., blocks: _Optional[int] = ..., block_instances: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "instances", "instances_live", "instances_stale", "blocks", "block_instances", "namespaces", "batches_applied", "batches_duplicate", "batches_rejected", "sequence_gaps", "matches", "matched_blocks")
+    __slots__ = ("backend", "instances", "instances_live", "instances_stale", "blocks", "block_instances", "namespaces", "batches_applied", "batches_duplicate", "batches_rejected", "sequence_gaps", "matches", "matched_blocks", "predicted_blocks", "predictions_recorded", "predicted_matches")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_LIVE_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +398,9 @@ class GetStatsResponse(_message.Message):
     SEQUENCE_GAPS_FIELD_NUMBER: _ClassVar[int]
     MATCHES_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MATCHES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     instances: int
     instances_live: int
@@ -411,7 +414,10 @@ class GetStatsResponse(_message.Message):
     sequence_gaps: int
     matches: int
     matched_blocks: int
-    def __init__(self, backend: _Optional[str] = ..., instances: _Optional[int] = ..., instances_live: _Optional[int] = ..., instances_stale: _Optional[int] = ..., blocks: _Optional[int] = ..., block_instances: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., sequence_gaps: _Optional[int] = ..., matches: _Optional[int] = ..., matched_blocks: _Optional[int] = ...) -> None: ...
+    predicted_blocks: int
+    predictions_recorded: int
+    predicted_matches: int
+    def __init__(self, backend: _Optional[str] = ..., instances: _Optional[int] = ..., instances_live: _Optional[int] = ..., instances_stale: _Optional[int] = ..., blocks: _Optional[int] = ..., block_instances: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., sequence_gaps: _Optional[int] = ..., matches: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., predicted_blocks: _Optional[int] = ..., predictions_recorded: _Optional[int] = ..., predicted_matches: _Optional[int] = ...) -> None: ...
 
 class DumpIndexRequest(_message.Message):
     __slots__ = ("model", "max_blocks")

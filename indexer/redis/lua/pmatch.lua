@@ -1,0 +1,45 @@
+-- Predicted depths of a Match with include_predicted (standalone; KEYS.md,
+-- "Predictions"), after the Match itself.
+-- ARGV: base, ns id, now, keys packed as 8-byte big-endian words, then pairs
+--   (int id, confirmed depth) of the Match's hits.
+-- Returns pairs (int id, predicted depth): each hit's, then every holder of
+-- a live prediction of block 0 that is not a hit (its confirmed depth 0).
+-- Each walks on from its confirmed depth while a block is predicted for it
+-- (an unexpired expiry) or held: O(candidates + predicted blocks). Only
+-- commands of the indexer's least ACL rights (indexer/redis/connection.py).
+local nid, now, blob = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local bpre, ppre = B .. 'b:' .. nid, B .. 'pr:' .. nid
+local n = #blob / 8
+local sub = string.sub
+local function walk(id, d)
+  local from = d
+  while d < n do
+    local k = sub(blob, 8 * d + 1, 8 * d + 8)
+    local e = redis.call('HGET', ppre .. k, id)
+    if not (e and tonumber(e) > now) then
+      if d == from or not redis.call('HGET', bpre .. k, id) then
+        break
+      end
+    end
+    d = d + 1
+  end
+  return d
+end
+local out, seen = {}, {}
+for i = 5, #ARGV, 2 do
+  local id = ARGV[i]
+  seen[id] = true
+  out[#out + 1] = id
+  out[#out + 1] = walk(id, tonumber(ARGV[i + 1]))
+end
+if n > 0 then
+  local first = redis.call('HGETALL', ppre .. sub(blob, 1, 8))
+  for j = 1, #first, 2 do
+    local id = first[j]
+    if not seen[id] and tonumber(first[j + 1]) > now then
+      out[#out + 1] = id
+      out[#out + 1] = walk(id, 0)
+    end
+  end
+end
+return out

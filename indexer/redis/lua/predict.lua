@@ -1,0 +1,54 @@
+-- PredictPlacement (standalone; KEYS.md, "Predictions"): record that the
+-- instance is about to hold the blocks.
+-- KEYS: instance hash.
+-- ARGV: base, now, model, ns id, expiry (%.17g), ttl in ms, cap on the
+--   instance's predicted blocks, keys packed as 8-byte big-endian words.
+-- Returns {'nf'} (not registered or lease expired) | {'model', its model} |
+--   {'ok', recorded, dropped past the cap}.
+local now = tonumber(ARGV[2])
+local h = redis.call('HMGET', KEYS[1], 'id', 'exp', 'm')
+if not h[1] or tonumber(h[2]) <= now then
+  return {'nf'}
+end
+if h[3] ~= ARGV[3] then
+  return {'model', h[3]}
+end
+local id, nid, expiry, ttl, cap = h[1], ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local blob = ARGV[8]
+local bpre, ppre = B .. 'b:' .. nid, B .. 'pr:' .. nid
+local order = B .. 'po:' .. id
+local sub = string.sub
+-- A name lives as long as its longest prediction: nothing outlives its ttl.
+local function keep(name)
+  if redis.call('PTTL', name) < ttl then
+    redis.call('PEXPIRE', name, ttl)
+  end
+end
+-- The TTL commands run before any write: a user without their ACL rights
+-- (an older rule) fails the script whole, never with a prediction half
+-- written and no TTL on it.
+keep(order)
+local recorded = 0
+for i = 1, #blob / 8 do
+  local k = sub(blob, 8 * i - 7, 8 * i)
+  if not redis.call('HGET', bpre .. k, id) then
+    local name = ppre .. k
+    redis.call('HSET', name, id, expiry)
+    keep(name)
+    -- Scored by the time recorded: a key predicted again moves to the newest.
+    redis.call('ZADD', order, now, nid .. k)
+    recorded = recorded + 1
+  end
+end
+local dropped = 0
+if recorded > 0 then
+  keep(order)
+  -- Past the cap the oldest go first: every member but the newest cap.
+  local over = redis.call('ZRANGE', order, 0, -(cap + 1))
+  for _, e in ipairs(over) do
+    redis.call('HDEL', B .. 'pr:' .. e, id)
+    redis.call('ZREM', order, e)
+    dropped = dropped + 1
+  end
+end
+return {'ok', recorded, dropped}

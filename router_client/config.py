@@ -14,7 +14,9 @@ Example (YAML; TOML and JSON carry the same keys)::
 
     workers: [p0, p1, d0, d1]
     slo_policy: best_effort
-    balance: 0.02
+    cost: blocks                  # or ttft: predicted time to first token (router_client.cost)
+    balance: 0.02                 # the blocks cost's one knob
+    predictions: false            # route-time predictions (router_client.router)
     buckets:
       - {id: short, stage: prefill, rank: 0, workers: [p0], max_tokens: 8192,
          ttft_p95_ms: 300, limits: {max_pending_prefill_tokens: 65536}}
@@ -53,6 +55,7 @@ from router_client.errors import ConfigError
 
 Stage = Literal["prefill", "decode"]
 SloPolicy = Literal["disabled", "slo_first", "best_effort"]
+CostModel = Literal["blocks", "ttft"]
 
 #: The default of :attr:`RouterConfig.balance`. A worker's load counts every
 #: in-flight token (a 12k-token request is ~24 blocks of load) while a hit saves
@@ -62,6 +65,22 @@ SloPolicy = Literal["disabled", "slo_first", "best_effort"]
 #: W=16): 0.02 reaches 97-99% of the pooled bound; 0.05 drops to 94%, 0.5 to 66%;
 #: 0 (pure affinity) sends everything to the first holder of the shared block 0.
 DEFAULT_BALANCE = 0.02
+
+#: The default of :attr:`RouterConfig.prefill_tokens_per_s`, the prefill rate
+#: of a worker whose engine reports none: about what an 8B model prefills on
+#: one H100-class GPU (roughly 2 * 8e9 FLOPs a token against ~400 TFLOP/s
+#: achieved in bf16 is ~25k tokens/s at best; attention, batching with decode
+#: and longer contexts bring it to ~10k). It only scales the "ttft" cost when
+#: no worker reports: with one default for all, the ranking is that of
+#: ``queue + uncached`` tokens whatever its value.
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+
+#: The default of :attr:`RouterConfig.predicted_weight`. A predicted block is
+#: one a router sent the worker a request for, not yet confirmed by its engine:
+#: the request may still fail, be preempted or evict it, or run after this one
+#: (which then computes it too). Below 1, a confirmed hit of the same depth wins;
+#: 0.9 still lets a predicted prefix beat a confirmed one a tenth shorter.
+DEFAULT_PREDICTED_WEIGHT = 0.9
 
 #: Prefix of the environment variables read by :func:`load_config`.
 ENV_PREFIX = "KVMESH_ROUTER_"
@@ -172,7 +191,43 @@ class RouterConfig(StrictModel):
         default=DEFAULT_BALANCE,
         ge=0.0,
         le=1.0,
-        description="0 pure cache affinity, 1 pure load balance (router_client.cost)",
+        description="0 pure cache affinity, 1 pure load balance (router_client.cost); "
+        'the "blocks" cost only',
+    )
+    cost: CostModel = Field(
+        default="blocks",
+        description='How prefill candidates are ranked (router_client.cost): "blocks", '
+        '(1 - balance) * uncached blocks + balance * load blocks; "ttft", the predicted '
+        "time to first token in seconds, pending prefill tokens / rate + uncached prompt "
+        "tokens / rate, rate being the worker's reported prefill tokens/s (moving average) "
+        "or prefill_tokens_per_s.",
+    )
+    prefill_tokens_per_s: float = Field(
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        gt=0,
+        description='Prefill tokens/s of a worker whose engine reports none, for the "ttft" '
+        "cost; the default is about an 8B model on one H100-class GPU.",
+    )
+    predictions: bool = Field(
+        default=False,
+        description="Route-time predictions: Match with include_predicted, count a worker's "
+        "predicted prefix at predicted_weight a block, and after each decision record "
+        "the chosen worker's blocks as predicted (PredictPlacement) in the background.",
+    )
+    prediction_ttl_ms: int = Field(
+        default=10_000,
+        ge=0,
+        description="How long a recorded prediction lives without the engine's "
+        "confirmation; 0: the indexer's default (the indexer caps it). It must cover "
+        "the request's queue wait, its prefill and the event lag: the replay at load 0.9 "
+        "with 5 s event lag recovered nothing at 2 s and all the lost hits at 10 s.",
+    )
+    predicted_weight: float = Field(
+        default=DEFAULT_PREDICTED_WEIGHT,
+        ge=0.0,
+        le=1.0,
+        description="Worth of a predicted, unconfirmed block relative to a GPU hit (< 1: the "
+        "request that should produce it may fail, be evicted or run late).",
     )
     limits: Limits = Field(default=Limits(), description="limits of the global domain")
     load_stale_s: float = Field(

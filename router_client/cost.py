@@ -1,15 +1,30 @@
 """The cost of sending a request's prefill to a worker: cache affinity against load.
 
-For a prompt of ``n`` blocks and a candidate worker ``w``::
+Two costs, chosen by :attr:`router_client.config.RouterConfig.cost`; the lowest
+wins, equal costs are broken at random, never by worker order (on a trace
+where every prompt shares its first block, breaking ties by order would send
+every new conversation to the same worker).
 
-    uncached(w) = n - (gpu(w) * 1.0 + cpu(w) * 0.75 + disk(w) * 0.5)   (hit capped below)
+**Cached blocks.** Both costs start from the prompt's leading blocks the worker
+holds, weighted by tier (from the indexer's Match)::
+
+    cached(w) = gpu(w) * 1.0 + cpu(w) * 0.75 + disk(w) * 0.5    (hit capped below)
+
+capped at the blocks the engine reuses of the prompt (:func:`reusable_blocks`:
+never its last token). With route-time predictions on
+(:attr:`~router_client.config.RouterConfig.predictions`), a worker a router
+just sent a request for the same prefix counts what it will hold
+(:func:`cached_blocks_with_prediction`)::
+
+    cached(w) = max(cached(w), min(predicted_depth(w), reusable) * predicted_weight)
+
+**"blocks"** (the default), in blocks::
+
+    uncached(w) = n - cached(w)
     load(w)     = (tokens of requests running or queued on w
                    + uncached prefill tokens waiting on w) / block_size
     cost(w)     = (1 - balance) * uncached(w) + balance * load(w)
 
-where ``gpu(w)``, ``cpu(w)``, ``disk(w)`` are the prompt's leading blocks the
-worker holds per tier (from the indexer's Match), capped at the blocks the
-engine reuses of the prompt (:func:`reusable_blocks`: never its last token).
 Both terms are in blocks, so ``balance`` is the one knob: 0 is pure cache affinity (fewest blocks to
 compute, load ignored), 1 is pure load balance (the prompt's cache ignored),
 0.5 weighs a block of someone else's work on a worker the same as a block of
@@ -17,13 +32,26 @@ prefill the request would compute itself. The default, 0.02
 (:data:`router_client.config.DEFAULT_BALANCE`, measured on the Mooncake
 trace), lets load decide among workers holding equal prefixes (every new
 conversation) and move a conversation only off a worker with far more work.
-The lowest cost wins; equal costs are broken at random, never by worker
-order: on a trace where every prompt shares its first block, breaking ties by
-order would send every new conversation to the same worker.
-
 Why load is counted in blocks: a hit saves the prefill of the hit blocks, and
 a queue costs the time to work through it; both scale with tokens, so one
 unit lets one knob trade them without a per-fleet calibration.
+
+**"ttft"**, in seconds: the request's predicted time to first token on ``w``
+(:func:`predicted_ttft_s`)::
+
+    uncached_tokens(w) = input_tokens - cached(w) * block_size     (at least 0)
+    queue_s(w)         = pending_prefill_tokens(w) / rate(w)
+    prefill_s(w)       = uncached_tokens(w) / rate(w)
+    ttft(w)            = queue_s(w) + prefill_s(w)
+
+where ``pending_prefill_tokens`` is the uncached prompt tokens waiting on the
+worker (its engine's last report plus what this router sent it since) and
+``rate(w)`` its prefill tokens per second: the smoothed figure its engine
+reports (:attr:`router_client.load.WorkerLoad.prefill_tokens_per_s`), else
+:attr:`~router_client.config.RouterConfig.prefill_tokens_per_s`
+(:func:`prefill_rate`). ``balance`` plays no part: a hit and a queue are
+traded in the one unit they cost, time, and a slow worker's queue weighs more
+than a fast one's. Decode is ranked by load in blocks whatever the cost.
 """
 
 from __future__ import annotations
@@ -83,3 +111,41 @@ def load_blocks(load: WorkerLoad, block_size: int) -> float:
 def cost(uncached: float, load: float, balance: float) -> float:
     """``(1 - balance) * uncached + balance * load`` (see the module docstring)."""
     return (1.0 - balance) * uncached + balance * load
+
+
+def cached_blocks_with_prediction(
+    match: WorkerMatch | None,
+    limit: int | None = None,
+    block_size: int = 0,
+    predicted_weight: float = 0.0,
+) -> float:
+    """:func:`cached_blocks`, or the worker's predicted prefix at ``predicted_weight`` a
+    block when that is worth more (the module docstring).
+
+    ``match.predicted_depth`` (0 unless the Match asked for predictions) is the
+    prefix held confirmed or predicted, capped at ``limit`` like a hit.
+    """
+    confirmed = cached_blocks(match, limit, block_size)
+    if match is None or match.predicted_depth <= 0:
+        return confirmed
+    depth = match.predicted_depth if limit is None else min(match.predicted_depth, max(0, limit))
+    return max(confirmed, depth * predicted_weight)
+
+
+def uncached_tokens(input_tokens: int, cached: float, block_size: int) -> float:
+    """The prompt tokens a worker holding ``cached`` weighted blocks computes (at least 0)."""
+    return max(0.0, input_tokens - cached * block_size)
+
+
+def prefill_rate(load: WorkerLoad, default_tokens_per_s: float) -> float:
+    """A worker's prefill tokens per second: its reported figure, else the default."""
+    rate = load.prefill_tokens_per_s
+    return rate if rate > 0 else default_tokens_per_s
+
+
+def predicted_ttft_s(
+    pending_prefill_tokens: float, uncached_tokens: float, tokens_per_s: float
+) -> float:
+    """Predicted TTFT in seconds: the queue ahead, then the request's own prefill, at
+    ``tokens_per_s`` (``queue_s + prefill_s`` of the module docstring)."""
+    return pending_prefill_tokens / tokens_per_s + uncached_tokens / tokens_per_s

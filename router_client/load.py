@@ -13,6 +13,13 @@ Two sources, combined exactly:
   once (a snapshot taken before the finish may still count it until the next
   report replaces it: load is over-estimated briefly, never lost).
 
+A report may carry the engine's prefill throughput
+(:attr:`WorkerLoad.prefill_tokens_per_s`); the tracker keeps an exponentially
+weighted moving average of it per worker (:data:`PREFILL_RATE_ALPHA`), which
+:meth:`LoadTracker.load` returns in that field for the "ttft" cost
+(:mod:`router_client.cost`). The average outlives staleness: a stale report
+no longer says how busy a worker is, but its hardware is as fast as it was.
+
 All methods take one lock and do constant work under it, so the figures stay
 exact when many threads (or tasks) start and finish requests at once.
 
@@ -39,6 +46,17 @@ class WorkerLoad:
     running_requests: int = 0
     total_tokens: int = 0
     pending_prefill_tokens: int = 0
+    #: Prefill tokens per second: in a report, the engine's measured figure
+    #: (0: not reported); from :meth:`LoadTracker.load`, its moving average.
+    prefill_tokens_per_s: float = 0.0
+
+
+#: Weight of the newest reported prefill rate in its moving average. Engines
+#: report about once a second: 0.2 averages over the last five or so reports,
+#: smoothing the batch-to-batch noise of a throughput figure (one long prompt
+#: or a burst of short ones) while following a change of the load mix within
+#: seconds.
+PREFILL_RATE_ALPHA = 0.2
 
 
 @dataclass(slots=True)
@@ -57,6 +75,8 @@ class _Worker:
     extra_running: int = 0
     extra_tokens: int = 0
     extra_prefill: int = 0
+    # Moving average of the reported prefill tokens/s (0: none reported yet).
+    prefill_rate: float = 0.0
 
 
 class LoadTracker:
@@ -92,6 +112,10 @@ class LoadTracker:
                 return  # an older snapshot arriving late
             w.reported = load
             w.reported_at = at
+            rate = load.prefill_tokens_per_s
+            if rate > 0:
+                old = w.prefill_rate
+                w.prefill_rate = rate if old <= 0 else old + PREFILL_RATE_ALPHA * (rate - old)
             running = tokens = prefill = 0
             for s in self._by_worker.get(worker, {}).values():
                 if s.at > at:
@@ -132,7 +156,8 @@ class LoadTracker:
                 w.extra_prefill -= s.prefill_tokens
 
     def load(self, worker: str) -> WorkerLoad:
-        """Current estimate: the last report plus requests started since."""
+        """Current estimate: the last report plus requests started since, and the
+        moving average of the reported prefill rate."""
         with self._lock:
             w = self._workers.get(worker)
             if w is None:
@@ -142,6 +167,7 @@ class LoadTracker:
                 r.running_requests + w.extra_running,
                 r.total_tokens + w.extra_tokens,
                 r.pending_prefill_tokens + w.extra_prefill,
+                w.prefill_rate,
             )
 
     def loads(self, workers: Iterable[str]) -> dict[str, WorkerLoad]:

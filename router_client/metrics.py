@@ -14,6 +14,9 @@ class RouterMetrics:
 
     ``decisions{stage, reason}`` counts every choice; ``unknown_instances``
     counts Match entries naming workers this router does not know.
+    ``prefill_choices{outcome}`` and ``cache_blocks{kind}`` account for prefill
+    decisions against the best cache hit admitted (:class:`router_client.router.Accounting`);
+    ``predictions{outcome}`` counts route-time predictions recorded or skipped.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -26,6 +29,27 @@ class RouterMetrics:
         self.unknown_instances = Counter(
             "kvmesh_router_unknown_instances",
             "Match entries naming an instance the router does not know",
+            registry=registry,
+        )
+        self.prefill_choices = Counter(
+            "kvmesh_router_prefill_choices",
+            "Prefill decisions by outcome: optimal (the chosen worker holds the most "
+            "reusable cached blocks admitted), suboptimal (less), unknown (no indexer answer)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.cache_blocks = Counter(
+            "kvmesh_router_cache_blocks",
+            "Tier-weighted confirmed cached blocks of prefill decisions: available (the best "
+            "admitted), chosen (the chosen worker's), left (available minus chosen)",
+            ["kind"],
+            registry=registry,
+        )
+        self.predictions = Counter(
+            "kvmesh_router_predictions",
+            "Route-time predictions (PredictPlacement) by outcome: sent, or skipped "
+            "(too many pending)",
+            ["outcome"],
             registry=registry,
         )
 

@@ -29,10 +29,30 @@ hold different amounts of the prompt (the cache had a say),
 ``indexer_unavailable`` when the indexer did not answer (load alone decided).
 Decode pass 1 is ``least_load``. ``range_fallback`` replaces any pass-1
 reason of a fallback domain.
+
+**Accounting** (:class:`Accounting`, ``Router.accounting``, and the
+``kvmesh_router_prefill_choices_total`` / ``kvmesh_router_cache_blocks_total``
+counters): each prefill choice carries the chosen worker's tier-weighted
+reusable cached blocks (``cached_blocks``) and the most of them any admitted
+candidate of the domain that chose held (``best_cached_blocks``; pass 2: any
+worker of the pool). A decision is ``optimal`` when the two are equal,
+``suboptimal`` when the chosen worker holds less (load outweighed the cache),
+``unknown`` when the indexer did not answer. Only confirmed blocks count:
+a prediction is not a hit until the engine reports it.
+
+**Predictions** (``predictions: true``): :meth:`Router.route` Matches with
+``include_predicted``, the cost counts each worker's predicted prefix
+(:func:`router_client.cost.cached_blocks_with_prediction`), and after the
+decision the chosen worker's blocks are recorded as predicted
+(``IndexerClient.predict``) in a background task the decision never waits
+on; beyond ``Router.max_pending_predictions`` pending (:data:`PREDICTION_SHARE`
+of the indexer client's ``max_in_flight``), a prediction is skipped and
+counted. Admission and the load bookkeeping keep to confirmed blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -71,6 +91,14 @@ REASONS = (
 )
 
 GLOBAL_DOMAIN = "global"
+
+#: Share of the indexer client's ``max_in_flight`` that pending predictions may
+#: take; a prediction past it is skipped. PredictPlacement and Match share the
+#: client's in-flight bound, and a prediction is advice about the *next*
+#: request while a Match decides this one: an indexer slow to answer
+#: predictions must not pile up tasks in the router, nor take the window from
+#: Matches: they get half of it, Matches keep at least the other half.
+PREDICTION_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +146,35 @@ class Choice:
     domain: str
     #: 1 or 2: the pass that chose.
     pass_no: int
-    #: Tier-weighted blocks of the prompt the worker holds (prefill only).
+    #: Tier-weighted reusable blocks of the prompt the worker holds, confirmed
+    #: (prefill only).
     cached_blocks: float = 0.0
+    #: The most ``cached_blocks`` of any admitted candidate of the domain that
+    #: chose (pass 2: of any worker of the pool); prefill only.
+    best_cached_blocks: float = 0.0
+    #: The cached blocks the cost counted: ``cached_blocks``, or the worker's
+    #: predicted prefix at ``predicted_weight`` when larger (prefill only).
+    counted_blocks: float = 0.0
+    #: The chosen worker's cost (pass 1): blocks, or predicted TTFT in seconds
+    #: under the "ttft" cost; 0 in pass 2.
+    cost: float = 0.0
+
+
+@dataclass(slots=True)
+class Accounting:
+    """Prefill decisions against the best cached prefix admitted (module docstring).
+
+    Blocks are tier-weighted, reusable and confirmed; ``left_blocks`` is the
+    sum of ``best - chosen`` over the decisions the indexer answered.
+    """
+
+    optimal: int = 0
+    suboptimal: int = 0
+    #: Decisions the indexer did not answer (neither optimal nor not).
+    unknown: int = 0
+    available_blocks: float = 0.0
+    chosen_blocks: float = 0.0
+    left_blocks: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +229,17 @@ class Router:
         self.on_decision = on_decision
         #: Exceptions raised by ``on_decision`` (swallowed).
         self.hook_errors = 0
+        #: Prefill decisions against the best cached prefix admitted.
+        self.accounting = Accounting()
+        #: Route-time predictions sent, and skipped for too many pending.
+        self.predictions_sent = 0
+        self.predictions_skipped = 0
+        #: Pending predictions past which the next is skipped (:data:`PREDICTION_SHARE`).
+        self.max_pending_predictions = (
+            max(1, int(indexer.settings.max_in_flight * PREDICTION_SHARE)) if indexer else 0
+        )
+        # Pending predict() tasks, held so that they are not garbage-collected.
+        self._predictions: set[asyncio.Task[object]] = set()
         # Decided once: with tracing off, route() builds no span at all.
         self._tracing = tracing_enabled()
 
@@ -288,13 +354,49 @@ class Router:
 
     async def _route(self, req: RouteRequest, decode: bool) -> Decision:
         keys = self.keys_for(req)
-        if self.indexer is None:
+        indexer = self.indexer
+        predictions = self.config.predictions
+        if indexer is None:
             outcome = MatchOutcome(MatchStatus.UNAVAILABLE)
         elif not keys:
             outcome = MatchOutcome(MatchStatus.OK)
+        elif predictions:
+            outcome = await indexer.match(keys, include_predicted=True)
         else:
-            outcome = await self.indexer.match(keys)
-        return self.decide(req, outcome, n_blocks=len(keys), decode=decode)
+            outcome = await indexer.match(keys)
+        decision = self.decide(req, outcome, n_blocks=len(keys), decode=decode)
+        if predictions and indexer is not None and keys:
+            self._predict(indexer, decision.prefill.worker, keys)
+        return decision
+
+    def _predict(self, indexer: IndexerClient, worker: str, keys: Sequence[int]) -> None:
+        """Record ``worker`` as about to hold ``keys``, in the background (never awaited)."""
+        if len(self._predictions) >= self.max_pending_predictions:
+            self.predictions_skipped += 1
+            self.metrics.predictions.labels("skipped").inc()
+            return
+        task: asyncio.Task[object] = asyncio.get_running_loop().create_task(
+            indexer.predict(worker, keys, ttl_ms=self.config.prediction_ttl_ms)
+        )
+        self._predictions.add(task)
+        task.add_done_callback(self._prediction_done)
+        self.predictions_sent += 1
+        self.metrics.predictions.labels("sent").inc()
+
+    def _prediction_done(self, task: asyncio.Task[object]) -> None:
+        self._predictions.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a prediction failed", exc_info=task.exception())
+
+    @property
+    def pending_predictions(self) -> int:
+        """Predictions sent and not answered yet."""
+        return len(self._predictions)
+
+    async def wait_predictions(self) -> None:
+        """Wait for every pending prediction (at shutdown, or in a test)."""
+        if self._predictions:
+            await asyncio.gather(*self._predictions, return_exceptions=True)
 
     def decide(
         self,
@@ -318,6 +420,7 @@ class Router:
                 self.unknown_instances += len(unknown)
                 self.metrics.unknown_instances.inc(len(unknown))
         prefill = self._choose("prefill", req, outcome, n_blocks)
+        self._account(outcome, prefill)
         dec = self._choose("decode", req, None, n_blocks) if decode else None
         decision = Decision(prefill, dec)
         if self.on_decision is not None:
@@ -338,7 +441,7 @@ class Router:
                 raise NoHealthyWorker(stage)
             choice = self._pass1(stage, req, domains, outcome, n_blocks)
             if choice is None:
-                choice = self._pass2(stage, domains)
+                choice = self._pass2(stage, req, domains, outcome, n_blocks)
             self._count(stage, choice.reason)
             if span.is_recording():
                 span.set_attribute("kvmesh.stage", stage)
@@ -352,6 +455,29 @@ class Router:
         self.decisions[(stage, reason)] += 1
         self.metrics.decisions.labels(stage, reason).inc()
 
+    def _account(self, outcome: MatchOutcome, choice: Choice) -> None:
+        """Count a prefill choice in :attr:`accounting` and its counters."""
+        acc = self.accounting
+        metrics = self.metrics
+        if not outcome.ok:
+            acc.unknown += 1
+            metrics.prefill_choices.labels("unknown").inc()
+            return
+        best, chosen = choice.best_cached_blocks, choice.cached_blocks
+        left = max(0.0, best - chosen)
+        if left > 0:
+            acc.suboptimal += 1
+            metrics.prefill_choices.labels("suboptimal").inc()
+        else:
+            acc.optimal += 1
+            metrics.prefill_choices.labels("optimal").inc()
+        acc.available_blocks += best
+        acc.chosen_blocks += chosen
+        acc.left_blocks += left
+        metrics.cache_blocks.labels("available").inc(best)
+        metrics.cache_blocks.labels("chosen").inc(chosen)
+        metrics.cache_blocks.labels("left").inc(left)
+
     def _pass1(
         self,
         stage: Stage,
@@ -361,57 +487,74 @@ class Router:
         n_blocks: int,
     ) -> Choice | None:
         bs = self.block_size
-        balance = self._balance
-        matches = outcome.matches if outcome is not None else {}
+        cfg = self.config
+        prefill = stage == "prefill"
+        matches = outcome.matches if outcome is not None and prefill else {}
+        weight = cfg.predicted_weight if cfg.predictions else None
         load = self.load
         reusable = costmod.reusable_blocks(req.input_tokens, n_blocks, bs)
         for dom in domains:
             best: list[str] = []
             best_cost = 0.0
-            best_cached = 0.0
-            cached_seen: set[float] = set()
+            # Per admitted worker: (confirmed cached blocks, blocks the cost counted).
+            cached_of: dict[str, tuple[float, float]] = {}
             for w in dom.workers:
-                cached = (
-                    costmod.cached_blocks(matches.get(w), reusable, bs)
-                    if stage == "prefill"
-                    else 0.0
-                )
-                uncached = max(0.0, n_blocks - cached)
+                match = matches.get(w)
+                confirmed = costmod.cached_blocks(match, reusable, bs) if match else 0.0
+                uncached = max(0.0, n_blocks - confirmed)
                 if not load.admits(w, dom.limits, int(uncached * bs)):
                     continue
-                cached_seen.add(cached)
-                wl = load.load(w)
-                if stage == "prefill":
-                    c = costmod.cost(uncached, costmod.load_blocks(wl, bs), balance)
-                else:
-                    c = costmod.load_blocks(wl, bs)
+                counted = confirmed
+                if weight is not None and match is not None:
+                    counted = costmod.cached_blocks_with_prediction(match, reusable, bs, weight)
+                cached_of[w] = (confirmed, counted)
+                c = self._cost(stage, w, req, n_blocks, counted)
                 if not best or c < best_cost:
-                    best, best_cost, best_cached = [w], c, cached
+                    best, best_cost = [w], c
                 elif c == best_cost:
                     best.append(w)
             if not best:
                 continue
             worker = best[0] if len(best) == 1 else self.rng.choice(best)
-            if worker != best[0]:
-                best_cached = (
-                    costmod.cached_blocks(matches.get(worker), reusable, bs)
-                    if stage == "prefill"
-                    else 0
-                )
             if dom.range_fallback:
                 reason = RANGE_FALLBACK
-            elif stage == "decode":
+            elif not prefill:
                 reason = LEAST_LOAD
             elif outcome is None or not outcome.ok:
                 reason = INDEXER_UNAVAILABLE
-            elif len(cached_seen) > 1:
+            elif len({counted for _, counted in cached_of.values()}) > 1:
                 reason = CACHE_CANDIDATE
             else:
                 reason = NO_CACHE_CANDIDATE
-            return Choice(stage, worker, reason, dom.id, 1, best_cached)
+            confirmed, counted = cached_of[worker]
+            most = max(c for c, _ in cached_of.values())
+            return Choice(stage, worker, reason, dom.id, 1, confirmed, most, counted, best_cost)
         return None
 
-    def _pass2(self, stage: Stage, domains: list[Domain]) -> Choice:
+    def _cost(
+        self, stage: Stage, worker: str, req: RouteRequest, n_blocks: int, cached: float
+    ) -> float:
+        """``worker``'s cost for ``req`` holding ``cached`` blocks (:mod:`router_client.cost`)."""
+        wl = self.load.load(worker)
+        bs = self.block_size
+        if stage == "decode":
+            return costmod.load_blocks(wl, bs)
+        cfg = self.config
+        if cfg.cost == "ttft":
+            tokens = costmod.uncached_tokens(req.input_tokens or n_blocks * bs, cached, bs)
+            rate = costmod.prefill_rate(wl, cfg.prefill_tokens_per_s)
+            return costmod.predicted_ttft_s(wl.pending_prefill_tokens, tokens, rate)
+        uncached = max(0.0, n_blocks - cached)
+        return costmod.cost(uncached, costmod.load_blocks(wl, bs), self._balance)
+
+    def _pass2(
+        self,
+        stage: Stage,
+        req: RouteRequest,
+        domains: list[Domain],
+        outcome: MatchOutcome | None,
+        n_blocks: int,
+    ) -> Choice:
         seen: dict[str, str] = {}
         for dom in domains:
             for w in dom.workers:
@@ -425,7 +568,16 @@ class Router:
             worker = self.rng.choice(picks)
         else:
             worker = picks[0]
-        return Choice(stage, worker, CAPACITY_FALLBACK_P2C, seen[worker], 2)
+        if stage == "decode" or outcome is None or not outcome.matches:
+            return Choice(stage, worker, CAPACITY_FALLBACK_P2C, seen[worker], 2)
+        bs = self.block_size
+        reusable = costmod.reusable_blocks(req.input_tokens, n_blocks, bs)
+        matches = outcome.matches
+        cached = {w: costmod.cached_blocks(matches.get(w), reusable, bs) for w in pool}
+        mine = cached[worker]
+        return Choice(
+            stage, worker, CAPACITY_FALLBACK_P2C, seen[worker], 2, mine, max(cached.values()), mine
+        )
 
     # -- load ----------------------------------------------------------------
 

@@ -231,11 +231,11 @@ class TimedIndexerClient(IndexerClient):
         super().__init__(channel=channel, settings=settings, model=model)
         self.seconds = seconds
 
-    async def match(self, keys: Sequence[int]) -> MatchOutcome:
+    async def match(self, keys: Sequence[int], *, include_predicted: bool = False) -> MatchOutcome:
         """:meth:`IndexerClient.match`, timed."""
         t0 = time.perf_counter()
         try:
-            return await super().match(keys)
+            return await super().match(keys, include_predicted=include_predicted)
         finally:
             self.seconds.append(time.perf_counter() - t0)
 

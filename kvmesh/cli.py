@@ -50,7 +50,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
     ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),
-    ("replay",): ("lab.sim.replay", "replay a trace through routing policies"),
+    ("replay",): ("lab.sim.grid", "replay a trace through routing policies (--grid: a grid)"),
     ("trace", "synth"): ("lab.synth", "write a Mooncake-format trace of a named family"),
     ("up",): ("lab.up", "run the whole cluster on this machine and drive it with the trace"),
     ("xfer", "serve"): ("xfer.cli", "run a KV transfer sidecar"),

@@ -182,7 +182,12 @@ class SimEngine:
 
     def load(self) -> WorkerLoad:
         """The load this engine reports."""
-        return WorkerLoad(self.running + len(self.waiting), self.tokens, self.pending_prefill)
+        return WorkerLoad(
+            self.running + len(self.waiting),
+            self.tokens,
+            self.pending_prefill,
+            self.model.prefill_tokens_per_s,
+        )
 
     def _account(self, now: float) -> None:
         self.load_area += (self.running + len(self.waiting)) * (now - self._last_change)

@@ -60,6 +60,35 @@ before the previous turn of their conversation finished (conversations as
 **TTFT.** Queueing delay is the wait from arrival to prefill start; TTFT adds
 the prefill. Goodput is the share of requests whose TTFT is within
 ``--ttft-slo-s``.
+
+**Decision accounting**, every policy: at each admission, before the chosen
+engine's cache takes the request, every engine's cached prefix of it is read
+(:func:`cached_prefixes`, read-only lookups). ``avail`` is the hit rate had
+every request gone to the engine holding the longest prefix, ``optimal`` the
+share of decisions that took that longest prefix (a request no engine holds
+any of counts as optimal), ``left`` the share of those available blocks the
+chosen engines did not hold. ``avail`` is not a bound: another decision
+changes what the caches hold later.
+
+**Load the routers see** (:class:`LoadFeed`). ``--load-view shared`` (the
+default) hands each router the engines' load reports: at every change with
+``--load-report-ms 0`` (the default: no view is ever stale), else each engine
+reports every P ms of virtual time, the engines' phases spread over the
+period, so between reports a router sees the last report plus the requests
+it started itself and none of the other routers' work. ``--load-view local``
+sends no reports: a router knows only what it started, as one without shared
+load does. Each policy reports the age of the chosen engine's report at the
+decisions (mean, p95; none in the local view) and the view gap: the mean
+|requests in flight the router saw on the chosen engine - the real ones|.
+``--herding 4,8,16`` runs cache_shared only, at each router count with the
+local and the shared view, all at one speed (``--load`` on the basis at
+``--routers``), and prints request CV, load CV, TTFT p95, hit rate, goodput,
+view gap and report age per router count and view: whether routers that do
+not see each other's work herd onto the same engines.
+
+**The grid** (``--grid``, :mod:`lab.sim.grid`): trace families x router
+counts x cache sizes x loads, cache_shared judged against P2C and the other
+policies per cell, a table, ``--json`` and ``--png`` heat maps.
 """
 
 from __future__ import annotations
@@ -81,7 +110,7 @@ import grpc.aio
 from prometheus_client import CollectorRegistry
 
 from indexer.memory import MemoryIndex
-from indexer.model import Namespace
+from indexer.model import InstanceId, Namespace
 from kvmesh import progress
 from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
@@ -98,7 +127,7 @@ from lab.sim.outage import (
 from lab.sim.publish import GrpcPublisher, MemoryPublisher
 from lab.synth import measure
 from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_block_key
-from router_client.config import DEFAULT_BALANCE, RouterConfig
+from router_client.config import DEFAULT_BALANCE, CostModel, RouterConfig
 from router_client.follower import RECEIVE_OPTIONS, IndexFollower
 from router_client.indexer_client import (
     IndexerClient,
@@ -127,6 +156,10 @@ DEFAULT_TTFT_SLO_S = 2.0
 
 LoadBasis = Literal["p2c", "pooled", "cold"]
 LOAD_BASES: tuple[LoadBasis, ...] = ("p2c", "pooled", "cold")
+
+#: What load the routers see (module docstring, "Load the routers see").
+LoadView = Literal["shared", "local"]
+LOAD_VIEWS: tuple[LoadView, ...] = ("shared", "local")
 
 
 @dataclass(slots=True)
@@ -158,6 +191,22 @@ class ReplaySettings:
     outage: Outage | None = None
     #: Also a follower answering from its last copy while out of sync (HeldCopy).
     follower_hold: bool = False
+    #: Engines report their load to every router this often, virtual seconds
+    #: (0: at every change, so no router's view is ever stale).
+    load_report_s: float = 0.0
+    #: ``shared``: the routers get the engines' reports; ``local``: none, only
+    #: each router's own bookkeeping of the requests it started.
+    load_view: LoadView = "shared"
+    #: router_client's cost: ``blocks`` (cached blocks against load, ``balance``)
+    #: or ``ttft`` (predicted time to first token; the engines report their
+    #: prefill rate with their load).
+    cost_model: CostModel = "blocks"
+    #: Route-time predictions (cache_shared): each decision records the chosen
+    #: engine as about to hold the prompt's blocks for ``prediction_ttl_s``
+    #: (virtual seconds), and Matches count them (router_client's
+    #: ``predicted_weight``) until the engine's events confirm them.
+    predict: bool = False
+    prediction_ttl_s: float = 10.0
 
 
 #: Wall seconds the replay waits for the follower: to apply what the indexer
@@ -241,6 +290,23 @@ class PolicyResult:
     refed_blocks: int = 0
     #: Matches a held copy answered while the follower was out of sync (--follower-hold).
     held_matches: int = 0
+    #: Decision accounting: the hit rate had every request gone to the engine
+    #: holding the longest prefix of it, the share of decisions that took that
+    #: longest prefix, and the share of those available blocks not taken.
+    available_hit_rate: float = 0.0
+    optimal_share: float = 0.0
+    left_on_table: float = 0.0
+    #: The longest cached prefix any engine held of every request at its
+    #: admission, and the engine it went to (index into the fleet), in trace order.
+    request_available: list[int] = field(default_factory=list, repr=False)
+    request_workers: list[int] = field(default_factory=list, repr=False)
+    #: Age of the chosen engine's load report at each decision, mean and p95
+    #: (0 when engines report every change; None in the local view: no reports).
+    report_age_mean_ms: float | None = 0.0
+    report_age_p95_ms: float | None = 0.0
+    #: Mean over decisions of |requests in flight on the chosen engine in the
+    #: deciding router's view - the real ones|: what staleness costs the view.
+    view_gap: float = 0.0
 
     @property
     def utilisation(self) -> float:
@@ -292,6 +358,13 @@ class ReplayResult:
             out[f"{r.policy}_prefill_utilisation"] = r.prefill_util
             out[f"{r.policy}_slot_utilisation"] = r.slot_util
             out[f"{r.policy}_early_turns"] = r.early_turns
+            out[f"{r.policy}_available_hit_rate"] = r.available_hit_rate
+            out[f"{r.policy}_optimal_share"] = r.optimal_share
+            out[f"{r.policy}_left_on_table"] = r.left_on_table
+            out[f"{r.policy}_load_view_gap"] = r.view_gap
+            if r.report_age_mean_ms is not None and r.report_age_p95_ms is not None:
+                out[f"{r.policy}_load_report_age_mean_ms"] = r.report_age_mean_ms
+                out[f"{r.policy}_load_report_age_p95_ms"] = r.report_age_p95_ms
             if r.outage_hit_rate is not None and r.after_hit_rate is not None:
                 out[f"{r.policy}_outage_window_hit_rate"] = r.outage_hit_rate
                 out[f"{r.policy}_after_window_hit_rate"] = r.after_hit_rate
@@ -391,6 +464,89 @@ def offered_utilisation(
     )
 
 
+class LoadFeed:
+    """How the engines' load reaches the routers, and how stale it was at each decision.
+
+    ``shared`` with ``period_s`` 0: every change is reported to every router
+    at once. ``shared`` with a period: each engine reports to every router
+    every ``period_s`` virtual seconds, the engines' phases spread evenly over
+    the period (engines are not synchronised), so between two reports a
+    router sees the last one plus what it started itself since, and none of
+    the other routers' work. ``local``: no reports at all.
+    """
+
+    def __init__(self, routers: Sequence[Router], view: LoadView, period_s: float) -> None:
+        self.routers = routers
+        self.view = view
+        self.period_s = period_s
+        #: When each engine last reported (periodic reports).
+        self.reported_at: dict[str, float] = {}
+        #: Age of the chosen engine's report at every decision (shared view).
+        self.ages: list[float] = []
+        self._gap = 0.0
+        self._gap_samples = 0
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the engines report on a timer rather than at every change."""
+        return self.view == "shared" and self.period_s > 0
+
+    def changed(self, worker: str, load: WorkerLoad, at: float) -> None:
+        """An engine's load changed (:attr:`lab.sim.engine.SimEngine.on_load`)."""
+        if self.view == "shared" and self.period_s <= 0:
+            for r in self.routers:
+                r.load.report(worker, load, at)
+
+    def start(
+        self, sim: VirtualClock, fleet: Sequence[SimEngine], first: float, last: float
+    ) -> None:
+        """Schedule the periodic reports from before ``first`` (every engine has
+        reported once by the first arrival) to the last arrival ``last``."""
+        if not self.periodic:
+            return
+        for i, engine in enumerate(fleet):
+            at = first - self.period_s * i / len(fleet)
+            sim.schedule(at, self._ticker(sim, engine, last))
+
+    def _ticker(self, sim: VirtualClock, engine: SimEngine, last: float) -> Callable[[float], None]:
+        def tick(at: float) -> None:
+            load = engine.load()
+            for r in self.routers:
+                r.load.report(engine.name, load, at)
+            self.reported_at[engine.name] = at
+            if at + self.period_s <= last:
+                sim.schedule(at + self.period_s, tick)
+
+        return tick
+
+    def observe(self, router: Router, chosen: SimEngine, now: float) -> None:
+        """At a decision: the chosen engine's report age, and the gap between the
+        requests in flight the router sees on it and the real ones."""
+        if self.view == "shared":
+            self.ages.append(now - self.reported_at[chosen.name] if self.periodic else 0.0)
+        seen = router.load.load(chosen.name).running_requests
+        self._gap += abs(seen - chosen.running - len(chosen.waiting))
+        self._gap_samples += 1
+
+    def age_ms(self, q: float | None) -> float | None:
+        """Mean (``q`` None) or ``q``-quantile report age in ms; None without reports."""
+        if self.view == "local":
+            return None
+        ages = self.ages or [0.0]
+        return (sum(ages) / len(ages) if q is None else percentile(ages, q)) * 1000.0
+
+    @property
+    def view_gap(self) -> float:
+        """Mean |requests in flight seen - real| on the chosen engine over decisions."""
+        return self._gap / self._gap_samples if self._gap_samples else 0.0
+
+
+def cached_prefixes(fleet: Sequence[SimEngine], keys: Sequence[int]) -> list[int]:
+    """Each engine's cached prefix of ``keys``, in blocks (read-only lookups: call it
+    before the chosen engine admits the request)."""
+    return [e.cache.lookup_prefix(keys) for e in fleet]
+
+
 Chooser = Callable[[int, Router, RouteRequest, Sequence[int]], Awaitable[Choice]]
 
 
@@ -420,7 +576,14 @@ async def run_policy(
     t0 = time.perf_counter()
     sim = VirtualClock()
     names = [f"engine-{i:03d}" for i in range(settings.workers)]
-    config = RouterConfig(model=REPLAY_MODEL, balance=settings.balance)
+    config = RouterConfig(
+        model=REPLAY_MODEL,
+        balance=settings.balance,
+        cost=settings.cost_model,
+        prefill_tokens_per_s=settings.service.prefill_tokens_per_s,
+        predictions=settings.predict,
+        prediction_ttl_ms=max(1, round(settings.prediction_ttl_s * 1000)),
+    )
     routers = [
         Router(
             config,
@@ -434,10 +597,7 @@ async def run_policy(
     ]
     reasons: Counter[str] = Counter()
     finished_by: dict[int, tuple[Router, RouteRequest]] = {}
-
-    def on_load(worker: str, load: WorkerLoad, at: float) -> None:
-        for r in routers:
-            r.load.report(worker, load, at)
+    feed = LoadFeed(routers, settings.load_view, settings.load_report_s)
 
     index: MemoryIndex | None = None
     publisher: MemoryPublisher | GrpcPublisher | RefeedPublisher
@@ -471,7 +631,8 @@ async def run_policy(
         for r in routers:
             r.indexer = IndexerClient(channel=channel, settings=config.indexer, model=REPLAY_MODEL)
     else:
-        index = MemoryIndex()
+        # Virtual time: leases and predictions' ttls run on the replay's clock.
+        index = MemoryIndex(clock=lambda: sim.now)
         publisher = MemoryPublisher(index, REPLAY_MODEL)
     if policy == "cache_shared":
         for n in names:
@@ -497,7 +658,7 @@ async def run_policy(
             block_size=MOONCAKE_BLOCK_SIZE,
             publish=publisher.publish if publishes else _no_publish,
             schedule=sim.schedule,
-            on_load=on_load,
+            on_load=feed.changed,
             on_finish=lambda req, at: _finish(finished_by, finished_at, req, at),
             model=settings.service,
             event_lag_s=settings.event_lag_s if publishes else None,
@@ -505,13 +666,19 @@ async def run_policy(
         for n in names
     }
     fleet = list(engines.values())
+    slot = {n: j for j, n in enumerate(names)}
     finished_at = [0.0] * len(trace)
     arrivals = [0.0] * len(trace)
     request_hits = [0] * len(trace)
+    available = [0] * len(trace)
+    chosen_by = [0] * len(trace)
+    optimal = 0
     choose = _chooser(policy, names, settings, index, reasons)
     rng = random.Random(settings.seed)
     stats = HitStats()
     speed = settings.speed
+    if trace:
+        feed.start(sim, fleet, t_first, trace[-1].timestamp / 1000.0 / speed)
     for i, (treq, k) in enumerate(zip(trace, keys, strict=True)):
         t = treq.timestamp / 1000.0 / speed
         sim.run_until(t)
@@ -539,13 +706,18 @@ async def run_policy(
             block_keys=k,
         )
         choice = await choose(ri, router, rreq, k)
+        feed.observe(router, engines[choice.worker], t)
         router.started(rreq, choice)
         finished_by[i] = (router, rreq)
         sreq = SimRequest(i, t, k, treq.input_length, treq.output_length)
+        prefixes = cached_prefixes(fleet, k)
         hits = await engines[choice.worker].admit(sreq, t)
         stats.add(len(k), hits)
         arrivals[i] = t
         request_hits[i] = hits
+        available[i] = max(prefixes)
+        chosen_by[i] = slot[choice.worker]
+        optimal += hits == available[i]
         if on_request is not None:
             await on_request(i)
     if down and process is not None and run is not None:
@@ -590,6 +762,8 @@ async def run_policy(
             if prev is not None and arrivals[i] < finished_at[prev]
         )
     hit = stats.hit_rate
+    prompt_blocks = sum(len(k) for k in keys)
+    offered_hits = sum(available)
     windows: list[float | None] = [None, None]
     window = settings.outage if run is not None else None
     if window is not None:
@@ -632,6 +806,14 @@ async def run_policy(
         lost_batches=refeed.lost if refeed is not None else 0,
         refed_blocks=refeed.refed_blocks if refeed is not None else 0,
         held_matches=held.held_matches if held is not None else 0,
+        available_hit_rate=offered_hits / prompt_blocks if prompt_blocks else 0.0,
+        optimal_share=optimal / len(trace) if trace else 0.0,
+        left_on_table=1.0 - sum(request_hits) / offered_hits if offered_hits else 0.0,
+        request_available=available,
+        request_workers=chosen_by,
+        report_age_mean_ms=feed.age_ms(None),
+        report_age_p95_ms=feed.age_ms(0.95),
+        view_gap=feed.view_gap,
     )
 
 
@@ -752,22 +934,32 @@ def _chooser(
     if settings.indexer is not None:
 
         async def remote(ri: int, router: Router, req: RouteRequest, keys: Sequence[int]) -> Choice:
-            return (await router.route(req, decode=False)).prefill
+            choice = (await router.route(req, decode=False)).prefill
+            # Virtual time stands still for the prediction, as it does for the Match.
+            await router.wait_predictions()
+            return choice
 
         return remote
     assert index is not None
     ns = Namespace(REPLAY_MODEL)
 
+    predict = settings.predict
+    ttl_s = settings.prediction_ttl_s
+
     async def shared(ri: int, router: Router, req: RouteRequest, keys: Sequence[int]) -> Choice:
-        found = index.match_sync(ns, keys)
+        found = index.match_sync(ns, keys, include_predicted=predict)
         matches = {
             instance_name(m.instance.worker_id, m.instance.dp_rank): WorkerMatch(
-                m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks
+                m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks, 0, m.predicted_depth
             )
             for m in found
         }
         outcome = MatchOutcome(MatchStatus.OK, matches)
-        return router.decide(req, outcome, n_blocks=len(keys), decode=False).prefill
+        choice = router.decide(req, outcome, n_blocks=len(keys), decode=False).prefill
+        if predict and keys:
+            # What router_client's route() sends PredictPlacement for, in process.
+            index.predict_sync(ns, InstanceId(choice.worker, 0), keys, ttl_s)
+        return choice
 
     return shared
 
@@ -778,35 +970,27 @@ async def run_replay(
     policies: Sequence[str] = POLICIES,
     *,
     on_request: Callable[[str, int], Awaitable[None]] | None = None,
+    basis: Utilisation | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through each policy; ``on_request(policy, i)`` as in :func:`run_policy`.
 
     With ``settings.load`` set, the replay runs at the speed that makes the
     trace's utilisation that load on ``settings.load_basis`` (the result's
     ``settings.speed``; the ``p2c`` basis first replays P2C at speed 1 for its
-    hits); raises ``ValueError`` when the trace has no arrival span to scale.
+    hits, unless ``basis``, the :func:`basis_utilisation` of the same trace
+    and settings, is given); raises ``ValueError`` when the trace has no
+    arrival span to scale.
     """
     keys = trace_keys(trace)
     pooled, inf, pooled_hits = bounds_and_hits(keys, settings.workers, settings.capacity)
     previous = previous_turns(trace)
     service, workers = settings.service, settings.workers
-
-    async def p2c_hits(at: ReplaySettings) -> list[int]:
-        base = await run_policy("p2c", trace, keys, at, pooled)
-        return base.request_hits
-
-    at_one: Utilisation | None = None
-    if settings.load_basis == "pooled":
-        at_one = offered_utilisation(trace, pooled_hits, workers, service)
-    elif settings.load_basis == "cold":
-        at_one = offered_utilisation(trace, [0] * len(trace), workers, service)
+    at_one = basis
+    if at_one is None and (settings.load is not None or settings.load_basis != "p2c"):
+        at_one = await _at_speed_one(trace, keys, settings, pooled, pooled_hits)
     if settings.load is not None:
-        if at_one is None:
-            hits = await p2c_hits(replace(settings, speed=1.0, load=None))
-            at_one = offered_utilisation(trace, hits, workers, service)
-        if at_one.fleet <= 0:
-            raise ValueError("--load needs a trace whose requests span some time")
-        settings = replace(settings, speed=settings.load / at_one.fleet)
+        assert at_one is not None
+        settings = replace(settings, speed=speed_for(settings.load, at_one))
     results = []
     runs = shared_runs(settings)
     process: IndexerProcess | None = None
@@ -839,10 +1023,123 @@ async def run_replay(
     if at_one is None:
         # The p2c basis at the given speed: the run's own P2C hits, or a run for them.
         ran = next((r for r in results if r.policy == "p2c"), None)
-        hits = ran.request_hits if ran is not None else await p2c_hits(settings)
-        at_one = offered_utilisation(trace, hits, workers, service)
+        if ran is None:
+            ran = await run_policy("p2c", trace, keys, settings, pooled)
+        at_one = offered_utilisation(trace, ran.request_hits, workers, service)
     offered = at_one.scaled(settings.speed)
     return ReplayResult(settings, len(trace), pooled, inf, results, offered)
+
+
+def speed_for(load: float, at_one: Utilisation) -> float:
+    """The speed at which a trace of utilisation ``at_one`` at speed 1 is ``load`` busy."""
+    if at_one.fleet <= 0:
+        raise ValueError("--load needs a trace whose requests span some time")
+    return load / at_one.fleet
+
+
+async def basis_utilisation(trace: Sequence[TraceRequest], settings: ReplaySettings) -> Utilisation:
+    """The trace's utilisation at speed 1 on ``settings.load_basis`` (module docstring)."""
+    keys = trace_keys(trace)
+    pooled, _, pooled_hits = bounds_and_hits(keys, settings.workers, settings.capacity)
+    return await _at_speed_one(trace, keys, settings, pooled, pooled_hits)
+
+
+async def _at_speed_one(
+    trace: Sequence[TraceRequest],
+    keys: Sequence[Sequence[int]],
+    settings: ReplaySettings,
+    pooled: float,
+    pooled_hits: Sequence[int],
+) -> Utilisation:
+    """:func:`basis_utilisation` with the keys and the pooled bound already computed."""
+    if settings.load_basis == "pooled":
+        hits: Sequence[int] = pooled_hits
+    elif settings.load_basis == "cold":
+        hits = [0] * len(trace)
+    else:
+        at_one = replace(settings, speed=1.0, load=None)
+        hits = (await run_policy("p2c", trace, keys, at_one, pooled)).request_hits
+    return offered_utilisation(trace, hits, settings.workers, settings.service)
+
+
+@dataclass(slots=True)
+class HerdingResult:
+    """``--herding``: cache_shared at several router counts, each router's load view
+    local and shared, all at one speed."""
+
+    settings: ReplaySettings
+    pooled_bound: float
+    #: (routers, view) -> cache_shared's figures.
+    runs: dict[tuple[int, LoadView], PolicyResult]
+
+    def figures(self) -> dict[str, float]:
+        """The flat figures of ``--json``: ``herding_R<routers>_<view>_<figure>``."""
+        out: dict[str, float] = {"pooled_bound_hit_rate": self.pooled_bound}
+        for (n, view), r in self.runs.items():
+            pre = f"herding_R{n}_{view}"
+            out[f"{pre}_worker_cv"] = r.worker_cv
+            out[f"{pre}_load_cv"] = r.load_cv
+            out[f"{pre}_ttft_p95_ms"] = r.ttft_p95_ms
+            out[f"{pre}_hit_rate"] = r.hit_rate
+            out[f"{pre}_goodput"] = r.goodput
+            out[f"{pre}_load_view_gap"] = r.view_gap
+            if r.report_age_mean_ms is not None and r.report_age_p95_ms is not None:
+                out[f"{pre}_load_report_age_mean_ms"] = r.report_age_mean_ms
+                out[f"{pre}_load_report_age_p95_ms"] = r.report_age_p95_ms
+        return out
+
+
+async def run_herding(
+    trace: Sequence[TraceRequest], settings: ReplaySettings, routers: Sequence[int]
+) -> HerdingResult:
+    """cache_shared with ``n`` routers for each ``n`` of ``routers``, once with the
+    local load view and once with ``settings``' shared one (its report period):
+    whether routers that do not see each other's work herd onto the same engines.
+
+    Every run goes at one speed: ``settings.load`` on the load basis with
+    ``settings.routers`` routers and the shared view, else ``settings.speed``.
+    """
+    keys = trace_keys(trace)
+    pooled, _, pooled_hits = bounds_and_hits(keys, settings.workers, settings.capacity)
+    shared = replace(settings, load_view="shared")
+    if settings.load is not None:
+        at_one = await _at_speed_one(trace, keys, shared, pooled, pooled_hits)
+        shared = replace(shared, speed=speed_for(settings.load, at_one))
+    runs: dict[tuple[int, LoadView], PolicyResult] = {}
+    for n in routers:
+        for view in LOAD_VIEWS[::-1]:
+            progress.phase(f"herding: cache_shared, R={n}, {view} load view")
+            at = replace(shared, routers=n, load_view=view)
+            runs[n, view] = await run_policy("cache_shared", trace, keys, at, pooled)
+    return HerdingResult(shared, pooled, runs)
+
+
+def format_herding(h: HerdingResult) -> str:
+    """The table of ``--herding``: request and load CV, TTFT p95 and hit rate per
+    router count and view."""
+    s = h.settings
+    period = "every change" if s.load_report_s <= 0 else f"every {s.load_report_s * 1000:g} ms"
+    lines = [
+        f"{s.trace}: herding of cache_shared, W={s.workers} workers, {s.capacity} "
+        f"blocks/worker, seed {s.seed}, balance {s.balance}, speed {s.speed:.3g}x"
+        + (f" (load {s.load:g} on the {s.load_basis} basis)" if s.load is not None else ""),
+        f"local: no engine reports, each router's own bookkeeping; shared: reports {period}",
+        "",
+        f"{'R':>3} {'view':<7} {'req CV':>7} {'load CV':>8} {'TTFT p95':>9} {'hit':>6} "
+        f"{'goodput':>8} {'view gap':>9} {'age p95':>8}",
+    ]
+    for (n, view), r in h.runs.items():
+        age = "-" if r.report_age_p95_ms is None else f"{r.report_age_p95_ms:.0f}ms"
+        lines.append(
+            f"{n:>3} {view:<7} {r.worker_cv:>7.3f} {r.load_cv:>8.3f} "
+            f"{_secs(r.ttft_p95_ms):>9} {r.hit_rate:>6.1%} {r.goodput:>8.1%} "
+            f"{r.view_gap:>9.2f} {age:>8}"
+        )
+    lines.append(
+        "(view gap: mean |requests in flight the router sees on the chosen engine - real| "
+        "at its decisions; age p95: of that engine's load report)"
+    )
+    return "\n".join(lines)
 
 
 def shared_runs(settings: ReplaySettings) -> list[SharedRun]:
@@ -904,25 +1201,49 @@ def format_table(result: ReplayResult) -> str:
         f"bounds: pooled LRU ({s.workers}x{s.capacity} blocks) "
         f"{result.pooled_bound:.1%}, infinite cache {result.infinite_bound:.1%}",
         "",
-        f"{'policy':<{width}} {'hit':>6} {'of pool':>8} {'req CV':>7} {'load CV':>8} {'util':>5} "
+        f"{'policy':<{width}} {'hit':>6} {'of pool':>8} {'avail':>6} {'optimal':>8} "
+        f"{'left':>6} {'req CV':>7} {'load CV':>8} {'util':>5} "
         f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'queue':>7} {'goodput':>8}  decisions by reason",
     ]
     for r in result.results:
         why = ", ".join(f"{k} {v}" for k, v in r.reasons.items())
         lines.append(
-            f"{r.policy:<{width}} {r.hit_rate:>6.1%} {r.bound_fraction:>8.1%} {r.worker_cv:>7.3f} "
-            f"{r.load_cv:>8.3f} {r.utilisation:>5.2f} {_secs(r.ttft_p50_ms):>9} "
-            f"{_secs(r.ttft_p95_ms):>7} {_secs(r.ttft_p99_ms):>7} {_secs(r.queue_mean_ms):>7} "
-            f"{r.goodput:>8.1%}  {why}"
+            f"{r.policy:<{width}} {r.hit_rate:>6.1%} {r.bound_fraction:>8.1%} "
+            f"{r.available_hit_rate:>6.1%} {r.optimal_share:>8.1%} {r.left_on_table:>6.1%} "
+            f"{r.worker_cv:>7.3f} {r.load_cv:>8.3f} {r.utilisation:>5.2f} "
+            f"{_secs(r.ttft_p50_ms):>9} {_secs(r.ttft_p95_ms):>7} {_secs(r.ttft_p99_ms):>7} "
+            f"{_secs(r.queue_mean_ms):>7} {r.goodput:>8.1%}  {why}"
         )
     early = ", ".join(f"{r.policy} {r.early_turns:.1%}" for r in result.results)
+    gaps = ", ".join(f"{r.policy} {r.view_gap:.2f}" for r in result.results)
     lines += [
-        "(util: the busier of prefill and slots, work caused over the fleet's capacity; "
-        "queue: mean wait for the prefill to start; goodput: TTFT within the SLO)",
+        "(avail: hit rate had every request gone to the engine holding most of it; optimal: "
+        "decisions that took that; left: share of those blocks not taken; util: the busier "
+        "of prefill and slots, work caused over the fleet's capacity; queue: mean wait for "
+        "the prefill to start; goodput: TTFT within the SLO)",
         f"requests arriving before their conversation's previous turn finished: {early}",
+        f"{load_view_line(s, result.results)}; view gap (requests in flight on the "
+        f"chosen engine, mean |seen - real|): {gaps}",
     ]
     lines += _shared_lines(result)
     return "\n".join(lines)
+
+
+def load_view_line(s: ReplaySettings, results: Sequence[PolicyResult]) -> str:
+    """What load the routers saw, and the report ages measured at the decisions."""
+    if s.load_view == "local":
+        return "load view: local (no engine reports, each router's own bookkeeping only)"
+    if s.load_report_s <= 0:
+        return "load view: shared, every change reported to every router at once"
+    ages = ", ".join(
+        f"{r.policy} {r.report_age_mean_ms:.0f}/{r.report_age_p95_ms:.0f}"
+        for r in results
+        if r.report_age_mean_ms is not None and r.report_age_p95_ms is not None
+    )
+    return (
+        f"load view: shared, engines report every {s.load_report_s * 1000:g} ms "
+        f"(the chosen engine's report age at decisions, mean/p95 ms: {ages})"
+    )
 
 
 def _shared_lines(result: ReplayResult) -> list[str]:
@@ -1025,6 +1346,25 @@ def plot(result: ReplayResult, path: str | Path) -> None:
     plt.close(fig)
 
 
+def _herding(
+    trace: Sequence[TraceRequest],
+    settings: ReplaySettings,
+    routers: list[int],
+    json_path: str | None,
+) -> int:
+    """``--herding``: the runs, the table, the report."""
+    try:
+        result = asyncio.run(run_herding(trace, settings, routers))
+    except ValueError as e:
+        print(f"kvmesh replay: {e}", file=sys.stderr)
+        return 2
+    print(format_herding(result))
+    if json_path:
+        params = {**asdict(result.settings), "requests": len(trace), "herding": routers}
+        write_report(json_path, result.figures(), params)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvmesh replay``."""
     p = argparse.ArgumentParser(
@@ -1052,6 +1392,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_BALANCE,
         help="cost knob: 0 pure cache affinity .. 1 pure load balance",
+    )
+    p.add_argument(
+        "--cost",
+        choices=("blocks", "ttft"),
+        default="blocks",
+        help="router_client's cost: cached blocks against load (--balance), or predicted "
+        "time to first token (queue plus uncached prefill at the engine's reported rate)",
+    )
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="route-time predictions: each decision marks the chosen engine as about to hold "
+        "the prompt until its events confirm it (see --event-lag-ms)",
+    )
+    p.add_argument(
+        "--prediction-ttl-ms",
+        type=float,
+        default=10_000.0,
+        metavar="MS",
+        help="how long a prediction lives unconfirmed, replay ms (default 10000: it must "
+        "outlast the queue, the prefill and the event lag)",
     )
     p.add_argument(
         "--limit",
@@ -1112,6 +1473,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TTFT_SLO_S,
         help="TTFT SLO of goodput, seconds",
     )
+    p.add_argument(
+        "--load-report-ms",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="engines report their load to the routers every P ms of virtual time, so a "
+        "router sees the others' work up to P ms late (0: at every change)",
+    )
+    p.add_argument(
+        "--load-view",
+        choices=LOAD_VIEWS,
+        default="shared",
+        help="shared: routers get the engines' load reports; local: none, each router "
+        "counts only the requests it started",
+    )
+    p.add_argument(
+        "--herding",
+        default=None,
+        metavar="R,R,...",
+        help="instead of the policies: cache_shared at each router count with the local "
+        "and the shared load view, all at one speed (e.g. 4,8,16)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write figures here")
     p.add_argument(
         "--plot",
@@ -1148,7 +1531,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(args: argparse.Namespace) -> str | None:
+def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags, or None."""
     if args.routers < 1 or args.workers < 2 or args.capacity < 0:
         return "need --routers >= 1, --workers >= 2, --capacity >= 0"
@@ -1164,6 +1547,22 @@ def _check(args: argparse.Namespace) -> str | None:
         return "need --prefill-tokens-per-s > 0, --decode-ms-per-token >= 0, --max-running >= 1"
     if args.event_lag_ms < 0 or args.ttft_slo_s <= 0:
         return "need --event-lag-ms >= 0 and --ttft-slo-s > 0"
+    if args.load_report_ms < 0:
+        return "--load-report-ms must be >= 0"
+    if args.prediction_ttl_ms <= 0:
+        return "--prediction-ttl-ms must be > 0"
+    if args.herding is not None:
+        try:
+            counts = int_list(args.herding)
+        except ValueError:
+            return f"--herding takes router counts like 4,8,16, not {args.herding!r}"
+        if not counts or min(counts) < 1:
+            return "--herding needs router counts >= 1"
+        if args.follower or args.outage or args.indexer or args.plot_path:
+            return (
+                "--herding runs the in-process cache_shared only: not with --follower, "
+                "--outage, --indexer or --plot"
+            )
     if args.follower_hold and not (args.follower and args.outage):
         return "--follower-hold needs --follower and --outage"
     if args.outage is not None:
@@ -1176,31 +1575,19 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def int_list(text: str) -> list[int]:
+    """``"4,8,16"`` as integers; raises ``ValueError`` for anything else."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``kvmesh replay``; returns the exit code."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
-    if bad or not policies:
-        print(f"kvmesh replay: unknown policy {bad}; choose from {POLICIES}", file=sys.stderr)
-        return 2
-    problem = _check(args)
-    if problem is not None:
-        print(f"kvmesh replay: {problem}", file=sys.stderr)
-        return 2
-    if args.plot_path and not plotting_available():
-        print(
-            "kvmesh replay: --plot needs matplotlib, which is not installed: "
-            "pip install 'kvmesh[replay]' (or drop --plot)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        trace = load_mooncake(args.trace, limit=args.limit)
-    except (OSError, ValueError) as e:
-        print(f"kvmesh replay: {e}", file=sys.stderr)
-        return 2
-    settings = ReplaySettings(
+    """Entry point of ``kvmesh replay`` without the grid; returns the exit code."""
+    return run_args(build_parser().parse_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+def settings_of(args: argparse.Namespace) -> ReplaySettings:
+    """The replay's settings from checked flags (:func:`check_args`)."""
+    return ReplaySettings(
         routers=args.routers,
         workers=args.workers,
         capacity=args.capacity,
@@ -1221,7 +1608,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         follower=args.follower,
         follower_hold=args.follower_hold,
         outage=Outage.parse(args.outage) if args.outage is not None else None,
+        load_report_s=args.load_report_ms / 1000.0,
+        load_view=args.load_view,
+        cost_model=args.cost,
+        predict=args.predict,
+        prediction_ttl_s=args.prediction_ttl_ms / 1000.0,
     )
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """``kvmesh replay`` on parsed flags: the policies, or ``--herding``."""
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        print(f"kvmesh replay: unknown policy {bad}; choose from {POLICIES}", file=sys.stderr)
+        return 2
+    problem = check_args(args)
+    if problem is not None:
+        print(f"kvmesh replay: {problem}", file=sys.stderr)
+        return 2
+    if args.plot_path and not plotting_available():
+        print(
+            "kvmesh replay: --plot needs matplotlib, which is not installed: "
+            "pip install 'kvmesh[replay]' (or drop --plot)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        trace = load_mooncake(args.trace, limit=args.limit)
+    except (OSError, ValueError) as e:
+        print(f"kvmesh replay: {e}", file=sys.stderr)
+        return 2
+    settings = settings_of(args)
+    if args.herding is not None:
+        return _herding(trace, settings, int_list(args.herding), args.json_path)
     if (settings.follower or settings.outage) and "cache_shared" not in policies:
         print("kvmesh replay: --follower and --outage run cache_shared", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ Example (YAML; TOML and JSON carry the same keys)::
 
     workers: [p0, p1, d0, d1]
     slo_policy: best_effort
-    cost: blocks                  # or ttft: predicted time to first token (router_client.cost)
+    cost: ttft                    # predicted time to first token, or blocks (router_client.cost)
     balance: 0.02                 # the blocks cost's one knob
     predictions: false            # route-time predictions (router_client.router)
     buckets:
@@ -195,12 +195,14 @@ class RouterConfig(StrictModel):
         'the "blocks" cost only',
     )
     cost: CostModel = Field(
-        default="blocks",
-        description='How prefill candidates are ranked (router_client.cost): "blocks", '
-        '(1 - balance) * uncached blocks + balance * load blocks; "ttft", the predicted '
-        "time to first token in seconds, pending prefill tokens / rate + uncached prompt "
-        "tokens / rate, rate being the worker's reported prefill tokens/s (moving average) "
-        "or prefill_tokens_per_s.",
+        default="ttft",
+        description='How prefill candidates are ranked (router_client.cost): "ttft" (the '
+        "default), the predicted time to first token in seconds, pending prefill tokens / "
+        "rate + uncached prompt tokens / rate, rate being the worker's reported prefill "
+        'tokens/s (moving average) or prefill_tokens_per_s; "blocks", (1 - balance) * '
+        "uncached blocks + balance * load blocks. The routing grid (kvmesh replay --grid) "
+        'chose the default: "ttft" met the TTFT target in every cell with no per-trace '
+        'setting, "blocks" at balance 0.02 in 13 of 40.',
     )
     prefill_tokens_per_s: float = Field(
         default=DEFAULT_PREFILL_TOKENS_PER_S,

@@ -493,9 +493,14 @@ class Router:
         weight = cfg.predicted_weight if cfg.predictions else None
         load = self.load
         reusable = costmod.reusable_blocks(req.input_tokens, n_blocks, bs)
+        # Under the "ttft" cost, workers predicted equal (often: no queue anywhere)
+        # are told apart by their whole load, decode included: the same order the
+        # blocks cost gives them.
+        tie_on_load = prefill and cfg.cost == "ttft"
         for dom in domains:
             best: list[str] = []
             best_cost = 0.0
+            best_key = (0.0, 0.0)
             # Per admitted worker: (confirmed cached blocks, blocks the cost counted).
             cached_of: dict[str, tuple[float, float]] = {}
             for w in dom.workers:
@@ -509,9 +514,10 @@ class Router:
                     counted = costmod.cached_blocks_with_prediction(match, reusable, bs, weight)
                 cached_of[w] = (confirmed, counted)
                 c = self._cost(stage, w, req, n_blocks, counted)
-                if not best or c < best_cost:
-                    best, best_cost = [w], c
-                elif c == best_cost:
+                key = (c, costmod.load_blocks(load.load(w), bs) if tie_on_load else 0.0)
+                if not best or key < best_key:
+                    best, best_cost, best_key = [w], c, key
+                elif key == best_key:
                     best.append(w)
             if not best:
                 continue

@@ -197,10 +197,10 @@ class ReplaySettings:
     #: ``shared``: the routers get the engines' reports; ``local``: none, only
     #: each router's own bookkeeping of the requests it started.
     load_view: LoadView = "shared"
-    #: router_client's cost: ``blocks`` (cached blocks against load, ``balance``)
-    #: or ``ttft`` (predicted time to first token; the engines report their
-    #: prefill rate with their load).
-    cost_model: CostModel = "blocks"
+    #: router_client's cost: ``ttft`` (its default: predicted time to first
+    #: token; the engines report their prefill rate with their load) or
+    #: ``blocks`` (cached blocks against load, weighed by ``balance``).
+    cost_model: CostModel = "ttft"
     #: Route-time predictions (cache_shared): each decision records the chosen
     #: engine as about to hold the prompt's blocks for ``prediction_ttl_s``
     #: (virtual seconds), and Matches count them (router_client's
@@ -1395,10 +1395,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cost",
-        choices=("blocks", "ttft"),
-        default="blocks",
-        help="router_client's cost: cached blocks against load (--balance), or predicted "
-        "time to first token (queue plus uncached prefill at the engine's reported rate)",
+        choices=("ttft", "blocks"),
+        default="ttft",
+        help="router_client's cost: predicted time to first token (queue plus uncached "
+        "prefill at the engine's reported rate; the default), or cached blocks against load "
+        "(--balance)",
     )
     p.add_argument(
         "--predict",

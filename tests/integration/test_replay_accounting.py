@@ -15,7 +15,7 @@ from lab.synth import family, synthesize
 from lab.traces import TraceRequest
 from tee.cachesim.model import BlockCache
 
-SETTINGS = ReplaySettings(routers=3, workers=6, capacity=120, seed=2, load=0.9)
+SETTINGS = ReplaySettings(routers=3, workers=6, capacity=120, seed=2, load=0.9, cost_model="blocks")
 
 
 def chat(requests: int) -> list[TraceRequest]:
@@ -92,7 +92,9 @@ async def test_a_router_that_sees_every_cache_takes_the_best_engine_every_time()
     # the next arrival, so cache_shared with pure cache affinity (balance 0)
     # always picks an engine holding the longest prefix.
     trace = _spaced(chat(300), 600_000)
-    settings = ReplaySettings(routers=2, workers=4, capacity=100, balance=0.0, seed=5)
+    settings = ReplaySettings(
+        routers=2, workers=4, capacity=100, balance=0.0, seed=5, cost_model="blocks"
+    )
     result = await run_replay(trace, settings, ["cache_shared", "random"])
     shared, rnd = result.results
     assert shared.optimal_share == 1.0

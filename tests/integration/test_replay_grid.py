@@ -18,7 +18,7 @@ from lab.sim.grid import (
 )
 from lab.sim.replay import POLICIES, ReplaySettings
 
-BASE = ReplaySettings(workers=4, seed=1)
+BASE = ReplaySettings(workers=4, seed=1, cost_model="blocks")
 
 
 def _expected(figures: dict[str, float], cell: str, subject: str, load: float) -> dict[str, bool]:
@@ -47,6 +47,8 @@ def test_a_tiny_grid_judges_every_cell_from_its_figures(
         [
             "replay",
             "--grid",
+            "--cost",
+            "blocks",
             "--workers",
             "4",
             "--grid-families",

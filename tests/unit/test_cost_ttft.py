@@ -243,7 +243,7 @@ def test_prefill_rate_falls_back_to_the_default() -> None:
 def test_cost_settings_are_validated() -> None:
     cfg = parse_config({"cost": "ttft", "prefill_tokens_per_s": 5000})
     assert cfg.cost == "ttft" and cfg.prefill_tokens_per_s == 5000
-    assert parse_config({}).cost == "blocks"
+    assert parse_config({}).cost == "ttft"
     with pytest.raises(ConfigError) as e:
         parse_config({"cost": "seconds"})
     assert e.value.field == "cost"

@@ -71,7 +71,7 @@ def test_a_choice_at_the_best_hit_is_optimal() -> None:
 
 
 def test_load_outweighing_the_hit_leaves_blocks_on_the_table() -> None:
-    r = make_router({"balance": 0.5})
+    r = make_router({"cost": "blocks", "balance": 0.5})
     r.load.report("b", WorkerLoad(4, 40_000, 0), at=NOW)
     choice = r.decide(req(), ok(a=2, b=8), decode=False).prefill
     assert choice.worker != "b"

@@ -30,7 +30,9 @@ class Clock:
 
 
 def make_router(config: dict[str, Any] | None = None, **kw: Any) -> Router:
-    cfg = parse_config(config or {})
+    # The passes under the blocks cost, whose one knob these cases set; the
+    # ttft cost has its own cases (test_cost_ttft.py).
+    cfg = parse_config({"cost": "blocks", **(config or {})})
     kw.setdefault("workers", ["a", "b", "c"])
     kw.setdefault("seed", 1)
     return Router(cfg, block_size=BS, registry=CollectorRegistry(), **kw)

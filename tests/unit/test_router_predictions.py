@@ -231,7 +231,9 @@ async def test_a_second_request_follows_the_first_before_any_event(
     before any engine event, goes to the same worker; without, it lands anywhere."""
     client = IndexerClient(channel=indexer.channel, model=MODEL)
     r = Router(
-        parse_config({"predictions": predictions}),
+        # The blocks cost: under "ttft" the router's own bookkeeping puts the first
+        # request's prefill in the follower's way on the predicted worker.
+        parse_config({"cost": "blocks", "predictions": predictions}),
         workers=["a", "b", "c"],
         indexer=client,
         block_size=BLOCK,

@@ -44,9 +44,10 @@ from lab.conformance_sglang import (
 )
 
 #: Requests per scenario: enough for eviction, flushes and shared prefixes to
-#: occur, few enough for the whole file to take about two minutes on two
-#: cores (``kvmesh bench conformance --engine sglang`` runs 2,000).
-REQUESTS = 300
+#: occur (the SWA and Mamba rows fail at it as at 2,000), few enough for the
+#: whole file to take about two minutes on two cores (300 took three; ``kvmesh
+#: bench conformance --engine sglang`` runs 2,000).
+REQUESTS = 150
 MIN_EXACT = 0.995
 #: Runs at a time. A run is mostly latency (the lockstep round trip through
 #: ZMQ, the indexer and Match) after its engines' import, so three overlap
@@ -74,9 +75,9 @@ _MAMBA = (
 #: figures measured at REQUESTS and, in brackets, by ``kvmesh bench
 #: conformance --engine sglang`` at 2,000 requests.
 FAILING: dict[str, str] = {
-    "sglang_swa_engine_hashes": f"96.4% exact, 12 over, 0 under (2,000: 95.8%, 86 over): {_SWA}",
+    "sglang_swa_engine_hashes": f"96.6% exact, 6 over, 0 under (2,000: 95.8%, 86 over): {_SWA}",
     "sglang_mamba_engine_hashes": (
-        f"16.3% exact, 278 over, 0 under (2,000: 13.9%, 1,776 over): {_MAMBA}"
+        f"14.5% exact, 153 over, 0 under (2,000: 13.9%, 1,776 over): {_MAMBA}"
     ),
 }
 XFAIL: dict[tuple[str, str], str] = {

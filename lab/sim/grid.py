@@ -61,6 +61,7 @@ from lab.sim.replay import (
     basis_utilisation,
     build_parser,
     check_args,
+    cost_label,
     int_list,
     plotting_available,
     run_args,
@@ -473,7 +474,7 @@ def format_grid(grid: GridResult) -> str:
     sizes = ", ".join(f"{f} {n:,}" for f, n in grid.requests.items())
     lines = [
         f"routing grid: W={b.workers} workers, policies {','.join(g.policies)}, seed "
-        f"{b.seed}, balance {b.balance}, load basis {b.load_basis}, load view {b.load_view}"
+        f"{b.seed}, {cost_label(b)}, load basis {b.load_basis}, load view {b.load_view}"
         + (f" (reports every {b.load_report_s * 1000:g} ms)" if b.load_report_s > 0 else ""),
         f"requests per trace: {sizes} (families generated with seed {FAMILY_SEED})",
         "",

@@ -1121,7 +1121,7 @@ def format_herding(h: HerdingResult) -> str:
     period = "every change" if s.load_report_s <= 0 else f"every {s.load_report_s * 1000:g} ms"
     lines = [
         f"{s.trace}: herding of cache_shared, W={s.workers} workers, {s.capacity} "
-        f"blocks/worker, seed {s.seed}, balance {s.balance}, speed {s.speed:.3g}x"
+        f"blocks/worker, seed {s.seed}, {cost_label(s)}, speed {s.speed:.3g}x"
         + (f" (load {s.load:g} on the {s.load_basis} basis)" if s.load is not None else ""),
         f"local: no engine reports, each router's own bookkeeping; shared: reports {period}",
         "",
@@ -1183,6 +1183,13 @@ def trace_name(path: str | Path | None) -> str:
     return BUNDLED_TRACE if path is None else Path(path).name
 
 
+def cost_label(s: ReplaySettings) -> str:
+    """The router cost of a replay's header: ``cost ttft`` or ``cost blocks, balance B``,
+    and ``predictions`` when on."""
+    out = f"cost {s.cost_model}" + (f", balance {s.balance}" if s.cost_model == "blocks" else "")
+    return out + (", predictions" if s.predict else "")
+
+
 def format_table(result: ReplayResult) -> str:
     """The policy table printed by ``kvmesh replay``."""
     s = result.settings
@@ -1192,7 +1199,7 @@ def format_table(result: ReplayResult) -> str:
     pace = f"speed {s.speed:.3g}x" + (f" for load {s.load:g}" if s.load is not None else "")
     lines = [
         f"{s.trace}: {result.requests} requests, R={s.routers} routers, W={s.workers} workers, "
-        f"{s.capacity} blocks/worker, seed {s.seed}, balance {s.balance}",
+        f"{s.capacity} blocks/worker, seed {s.seed}, {cost_label(s)}",
         f"{pace}: utilisation {o.fleet:.2f} on the {s.load_basis} basis (prefill "
         f"{o.prefill:.2f}, slots {o.slots:.2f}); service: prefill "
         f"{m.prefill_tokens_per_s:g} tokens/s, "

@@ -1742,14 +1742,12 @@ class RedisIndex(Index):
         then one ``pmatch.lua`` for every hit's predicted depth and the holders
         of block 0 by prediction alone (two EVALSHAs; KEYS.md, "Predictions").
 
-        Cluster: no prediction can be recorded there (:meth:`predict`), so
-        each hit's predicted depth is its depth.
+        Cluster: ``pmatch.lua`` runs on the control slot, where predictions
+        live beside the authoritative entries (``k:<id>``).
         """
         hits = await self.match(namespace, keys, include_stale=include_stale)
         if not keys:
             return hits
-        if self.cluster:
-            return [h._replace(predicted_depth=h.depth) for h in hits]
         by_name = self._by_name
         pairs: list[bytes | int] = []
         for h in hits:
@@ -1757,7 +1755,8 @@ class RedisIndex(Index):
         now = self._clock()
         res = await self._eval(
             self._scripts["pmatch"],
-            0,
+            len(self._ctl_keys),
+            *self._ctl_keys,
             self._base,
             K.ns_id(namespace.model, namespace.lora_name),
             repr(float(now)),
@@ -1790,14 +1789,8 @@ class RedisIndex(Index):
     ) -> int:
         """See :meth:`Index.predict`: one ``predict.lua`` (KEYS.md, "Predictions").
 
-        Standalone only: a Cluster answers FailedPrecondition (its block layout
-        places keys by chain position; predictions are not placed yet).
+        Cluster: the same script on the control slot (the instance hash routes it).
         """
-        if self.cluster:
-            raise FailedPrecondition(
-                "PredictPlacement is not supported by the redis backend in Cluster mode",
-                field="instance",
-            )
         _, ikey = self._inst_key(instance)
         now = self._clock()
         ttl_ms = max(1, round(ttl_s * 1000))

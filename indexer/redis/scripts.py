@@ -20,6 +20,7 @@ from opentelemetry import trace
 __all__ = [
     "CLUSTER_CONTROL",
     "CLUSTER_DATA",
+    "CLUSTER_PREDICT",
     "DB_ATTRS",
     "LUA_DIR",
     "SCRIPTS",
@@ -47,6 +48,8 @@ SCRIPTS = (
 CLUSTER_CONTROL = ("register", "heartbeat", "remove", "snapshot", "capply", "cpurge")
 #: Cluster mode: scripts on a data node.
 CLUSTER_DATA = ("match", "cblocks", "cgen")
+#: Cluster mode: route-time predictions, on the control slot (they bump nothing).
+CLUSTER_PREDICT = ("predict", "pmatch")
 
 #: Cluster mode: every script may touch several slots of the node it runs on
 #: (a Match reads the node's copies of the shallow blocks and the anchor's slot).
@@ -82,7 +85,7 @@ class Script:
 def load_scripts(cluster: bool = False) -> dict[str, Script]:
     """Every script of a single-node Redis, or of a cluster, by name."""
     lib = (LUA_DIR / "lib.lua").read_text("utf-8")
-    names = CLUSTER_CONTROL + CLUSTER_DATA if cluster else SCRIPTS
+    names = CLUSTER_CONTROL + CLUSTER_DATA + CLUSTER_PREDICT if cluster else SCRIPTS
     return {name: Script(name, lib, cluster) for name in names}
 
 

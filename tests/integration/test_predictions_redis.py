@@ -4,9 +4,10 @@ Two :class:`RedisIndex` over one real redis-server are two replicas: a
 prediction recorded through one is seen by the other's Match; it expires by
 its stored expiry (the injected clock) and its Redis names carry a TTL, so
 nothing outlives it; an engine's removal, a clear, a reset and a removal of
-the instance drop it; the per-instance cap drops the oldest. On a Cluster
-PredictPlacement is refused with FAILED_PRECONDITION naming it, and a Match
-with predictions answers the confirmed hits.
+the instance drop it; the per-instance cap drops the oldest. Each runs over a
+standalone Redis and over a 3-master Cluster (predictions in the control
+slot, KEYS.md "Predictions"), where prompts anchored on every master are
+predicted and matched too.
 """
 
 from __future__ import annotations
@@ -38,11 +39,16 @@ W0, W1 = InstanceId("w0"), InstanceId("w1", 1)
 KEYS = [101, 102, 103, 104]
 
 
-@pytest.fixture
-async def pair(redis_server: Any, clock: FakeClock) -> AsyncIterator[tuple[RedisIndex, RedisIndex]]:
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def pair(
+    request: pytest.FixtureRequest, clock: FakeClock
+) -> AsyncIterator[tuple[RedisIndex, RedisIndex]]:
+    """Two replicas over one standalone Redis, then over one 3-master Cluster."""
+    cluster = request.param == "redis-cluster"
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    a = RedisIndex(redis_server.url, prefix=prefix, clock=clock)
-    b = RedisIndex(redis_server.url, prefix=prefix, clock=clock)
+    a = RedisIndex(server.url, prefix=prefix, clock=clock, cluster=cluster)
+    b = RedisIndex(server.url, prefix=prefix, clock=clock, cluster=cluster)
     try:
         for w in (W0, W1):
             await a.register(InstanceSpec(w, NS.model, f"http://{w.worker_id}", 60.0))
@@ -52,12 +58,26 @@ async def pair(redis_server: Any, clock: FakeClock) -> AsyncIterator[tuple[Redis
         await b.close()
 
 
+def _client(request: pytest.FixtureRequest, idx: RedisIndex) -> Any:
+    """A plain redis-py client of the Redis (or Cluster) behind ``idx``."""
+    if idx.cluster:
+        return redis.RedisCluster.from_url(request.getfixturevalue("redis_cluster").url)
+    return redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+
+
+def _prediction_names(idx: RedisIndex, r: Any) -> list[bytes]:
+    """Every Redis name of the predictions (KEYS.md: ``pr:``, ``po:``)."""
+    base = idx._base.decode()
+    glob = base.replace("{", "[{]").replace("}", "[}]")
+    return [n for what in ("pr:", "po:") for n in r.scan_iter(match=f"{glob}{what}*")]
+
+
 def view(hits: list[Any]) -> list[tuple[InstanceId, int, int]]:
     return [(m.instance, m.depth, m.predicted_depth) for m in hits]
 
 
 async def test_a_replica_sees_anothers_prediction_until_it_expires(
-    pair: tuple[RedisIndex, RedisIndex], clock: FakeClock, redis_server: Any
+    pair: tuple[RedisIndex, RedisIndex], clock: FakeClock, request: pytest.FixtureRequest
 ) -> None:
     a, b = pair
     await a.apply(EventBatch(W0, 1, (BlockStored(block_hashes=(1, 2), block_keys=(101, 102)),)))
@@ -66,10 +86,10 @@ async def test_a_replica_sees_anothers_prediction_until_it_expires(
     assert view(await b.match(NS, KEYS, include_predicted=True)) == [(W0, 2, 4), (W1, 0, 3)]
     assert view(await b.match(NS, KEYS)) == [(W0, 2, 0)]
     # Nothing is kept without a TTL.
-    r = redis.Redis.from_url(redis_server.url)
+    r = _client(request, a)
     try:
-        names = [n for n in r.scan_iter(match=f"{a._prefix}:p*")]
-        assert names and all(0 < r.pttl(n) <= 2000 for n in names)
+        names = _prediction_names(a, r)
+        assert len(names) == 6 and all(0 < r.pttl(n) <= 2000 for n in names)
     finally:
         r.close()
     clock.advance(1.0)
@@ -118,21 +138,62 @@ async def test_cap_refusals_and_expired_lease(
         await b.predict(NS, W0, [1], 1.0, 4)
 
 
-async def test_cluster_refuses_predict_and_matches_confirmed(
+def _anchors_on_every_master(r: Any, n: int) -> list[int]:
+    """``n`` anchor keys whose slots (KEYS.md, "Key schema": top 16 bits) cover
+    every master of the Cluster behind ``r``."""
+    masters = {node.name for node in r.get_primaries()}
+    by_master: dict[str, list[int]] = {}
+    for top in range(1, 4096):
+        key = (top << 48) | 7
+        name = r.get_node_from_key(b"x{%04x}" % top).name
+        by_master.setdefault(name, []).append(key)
+    assert set(by_master) == masters
+    picked = [keys[i] for i in range(n) for keys in by_master.values()]
+    return picked[:n] if n >= len(masters) else picked
+
+
+async def test_cluster_prompts_spanning_slots_and_a_clear(
     redis_cluster: Any, clock: FakeClock
 ) -> None:
-    idx = RedisIndex(
-        redis_cluster.url, prefix=f"t{uuid.uuid4().hex[:8]}", clock=clock, cluster=True
-    )
+    """Prompts anchored on every master: predictions made through one replica
+    are seen by the other's Match whatever master holds the blocks; a clear
+    purges the retired id's prediction names at once, and every name left
+    carries a TTL and sits in the control slot."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    a = RedisIndex(redis_cluster.url, prefix=prefix, clock=clock, cluster=True)
+    b = RedisIndex(redis_cluster.url, prefix=prefix, clock=clock, cluster=True)
+    r: Any = redis.RedisCluster.from_url(redis_cluster.url)
     try:
-        await idx.register(InstanceSpec(W0, NS.model, "http://w0", 60.0))
-        await idx.apply(EventBatch(W0, 1, (BlockStored(block_hashes=(1,), block_keys=(101,)),)))
-        with pytest.raises(FailedPrecondition) as err:
-            await idx.predict(NS, W0, KEYS, 1.0, 100)
-        assert "PredictPlacement" in str(err.value) and "redis" in str(err.value)
-        assert view(await idx.match(NS, KEYS, include_predicted=True)) == [(W0, 1, 1)]
+        for w in (W0, W1):
+            await a.register(InstanceSpec(w, NS.model, f"http://{w.worker_id}", 60.0))
+        root = 5
+        prompts = [[root, x, x + 1, x + 2] for x in _anchors_on_every_master(r, 6)]
+        # W0 holds the first two blocks of each prompt; W1 nothing.
+        for seq, p in enumerate(prompts, 1):
+            hashes = (1000 * seq + 1, 1000 * seq + 2)
+            stored = BlockStored(block_hashes=hashes, block_keys=(root, p[1]))
+            await a.apply(EventBatch(W0, seq, (stored,)))
+        for p in prompts:
+            assert await a.predict(NS, W0, p, 5.0, 100) == 2
+        assert await a.predict(NS, W1, prompts[0], 5.0, 100) == 4
+        assert view(await b.match(NS, prompts[0], include_predicted=True)) == [
+            (W0, 2, 4),
+            (W1, 0, 4),
+        ]
+        for p in prompts[1:]:
+            assert view(await b.match(NS, p, include_predicted=True)) == [(W0, 2, 4), (W1, 0, 1)]
+        await a.apply(EventBatch(W0, len(prompts) + 1, (AllBlocksCleared(),)))
+        for p in prompts[1:]:
+            assert view(await b.match(NS, p, include_predicted=True)) == [(W1, 0, 1)]
+        names = _prediction_names(a, r)
+        # Left: W1's order and its 4 blocks, nothing of W0's retired id.
+        assert len(names) == 5
+        ctl = r.keyslot(a._gen_key)
+        assert all(r.keyslot(n) == ctl and 0 < r.pttl(n) <= 5000 for n in names)
     finally:
-        await idx.close()
+        r.close()
+        await a.close()
+        await b.close()
 
 
 def _acl_index(redis_server: Any, clock: FakeClock, drop: tuple[str, ...] = ()) -> RedisIndex:

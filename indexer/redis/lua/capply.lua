@@ -377,6 +377,8 @@ while p <= #ARGV do
             redis.call('HDEL', kk, suf)
             pair_drop(suf)
             touch(suf, sub(v, 2))
+            -- A prediction of the block the engine dropped goes with it.
+            redis.call('HDEL', B .. 'pr:' .. suf, id)
           end
           redis.call('HDEL', ek, eh)
         end

@@ -9,7 +9,8 @@
 -- field, locations, ...}: blocks of the pending record, whose entries may be
 -- where 'k:' no longer says (locations packed as in capply.lua). When neither
 -- is left, drops the engine-hash map and the record, the id leaves 'dead' and
--- 'pend', and it returns {''}.
+-- 'pend', and it returns {''}. Before that, the id's predictions go from
+-- 'pr:' and 'po:<id>' (chunks of limit; {'p', tags version} while some are left).
 local id = ARGV[2]
 local limit = tonumber(ARGV[3])
 local kk, pk = B .. 'k:' .. id, B .. 'p:' .. id
@@ -52,6 +53,18 @@ repeat
 until #out > 2 * limit or cur == '0'
 if #out > 2 then
   return out
+end
+-- Then its route-time predictions (KEYS.md, "Predictions"), up to limit a
+-- call: an empty 'p' chunk asks for the next call.
+local po = B .. 'po:' .. id
+if redis.call('EXISTS', po) == 1 then
+  for _, e in ipairs(redis.call('ZRANGE', po, 0, limit - 1)) do
+    redis.call('HDEL', B .. 'pr:' .. e, id)
+    redis.call('ZREM', po, e)
+  end
+  if redis.call('EXISTS', po) == 1 then
+    return out
+  end
 end
 redis.call('UNLINK', B .. 'e:' .. id, pk, B .. 'cp:' .. id)
 redis.call('SREM', B .. 'dead', id)

@@ -1,5 +1,7 @@
--- Predicted depths of a Match with include_predicted (standalone; KEYS.md,
--- "Predictions"), after the Match itself.
+-- Predicted depths of a Match with include_predicted (KEYS.md,
+-- "Predictions"), after the Match itself. Cluster: on the control slot
+-- (KEYS: its generation, for routing), where 'pr:' lives and 'k:<id>' says
+-- what an id holds.
 -- ARGV: base, ns id, now, keys packed as 8-byte big-endian words, then pairs
 --   (int id, confirmed depth) of the Match's hits.
 -- Returns pairs (int id, predicted depth): each hit's, then every holder of
@@ -11,13 +13,20 @@ local nid, now, blob = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local bpre, ppre = B .. 'b:' .. nid, B .. 'pr:' .. nid
 local n = #blob / 8
 local sub = string.sub
+-- Whether id holds block k (cluster: its authoritative entries, 'k:<id>').
+local function held(id, k)
+  if CLUSTER then
+    return redis.call('HGET', B .. 'k:' .. id, nid .. k)
+  end
+  return redis.call('HGET', bpre .. k, id)
+end
 local function walk(id, d)
   local from = d
   while d < n do
     local k = sub(blob, 8 * d + 1, 8 * d + 8)
     local e = redis.call('HGET', ppre .. k, id)
     if not (e and tonumber(e) > now) then
-      if d == from or not redis.call('HGET', bpre .. k, id) then
+      if d == from or not held(id, k) then
         break
       end
     end

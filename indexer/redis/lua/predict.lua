@@ -1,6 +1,7 @@
--- PredictPlacement (standalone; KEYS.md, "Predictions"): record that the
--- instance is about to hold the blocks.
--- KEYS: instance hash.
+-- PredictPlacement (KEYS.md, "Predictions"): record that the instance is
+-- about to hold the blocks.
+-- KEYS: instance hash. Cluster: every name it touches is in the control slot
+-- (the instance hash, 'k:<id>' for what it holds, 'pr:', 'po:').
 -- ARGV: base, now, model, ns id, expiry (%.17g), ttl in ms, cap on the
 --   instance's predicted blocks, keys packed as 8-byte big-endian words.
 -- Returns {'nf'} (not registered or lease expired) | {'model', its model} |
@@ -18,6 +19,15 @@ local blob = ARGV[8]
 local bpre, ppre = B .. 'b:' .. nid, B .. 'pr:' .. nid
 local order = B .. 'po:' .. id
 local sub = string.sub
+-- Whether the id holds block k: its block hash standalone, its authoritative
+-- entries ('k:<id>') in cluster mode.
+local kk = B .. 'k:' .. id
+local function held(k)
+  if CLUSTER then
+    return redis.call('HGET', kk, nid .. k)
+  end
+  return redis.call('HGET', bpre .. k, id)
+end
 -- A name lives as long as its longest prediction: nothing outlives its ttl.
 local function keep(name)
   if redis.call('PTTL', name) < ttl then
@@ -31,7 +41,7 @@ keep(order)
 local recorded = 0
 for i = 1, #blob / 8 do
   local k = sub(blob, 8 * i - 7, 8 * i)
-  if not redis.call('HGET', bpre .. k, id) then
+  if not held(k) then
     local name = ppre .. k
     redis.call('HSET', name, id, expiry)
     keep(name)

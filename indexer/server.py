@@ -238,6 +238,14 @@ WATCH_SNAPSHOT_BYTES = 1 << 20
 WATCH_ENTRY_FRAMING = 6
 
 
+def _keepalive(interval_ms: int, position: int) -> pb.WatchKeepalive | None:
+    """The keepalive of a WatchIndex response at ``position`` (None: the
+    follower asked for none, ``interval_ms`` 0)."""
+    if not interval_ms:
+        return None
+    return pb.WatchKeepalive(interval_ms=interval_ms, position=position, sent_at=time.time())
+
+
 def watch_part_bytes(response_bytes: int) -> int:
     """Bytes of the stores of one part of an instance's snapshot (for a follower
     that takes instances in parts, WatchIndexRequest.instance_parts) such that
@@ -249,6 +257,9 @@ def watch_part_bytes(response_bytes: int) -> int:
 
 #: Models one WatchIndex call may name at most.
 WATCH_MAX_MODELS = 1024
+#: The shortest keepalive interval a follower gets (WatchIndexRequest.keepalive_ms
+#: below it is raised to it): at most ten keepalives a second per follower.
+WATCH_KEEPALIVE_MIN_MS = 100
 
 
 def add_servicer(
@@ -642,6 +653,10 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         wanted = frozenset(models)
         in_parts = request.instance_parts
         bound = self.watch_response_bytes
+        keepalive_ms = (
+            max(request.keepalive_ms, WATCH_KEEPALIVE_MIN_MS) if request.keepalive_ms else 0
+        )
+        idle_s = keepalive_ms / 1000 if keepalive_ms else None
         try:
             while True:
                 # Snapshot entries go several to a response (up to watch_response_bytes),
@@ -677,11 +692,20 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                         synced=pb.WatchSynced(instances=sent),
                     )
                 )
-                yield pb.WatchIndexResponse(changes=batch)
+                yield pb.WatchIndexResponse(
+                    changes=batch, keepalive=_keepalive(keepalive_ms, hub.position)
+                )
                 while True:
-                    got = await watcher.next()
+                    got = await watcher.next(idle_s)
                     if got is None:
                         return  # the replica stops: the follower goes elsewhere
+                    if not got:
+                        # Nothing for keepalive_ms and the buffer empty: the
+                        # follower holds every change; tell it the stream is up.
+                        yield pb.WatchIndexResponse(
+                            keepalive=_keepalive(keepalive_ms, hub.position)
+                        )
+                        continue
                     if isinstance(got, Resync):
                         self.watch_resyncs += 1
                         yield pb.WatchIndexResponse(

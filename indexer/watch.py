@@ -17,6 +17,11 @@ A snapshot's instance may be too large for one message (a million blocks
 are some 17 MB): :func:`snapshot_parts` splits its content into parts of a
 bounded size, which a follower puts back together in order.
 
+Keepalives: :meth:`Watcher.next` with ``idle_s`` returns an empty list once
+the watcher waited that long with nothing buffered, when the transport tells
+the follower its stream is up and it holds everything (a follower that hears
+nothing for longer knows its stream is stalled).
+
 Cost when nobody watches: none on a backend's write path, which asks
 :attr:`WatchHub.active` before it builds a change; :meth:`WatchHub.publish`
 itself is then one increment and one test. No grpc here: indexer/server.py
@@ -102,10 +107,25 @@ class Watcher:
             self._queue.append(change)
         self._ready.set()
 
-    async def next(self) -> list[Change] | Resync | None:
+    async def next(self, idle_s: float | None = None) -> list[Change] | Resync | None:
         """Every change buffered so far (waiting for one), or :class:`Resync` once
         the watcher fell behind (after a Resync the watcher starts anew, empty),
-        or None once the hub closed and nothing is left."""
+        or None once the hub closed and nothing is left.
+
+        With ``idle_s``, an empty list once nothing arrived for that long: the
+        watcher has read everything the replica applied for it (a keepalive is
+        due). One timer a call; the wait is cancelled only at its await, before
+        anything is taken from the buffer, so no change is lost to it.
+        """
+        if idle_s is None:
+            return await self._next()
+        try:
+            async with asyncio.timeout(idle_s):
+                return await self._next()
+        except TimeoutError:
+            return []
+
+    async def _next(self) -> list[Change] | Resync | None:
         while not self._queue and self._resync is None:
             if self._closed:
                 return None

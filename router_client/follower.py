@@ -28,6 +28,15 @@ their hits are cut by group presence that only the ingesting replica holds
 (indexer/groups.py), so their Matches go to the indexer. Each instance's
 lease is kept by the changes (registrations, heartbeats, batches) on the
 follower's own clock.
+
+Silence: the follower asks the replica for a keepalive every ``keepalive_ms``
+of an idle stream (sent only when the follower has read every change). Once
+one arrived on a stream (the replica answers the snapshot's end with one), a
+stream silent for longer than ``max_silence_s`` (default three intervals, at
+least two of the replica's) is taken as stalled: the follower goes out of
+sync at once, so its Matches go to the indexer, and opens the stream again
+(:attr:`IndexFollower.stalls`). A replica that predates keepalives sends
+none, and then no bound applies: a quiet stream is not cut.
 """
 
 from __future__ import annotations
@@ -80,6 +89,10 @@ RECEIVE_OPTIONS = (
 #: Reconnect backoff: first and longest pause, seconds.
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
+#: The keepalive interval a follower asks for by default, ms.
+DEFAULT_KEEPALIVE_MS = 1000
+#: The silence bound by default, in keepalive intervals.
+SILENCE_INTERVALS = 3
 
 
 class IndexFollower:
@@ -99,10 +112,14 @@ class IndexFollower:
         tls: ClientTLS | None = None,
         max_buffer: int = 0,
         max_pairs: int = 0,
+        keepalive_ms: int = DEFAULT_KEEPALIVE_MS,
+        max_silence_s: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if (target is None) == (channel is None):
             raise ValueError("pass exactly one of target and channel")
+        if keepalive_ms < 0 or (max_silence_s is not None and max_silence_s <= 0):
+            raise ValueError("keepalive_ms must be >= 0 and max_silence_s > 0")
         self._factory: ChannelFactory | None = None
         if channel is None:
             assert target is not None
@@ -116,6 +133,13 @@ class IndexFollower:
         self._wanted = frozenset(models)
         self._max_buffer = max_buffer
         self._clock = clock
+        #: Keepalive interval asked of the replica, ms (0: none, no silence bound).
+        self.keepalive_ms = keepalive_ms
+        #: Longest silence of a stream with keepalives before it counts as
+        #: stalled, seconds (at least two of the replica's intervals).
+        self.max_silence_s = (
+            max_silence_s if max_silence_s is not None else SILENCE_INTERVALS * keepalive_ms / 1000
+        )
         #: The copy Matches are answered from (replaced at each snapshot).
         self.index = MemoryIndex(clock=clock)
         self._staging: MemoryIndex | None = None
@@ -142,6 +166,11 @@ class IndexFollower:
         #: counted, then the follower takes a new one.
         self.gaps = 0
         self.local_matches = 0
+        #: Keepalives received (responses without changes, sent on an idle stream).
+        self.keepalives = 0
+        #: Streams silent past the bound (:meth:`silence_bound`): each one put
+        #: the follower out of sync and was opened again.
+        self.stalls = 0
         #: The last lags, seconds (arrival minus the replica's applied_at).
         self.lag_s: deque[float] = deque(maxlen=LAG_WINDOW)
         self._hybrid: dict[str, bool] = {}
@@ -235,12 +264,21 @@ class IndexFollower:
         delay = BACKOFF_START_S
         while True:
             req = pb.WatchIndexRequest(
-                models=self.models, max_buffer=self._max_buffer, instance_parts=True
+                models=self.models,
+                max_buffer=self._max_buffer,
+                instance_parts=True,
+                keepalive_ms=self.keepalive_ms,
             )
             call = self._stub.WatchIndex(req)
             code: grpc.StatusCode | str | None = None
+            # No bound until the replica shows it sends keepalives on this stream.
+            silence_s: float | None = None
             try:
-                async for resp in call:
+                while (resp := await self._read(call, silence_s)) is not None:
+                    if resp.HasField("keepalive"):
+                        silence_s = self.silence_bound(resp.keepalive)
+                        if not resp.changes:
+                            self.keepalives += 1
                     for ch in resp.changes:
                         await self._on(ch)
                     delay = BACKOFF_START_S
@@ -250,6 +288,8 @@ class IndexFollower:
                 code = e.code()
             except _Diverged:
                 code = "diverged"
+            except _Stalled as e:
+                code = f"stalled: {e}"
             except _Gap as e:
                 code = f"gap in the snapshot: {e}"
             except _Narrowed:
@@ -264,6 +304,31 @@ class IndexFollower:
             log.warning("follower: WatchIndex ended (%s); reconnecting in %.2fs", code, delay)
             await asyncio.sleep(delay)
             delay = min(max(delay, BACKOFF_START_S) * 2, BACKOFF_CAP_S)
+
+    async def _read(
+        self,
+        call: grpc.aio.UnaryStreamCall[pb.WatchIndexRequest, pb.WatchIndexResponse],
+        silence_s: float | None,
+    ) -> pb.WatchIndexResponse | None:
+        """The stream's next response, or None at its end; with ``silence_s``,
+        :class:`_Stalled` (counted, out of sync at once) when nothing arrives
+        for that long (the read is cancelled, and the call with it)."""
+        try:
+            async with asyncio.timeout(silence_s):
+                resp = await call.read()
+        except TimeoutError:
+            self.stalls += 1
+            self._set_synced(False)
+            raise _Stalled(f"nothing for {silence_s:.2f}s") from None
+        return resp if isinstance(resp, pb.WatchIndexResponse) else None  # None: EOF
+
+    def silence_bound(self, keepalive: pb.WatchKeepalive) -> float | None:
+        """The longest silence of a stream whose replica sends ``keepalive``s:
+        :attr:`max_silence_s`, and at least two of the replica's intervals (it
+        may keep a longer one than asked); None when none were asked."""
+        if not self.keepalive_ms:
+            return None
+        return max(self.max_silence_s, 2 * keepalive.interval_ms / 1000)
 
     def _bound(self) -> None:
         """Past ``max_pairs``: drop the model matched least recently (never matched
@@ -437,6 +502,10 @@ class _Gap(Exception):
 
 class _Narrowed(Exception):
     """The bound dropped a model: the stream is opened again for the others."""
+
+
+class _Stalled(Exception):
+    """The stream was silent past the bound: it is dropped and opened again."""
 
 
 class _Diverged(Exception):

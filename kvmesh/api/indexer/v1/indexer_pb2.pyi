@@ -464,14 +464,16 @@ class PingResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchIndexRequest(_message.Message):
-    __slots__ = ("models", "max_buffer", "instance_parts")
+    __slots__ = ("models", "max_buffer", "instance_parts", "keepalive_ms")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_BUFFER_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_PARTS_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_MS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedScalarFieldContainer[str]
     max_buffer: int
     instance_parts: bool
-    def __init__(self, models: _Optional[_Iterable[str]] = ..., max_buffer: _Optional[int] = ..., instance_parts: _Optional[bool] = ...) -> None: ...
+    keepalive_ms: int
+    def __init__(self, models: _Optional[_Iterable[str]] = ..., max_buffer: _Optional[int] = ..., instance_parts: _Optional[bool] = ..., keepalive_ms: _Optional[int] = ...) -> None: ...
 
 class WatchedInstance(_message.Message):
     __slots__ = ("info", "content", "part", "more")
@@ -533,11 +535,23 @@ class WatchChange(_message.Message):
     resync: WatchResync
     def __init__(self, position: _Optional[int] = ..., applied_at: _Optional[float] = ..., snapshot: _Optional[_Union[WatchedInstance, _Mapping]] = ..., synced: _Optional[_Union[WatchSynced, _Mapping]] = ..., registered: _Optional[_Union[WatchRegistered, _Mapping]] = ..., renewed: _Optional[_Union[InstanceRef, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., gone: _Optional[_Union[WatchGone, _Mapping]] = ..., resync: _Optional[_Union[WatchResync, _Mapping]] = ...) -> None: ...
 
+class WatchKeepalive(_message.Message):
+    __slots__ = ("interval_ms", "position", "sent_at")
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    position: int
+    sent_at: float
+    def __init__(self, interval_ms: _Optional[int] = ..., position: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
+
 class WatchIndexResponse(_message.Message):
-    __slots__ = ("changes",)
+    __slots__ = ("changes", "keepalive")
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     changes: _containers.RepeatedCompositeFieldContainer[WatchChange]
-    def __init__(self, changes: _Optional[_Iterable[_Union[WatchChange, _Mapping]]] = ...) -> None: ...
+    keepalive: WatchKeepalive
+    def __init__(self, changes: _Optional[_Iterable[_Union[WatchChange, _Mapping]]] = ..., keepalive: _Optional[_Union[WatchKeepalive, _Mapping]] = ...) -> None: ...
 
 class PredictPlacementRequest(_message.Message):
     __slots__ = ("model", "lora_name", "instance", "block_keys", "ttl_ms")

@@ -234,10 +234,6 @@ class Router:
         #: Route-time predictions sent, and skipped for too many pending.
         self.predictions_sent = 0
         self.predictions_skipped = 0
-        #: Pending predictions past which the next is skipped (:data:`PREDICTION_SHARE`).
-        self.max_pending_predictions = (
-            max(1, int(indexer.settings.max_in_flight * PREDICTION_SHARE)) if indexer else 0
-        )
         # Pending predict() tasks, held so that they are not garbage-collected.
         self._predictions: set[asyncio.Task[object]] = set()
         # Decided once: with tracing off, route() builds no span at all.
@@ -368,6 +364,15 @@ class Router:
         if predictions and indexer is not None and keys:
             self._predict(indexer, decision.prefill.worker, keys)
         return decision
+
+    @property
+    def max_pending_predictions(self) -> int:
+        """Pending predictions past which the next is skipped (:data:`PREDICTION_SHARE`
+        of the indexer client's ``max_in_flight``; read from the indexer the router
+        has now, which may be set after construction)."""
+        if self.indexer is None:
+            return 0
+        return max(1, int(self.indexer.settings.max_in_flight * PREDICTION_SHARE))
 
     def _predict(self, indexer: IndexerClient, worker: str, keys: Sequence[int]) -> None:
         """Record ``worker`` as about to hold ``keys``, in the background (never awaited)."""

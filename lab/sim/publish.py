@@ -11,6 +11,7 @@ carries on without publishing (the replay must finish when the indexer dies).
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 import grpc
@@ -87,6 +88,10 @@ class GrpcPublisher:
     def __init__(self, channel: grpc.aio.Channel, model: str) -> None:
         self.stub = pb_grpc.IndexerServiceStub(channel)
         self.model = model
+        # A new incarnation per publisher: registering resets what an earlier
+        # replay left of the same engines in a live index, so every run starts
+        # from empty caches as its engines do.
+        self.incarnation = f"replay-{secrets.token_hex(6)}"
         self._streams: dict[str, Any] = {}
         self._broken: set[str] = set()
         self.batches = 0
@@ -100,7 +105,7 @@ class GrpcPublisher:
                 instance=pb.InstanceRef(worker_id=worker),
                 model=self.model,
                 lease_ttl_seconds=REPLAY_LEASE_S,
-                incarnation="replay",
+                incarnation=self.incarnation,
             )
         )
 

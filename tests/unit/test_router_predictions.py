@@ -16,6 +16,7 @@ from indexer.memory import MemoryIndex
 from router_client import (
     ConfigError,
     IndexerClient,
+    IndexerClientSettings,
     MatchOutcome,
     MatchStatus,
     Router,
@@ -178,7 +179,9 @@ async def test_pending_predictions_are_bounded(channel: grpc.aio.Channel) -> Non
         block_size=BS,
         registry=registry,
     )
-    r.max_pending_predictions = 2
+    # Half the client's in-flight bound, read when the prediction is made.
+    indexer.settings = indexer.settings.model_copy(update={"max_in_flight": 4})
+    assert r.max_pending_predictions == 2
     for i in range(5):
         await r.route(req(i), decode=False)
     assert (r.predictions_sent, r.predictions_skipped, r.pending_predictions) == (2, 3, 2)
@@ -189,6 +192,21 @@ async def test_pending_predictions_are_bounded(channel: grpc.aio.Channel) -> Non
     await r.wait_predictions()
     await r.route(req(9), decode=False)  # room again once they are answered
     assert r.predictions_sent == 3
+
+
+async def test_an_indexer_given_after_construction_gets_predictions(
+    channel: grpc.aio.Channel,
+) -> None:
+    # An embedding (the replay among them) may set router.indexer after building it.
+    r = make_router({"predictions": True}, None)
+    assert r.max_pending_predictions == 0
+    indexer = ScriptedIndexer(channel, OUTCOME)
+    indexer.release.set()
+    r.indexer = indexer
+    await r.route(req(), decode=False)
+    await r.wait_predictions()
+    assert (r.predictions_sent, r.predictions_skipped) == (1, 0)
+    assert len(indexer.predict_calls) == 1
 
 
 async def test_predictions_off_asks_and_records_nothing(channel: grpc.aio.Channel) -> None:
@@ -229,7 +247,10 @@ async def test_a_second_request_follows_the_first_before_any_event(
     """Three idle workers, no cache anywhere. With predictions, the router records
     where it sent the first request, and a second one of the same prompt, routed
     before any engine event, goes to the same worker; without, it lands anywhere."""
-    client = IndexerClient(channel=indexer.channel, model=MODEL)
+    # A deadline a loaded machine meets: a Match or prediction past the default
+    # 5 ms would route on load alone, which is not what this test is about.
+    settings = IndexerClientSettings(deadline_ms=2000)
+    client = IndexerClient(channel=indexer.channel, settings=settings, model=MODEL)
     r = Router(
         # The blocks cost: under "ttft" the router's own bookkeeping puts the first
         # request's prefill in the follower's way on the predicted worker.

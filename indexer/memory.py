@@ -40,7 +40,7 @@ predictions purge a bounded amount of (:data:`PURGE_BUDGET`): a prediction is
 pushed once and popped once, so expired ones cost their own record, never a
 Match. A store drops the instance's prediction of the key it stores (a key is
 never both held and predicted). Times come from the index's ``clock`` (a
-replay in virtual time passes ``now`` to :meth:`MemoryIndex.predict_sync`).
+replay in virtual time builds the index with its virtual clock).
 
 Semantics are those of :mod:`indexer.index`. Every method runs to completion
 without awaiting, so each is atomic on the event loop, except the apply of a
@@ -1239,12 +1239,10 @@ class MemoryIndex(Index):
         keys: Sequence[int],
         ttl_s: float,
         max_per_instance: int = MAX_PREDICTED_PER_INSTANCE,
-        now: float | None = None,
     ) -> int:
-        """Synchronous :meth:`predict` (a replay in virtual time passes ``now``;
-        else the index's clock). O(len(keys)) plus the purge's share."""
-        if now is None:
-            now = self._clock()
+        """Synchronous :meth:`predict`, on the index's clock. O(len(keys)) plus
+        the purge's share."""
+        now = self._clock()
         inst = self._instances.get(instance)
         if inst is None or inst.lease_expires_at <= now:
             raise NotFound(f"instance {instance} is not registered and live", field="instance")

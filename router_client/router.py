@@ -68,7 +68,7 @@ from router_client import cost as costmod
 from router_client.config import Bucket, Limits, RouterConfig, Stage
 from router_client.errors import NoHealthyWorker
 from router_client.indexer_client import IndexerClient, MatchOutcome, MatchStatus
-from router_client.load import LoadTracker
+from router_client.load import LoadTracker, WorkerLoad
 from router_client.metrics import RouterMetrics, default_metrics, tracer
 
 log = logging.getLogger(__name__)
@@ -518,8 +518,9 @@ class Router:
                 if weight is not None and match is not None:
                     counted = costmod.cached_blocks_with_prediction(match, reusable, bs, weight)
                 cached_of[w] = (confirmed, counted)
-                c = self._cost(stage, w, req, n_blocks, counted)
-                key = (c, costmod.load_blocks(load.load(w), bs) if tie_on_load else 0.0)
+                wl = load.load(w)
+                c = self._cost(stage, wl, req, n_blocks, counted)
+                key = (c, costmod.load_blocks(wl, bs) if tie_on_load else 0.0)
                 if not best or key < best_key:
                     best, best_cost, best_key = [w], c, key
                 elif key == best_key:
@@ -543,10 +544,10 @@ class Router:
         return None
 
     def _cost(
-        self, stage: Stage, worker: str, req: RouteRequest, n_blocks: int, cached: float
+        self, stage: Stage, wl: WorkerLoad, req: RouteRequest, n_blocks: int, cached: float
     ) -> float:
-        """``worker``'s cost for ``req`` holding ``cached`` blocks (:mod:`router_client.cost`)."""
-        wl = self.load.load(worker)
+        """The cost for ``req`` of a worker with load ``wl`` holding ``cached``
+        blocks (:mod:`router_client.cost`)."""
         bs = self.block_size
         if stage == "decode":
             return costmod.load_blocks(wl, bs)

@@ -37,6 +37,20 @@ least two of the replica's) is taken as stalled: the follower goes out of
 sync at once, so its Matches go to the indexer, and opens the stream again
 (:attr:`IndexFollower.stalls`). A replica that predates keepalives sends
 none, and then no bound applies: a quiet stream is not cut.
+
+Holding the copy through an outage: out of sync, :meth:`IndexFollower.match`
+answers None, and the caller asks the indexer. Should the indexer not answer
+either (down, unreachable, the breaker open, busy),
+:meth:`IndexFollower.held_match` answers from the copy the follower held when
+it last heard from its replica in sync, for up to ``hold_s`` (default
+:data:`DEFAULT_HOLD_S`) after that: a router keeps routing by cache through an
+indexer restart instead of falling back to load alone. A held answer is the
+replica's state of at most ``hold_s`` ago (indexer/CONSISTENCY.md, "A
+follower's answers"); past it, or with ``hold_s`` 0, nothing is held. The copy
+held is the last one loaded: a new snapshot replaces it only once it is in
+whole. :class:`router_client.indexer_client.IndexerClient` does this when
+given a follower (``IndexerClient.follower_held_matches`` counts those
+answers, :attr:`IndexFollower.held_matches` too).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -93,6 +108,12 @@ BACKOFF_CAP_S = 2.0
 DEFAULT_KEEPALIVE_MS = 1000
 #: The silence bound by default, in keepalive intervals.
 SILENCE_INTERVALS = 3
+#: Seconds a follower out of sync keeps answering from its last copy when the
+#: indexer cannot answer either (:meth:`IndexFollower.held_match`), counted
+#: from when it last heard from its replica in sync: long enough to ride out
+#: a replica's restart and a new snapshot, short enough that the copy's view
+#: of which blocks are held is still mostly true (engines evict over minutes).
+DEFAULT_HOLD_S = 60.0
 
 
 class IndexFollower:
@@ -114,12 +135,15 @@ class IndexFollower:
         max_pairs: int = 0,
         keepalive_ms: int = DEFAULT_KEEPALIVE_MS,
         max_silence_s: float | None = None,
+        hold_s: float = DEFAULT_HOLD_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if (target is None) == (channel is None):
             raise ValueError("pass exactly one of target and channel")
         if keepalive_ms < 0 or (max_silence_s is not None and max_silence_s <= 0):
             raise ValueError("keepalive_ms must be >= 0 and max_silence_s > 0")
+        if not hold_s >= 0:
+            raise ValueError(f"hold_s must be >= 0 seconds, got {hold_s!r}")
         self._factory: ChannelFactory | None = None
         if channel is None:
             assert target is not None
@@ -140,6 +164,14 @@ class IndexFollower:
         self.max_silence_s = (
             max_silence_s if max_silence_s is not None else SILENCE_INTERVALS * keepalive_ms / 1000
         )
+        #: Seconds after the follower last heard from its replica in sync that
+        #: :meth:`held_match` still answers from the copy (0: never).
+        self.hold_s = hold_s
+        #: time.monotonic() of the last response read in sync (-inf: none yet,
+        #: or closed): what a held answer's age counts from.
+        self._heard_at = -math.inf
+        #: Matches answered from the held copy (:meth:`held_match`).
+        self.held_matches = 0
         #: The copy Matches are answered from (replaced at each snapshot).
         self.index = MemoryIndex(clock=clock)
         self._staging: MemoryIndex | None = None
@@ -203,6 +235,7 @@ class IndexFollower:
     async def close(self) -> None:
         """Stop following (and close the channel this follower opened)."""
         self._set_synced(False)
+        self._heard_at = -math.inf  # a closed follower holds nothing
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -221,8 +254,34 @@ class IndexFollower:
         if model in self.dropped or self._is_hybrid(model):
             return None
         self._matched_at[model] = time.monotonic()
-        hits = self.index.match_sync(Namespace(model, lora_name), keys)
         self.local_matches += 1
+        return self._answer(model, lora_name, keys)
+
+    @property
+    def held_age_s(self) -> float:
+        """Seconds since the follower last heard from its replica in sync (0 in
+        sync; inf before the first snapshot): the age of what a held answer
+        would say."""
+        if self.synced:
+            return 0.0
+        return time.monotonic() - self._heard_at
+
+    def held_match(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome | None:
+        """``keys``' hits from the last copy while the follower is out of sync,
+        for a caller whose indexer did not answer either (see the module
+        docstring); None in sync (use :meth:`match`), before the first
+        snapshot, past ``hold_s``, and for a model the copy does not follow."""
+        if self.synced or self._heard_at == -math.inf or self.held_age_s > self.hold_s:
+            return None
+        if (self._wanted and model not in self._wanted) or model in self.dropped:
+            return None
+        if self._is_hybrid(model):
+            return None
+        self.held_matches += 1
+        return self._answer(model, lora_name, keys)
+
+    def _answer(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome:
+        hits = self.index.match_sync(Namespace(model, lora_name), keys)
         # Names and answers are immutable and repeat (64 holders of one prefix
         # share a depth): made once each, not per Match (a third of a 32-block
         # Match's cost with 64 holders was building them).
@@ -256,6 +315,7 @@ class IndexFollower:
     def _set_synced(self, value: bool) -> None:
         self.synced = value
         if value:
+            self._heard_at = time.monotonic()
             self._synced_event.set()
         else:
             self._synced_event.clear()
@@ -275,6 +335,8 @@ class IndexFollower:
             silence_s: float | None = None
             try:
                 while (resp := await self._read(call, silence_s)) is not None:
+                    if self.synced:
+                        self._heard_at = time.monotonic()
                     if resp.HasField("keepalive"):
                         silence_s = self.silence_bound(resp.keepalive)
                         if not resp.changes:

@@ -134,6 +134,18 @@ class MatchStatus(enum.Enum):
     ERROR = "error"
 
 
+#: Outcomes of a Match the indexer did not answer, for which a follower out of
+#: sync may answer from its held copy (ERROR is a refusal: a bug, not an outage).
+_HOLD_STATUSES = frozenset(
+    {
+        MatchStatus.DEADLINE_EXCEEDED,
+        MatchStatus.UNAVAILABLE,
+        MatchStatus.RESOURCE_EXHAUSTED,
+        MatchStatus.CIRCUIT_OPEN,
+        MatchStatus.BUSY,
+    }
+)
+
 #: Status codes that count as the indexer being unavailable (they trip the breaker).
 _FAILURE_CODES = {
     grpc.StatusCode.DEADLINE_EXCEEDED: MatchStatus.DEADLINE_EXCEEDED,
@@ -510,6 +522,9 @@ class IndexerClient:
         self.follower = follower
         #: Matches the follower answered.
         self.follower_matches = 0
+        #: Matches the follower answered from its held copy, out of sync, when
+        #: the indexer did not answer (IndexFollower.held_match).
+        self.follower_held_matches = 0
         if target is None and channel is None and self.settings.target:
             target = self.settings.target
         if (target is None) == (channel is None):
@@ -586,11 +601,28 @@ class IndexerClient:
         """
         if not keys:
             return self._count(MatchOutcome(MatchStatus.OK))
-        if self.follower is not None and not include_predicted:
-            local = self.follower.match(self._model, self._lora, keys)
+        follower = self.follower if not include_predicted else None
+        if follower is not None:
+            local = follower.match(self._model, self._lora, keys)
             if local is not None:
                 self.follower_matches += 1
                 return self._count(local)
+        out = await self._remote_match(keys, include_predicted)
+        if follower is not None and out.status in _HOLD_STATUSES:
+            # The indexer did not answer and the follower is out of sync: its
+            # last copy, within its hold (router_client/follower.py), beats
+            # routing on load alone. The failed attempt stays counted in calls.
+            held = getattr(follower, "held_match", None)
+            answer: MatchOutcome | None = (
+                held(self._model, self._lora, keys) if held is not None else None
+            )
+            if answer is not None:
+                self.follower_held_matches += 1
+                return answer
+        return out
+
+    async def _remote_match(self, keys: Sequence[int], include_predicted: bool) -> MatchOutcome:
+        """Match ``keys`` at the indexer (the stream or a unary call), guarded."""
         if self._factory is not None and self._replacing is None:
             self._maybe_replace_channel()
         if self.in_flight >= self.settings.max_in_flight:

@@ -15,8 +15,9 @@ batches that follow continue it: what an engine adapter that re-sends its
 cache to a restarted indexer does. The batches dropped during the outage are
 in that batch too (they were made; the indexer was not there to take them).
 
-:class:`HeldCopy` is a lab variant of a follower that keeps answering from its
-last copy while out of sync (``--follower-hold``), to measure what that gives.
+What a follower out of sync answers while the indexer is down is
+:class:`router_client.follower.IndexFollower`'s own hold (``hold_s``);
+``--follower-hold`` measures it beside a follower that holds nothing.
 """
 
 from __future__ import annotations
@@ -25,21 +26,18 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import grpc.aio
 
-from indexer.model import BlockRemoved, BlockStored, EventBatch, InstanceId, Namespace, Tier
+from indexer.model import BlockRemoved, BlockStored, EventBatch, InstanceId, Tier
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from lab.children import ChildProcess
 from lab.redisproc import free_port
 from lab.sim.publish import GrpcPublisher
-from router_client.follower import IndexFollower
-from router_client.indexer_client import MatchOutcome, MatchStatus, WorkerMatch, instance_name
 
 HOST = "127.0.0.1"
 
@@ -241,37 +239,3 @@ def chains(held: dict[int, int | None], block_size: int) -> list[BlockStored]:
                 )
             )
     return out
-
-
-class HeldCopy:
-    """A follower that keeps answering from its last copy while it is out of sync.
-
-    Not :class:`router_client.follower.IndexFollower`'s behaviour (it answers
-    None then, and the router asks the indexer): ``kvmesh replay
-    --follower-hold`` measures what answering from the copy through an
-    outage would give. The copy is the one the follower loaded last; it is
-    replaced when the follower's next snapshot is in.
-    """
-
-    def __init__(self, follower: IndexFollower) -> None:
-        self.follower = follower
-        #: Matches answered from the copy while the follower was out of sync.
-        self.held_matches = 0
-
-    def match(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome | None:
-        """The follower's answer, or the copy's while the follower is out of sync."""
-        f = self.follower
-        out = f.match(model, lora_name, keys)
-        if out is not None or f.synced or f.snapshots == 0:
-            return out
-        self.held_matches += 1
-        hits = f.index.match_sync(Namespace(model, lora_name), keys)
-        return MatchOutcome(
-            MatchStatus.OK,
-            {
-                instance_name(h.instance.worker_id, h.instance.dp_rank): WorkerMatch(
-                    h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens
-                )
-                for h in hits
-            },
-        )

@@ -119,7 +119,6 @@ from lab.sim.clock import VirtualClock
 from lab.sim.engine import ServiceModel, SimEngine, SimRequest
 from lab.sim.outage import (
     RECONNECT_OPTIONS,
-    HeldCopy,
     IndexerProcess,
     Outage,
     RefeedPublisher,
@@ -128,7 +127,7 @@ from lab.sim.publish import GrpcPublisher, MemoryPublisher
 from lab.synth import measure
 from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_block_key
 from router_client.config import DEFAULT_BALANCE, CostModel, RouterConfig
-from router_client.follower import RECEIVE_OPTIONS, IndexFollower
+from router_client.follower import DEFAULT_HOLD_S, RECEIVE_OPTIONS, IndexFollower
 from router_client.indexer_client import (
     IndexerClient,
     MatchOutcome,
@@ -189,7 +188,8 @@ class ReplaySettings:
     follower: bool = False
     #: Run cache_shared once more per mode through this indexer outage.
     outage: Outage | None = None
-    #: Also a follower answering from its last copy while out of sync (HeldCopy).
+    #: Also an outage run whose follower holds its last copy while out of sync
+    #: (IndexFollower's hold; the other follower runs hold nothing, hold_s 0).
     follower_hold: bool = False
     #: Engines report their load to every router this often, virtual seconds
     #: (0: at every change, so no router's view is ever stale).
@@ -222,7 +222,8 @@ class SharedRun:
     label: str
     follower: bool = False
     outage: Outage | None = None
-    #: The follower answers from its last copy while out of sync (HeldCopy).
+    #: The follower holds its last copy while out of sync (IndexFollower.hold_s
+    #: at its default; False: hold_s 0, out of sync it answers nothing).
     hold: bool = False
     #: After the restart the engines publish what they hold again (False: they
     #: carry on with their next batches only, and the index starts empty).
@@ -288,7 +289,8 @@ class PolicyResult:
     #: Batches the engines made that the indexer did not take, blocks published again.
     lost_batches: int = 0
     refed_blocks: int = 0
-    #: Matches a held copy answered while the follower was out of sync (--follower-hold).
+    #: Matches the follower's held copy answered while it was out of sync and
+    #: the indexer did not answer (--follower-hold).
     held_matches: int = 0
     #: Decision accounting: the hit rate had every request gone to the engine
     #: holding the longest prefix of it, the share of decisions that took that
@@ -606,7 +608,6 @@ async def run_policy(
     follower_channel = None
     shared_grpc = policy == "cache_shared" and settings.indexer is not None
     refeed: RefeedPublisher | None = None
-    held: HeldCopy | None = None
     if shared_grpc and run is not None:
         target = str(settings.indexer)
         channel = grpc.aio.insecure_channel(target, options=RECONNECT_OPTIONS)
@@ -615,15 +616,15 @@ async def run_policy(
             follower_channel = grpc.aio.insecure_channel(
                 target, options=[*RECEIVE_OPTIONS, *RECONNECT_OPTIONS]
             )
-            follower = IndexFollower(channel=follower_channel, models=[REPLAY_MODEL])
+            follower = IndexFollower(
+                channel=follower_channel,
+                models=[REPLAY_MODEL],
+                hold_s=DEFAULT_HOLD_S if run.hold else 0.0,
+            )
             await follower.start()
-        held = HeldCopy(follower) if follower is not None and run.hold else None
         for r in routers:
             r.indexer = IndexerClient(
-                channel=channel,
-                settings=config.indexer,
-                model=REPLAY_MODEL,
-                follower=held if held is not None else follower,
+                channel=channel, settings=config.indexer, model=REPLAY_MODEL, follower=follower
             )
     elif shared_grpc:
         channel = grpc.aio.insecure_channel(str(settings.indexer))
@@ -805,7 +806,7 @@ async def run_policy(
         resync_s=resync_s,
         lost_batches=refeed.lost if refeed is not None else 0,
         refed_blocks=refeed.refed_blocks if refeed is not None else 0,
-        held_matches=held.held_matches if held is not None else 0,
+        held_matches=follower.held_matches if follower is not None else 0,
         available_hit_rate=offered_hits / prompt_blocks if prompt_blocks else 0.0,
         optimal_share=optimal / len(trace) if trace else 0.0,
         left_on_table=1.0 - sum(request_hits) / offered_hits if offered_hits else 0.0,
@@ -1525,8 +1526,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--follower-hold",
         action="store_true",
-        help="with --follower and --outage: one more outage run whose follower answers from "
-        "its last copy while out of sync (IndexFollower answers nothing then)",
+        help="with --follower and --outage: one more outage run whose follower holds its "
+        "last copy while out of sync (IndexFollower's default hold_s; the other follower "
+        "runs set hold_s 0 and answer nothing out of sync)",
     )
     p.add_argument(
         "--outage",

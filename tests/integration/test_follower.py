@@ -341,6 +341,96 @@ async def test_an_indexer_client_with_a_follower_answers_in_process() -> None:
         await close_harness(h)
 
 
+async def _held_prompt(h: Harness, w: _World) -> tuple[str, list[int]]:
+    """A model and the keys of a prompt some instance holds (so answers name it)."""
+    for model in MODELS:
+        for p in w.prompts:
+            keys = block_keys(p, BLOCK, model)
+            resp = await h.stub.Match(pb.MatchRequest(model=model, block_keys=keys))
+            if resp.matches:
+                return model, keys
+    raise AssertionError("no prompt of the workload is held")
+
+
+async def test_through_an_indexer_outage_the_client_answers_from_the_held_copy() -> None:
+    """The indexer stops: the follower goes out of sync, the indexer does not
+    answer, and the client answers from the copy the follower held, while the
+    hold lasts; a follower without a hold (hold_s 0) leaves it to load alone."""
+    h = await open_harness(make_config(), MemoryIndex())
+    w = _World(random.Random(13))
+    f = IndexFollower(h.server.address, models=list(MODELS))
+    unheld = IndexFollower(h.server.address, models=list(MODELS), hold_s=0)
+    clients: list[IndexerClient] = []
+    try:
+        for _ in range(60):
+            await _step(h, w)
+        for x in (f, unheld):
+            await x.start()
+            assert await x.wait_synced(10)
+            await _caught_up(h, x)
+        model, keys = await _held_prompt(h, w)
+        settings = IndexerClientSettings(deadline_ms=500)
+        client = IndexerClient(h.server.address, model=model, follower=f, settings=settings)
+        bare = IndexerClient(h.server.address, model=model, follower=unheld, settings=settings)
+        clients += [client, bare]
+        before = await client.match(keys)
+        assert client.follower_matches == 1 and before.ok and before.matches
+        assert f.held_match(model, "", keys) is None  # in sync: nothing is held
+        await h.server.stop()
+        await eventually(lambda: not f.synced and not unheld.synced, within=5.0)
+        during = await client.match(keys)
+        assert during == before and client.follower_held_matches == 1 and f.held_matches == 1
+        assert sum(n for st, n in client.calls.items() if st.value != "ok") >= 1
+        assert 0 < f.held_age_s < f.hold_s
+        gone = await bare.match(keys)
+        assert not gone.ok and bare.follower_held_matches == 0
+        f.hold_s = f.held_age_s / 2  # the hold ran out: nothing is held any more
+        late = await client.match(keys)
+        assert not late.ok and client.follower_held_matches == 1
+    finally:
+        for c in clients:
+            await c.close()
+        await f.close()
+        await unheld.close()
+        await h.channel.close()
+
+
+async def test_out_of_sync_the_client_asks_a_live_indexer_before_the_held_copy() -> None:
+    """The follower's replica stops, but the client's indexer answers: its
+    answer (here: nothing held) is the one given, not the follower's copy."""
+    a = await open_harness(make_config(), MemoryIndex())
+    b = await open_harness(make_config(), MemoryIndex())
+    w = _World(random.Random(17))
+    f = IndexFollower(a.server.address, models=list(MODELS))
+    client: IndexerClient | None = None
+    try:
+        for _ in range(60):
+            await _step(a, w)
+        await f.start()
+        assert await f.wait_synced(10)
+        await _caught_up(a, f)
+        model, keys = await _held_prompt(a, w)
+        settings = IndexerClientSettings(deadline_ms=5000)
+        client = IndexerClient(b.server.address, model=model, follower=f, settings=settings)
+        await a.server.stop()
+        await eventually(lambda: not f.synced, within=5.0)
+        assert f.held_match(model, "", keys) is not None  # the copy would answer
+        out = await client.match(keys)
+        assert out.ok and not out.matches and client.follower_held_matches == 0
+    finally:
+        if client is not None:
+            await client.close()
+        await f.close()
+        await a.channel.close()
+        await close_harness(b)
+
+
+async def test_follower_hold_must_be_a_duration() -> None:
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="hold_s"):
+            IndexFollower("127.0.0.1:1", hold_s=bad)
+
+
 async def test_watch_index_refuses_what_it_cannot_serve() -> None:
     h = await open_harness(make_config(watch={"enabled": False}), MemoryIndex())
     try:

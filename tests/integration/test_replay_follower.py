@@ -4,8 +4,9 @@
 replay time (virtual: the outage costs the restart's wall time, about a
 second). Figures measured on this slice (docs/benchmarks.md): cache_shared
 14.9% remote, 14.6% follower; in the outage window 8.8% without the outage,
-3.5% through it in both modes (the follower is out of sync, the remote Match
-fails, routing is load-only), 8.5% with the held copy; 30 s after the
+3.5% through it in both modes (a follower that holds nothing, hold_s 0, is
+out of sync, the remote Match fails, routing is load-only), 8.5% with the
+follower's held copy (IndexFollower.hold_s at its default); 30 s after the
 restart 21.8% (re-fed) against 3.6% with engines that do not re-send.
 """
 

@@ -204,6 +204,16 @@ class RouterConfig(StrictModel):
         'chose the default: "ttft" met the TTFT target in every cell with no per-trace '
         'setting, "blocks" at balance 0.02 in 13 of 40.',
     )
+    prefill_weight: float = Field(
+        default=1.0,
+        ge=1.0,
+        le=100.0,
+        description="The \"ttft\" cost's weight of the request's own uncached prefill "
+        "against the queue ahead of it: 1 ranks by predicted TTFT exactly; above 1 a hit "
+        "is worth more than the queue time it costs (each token computed away from its "
+        "cache is a second copy the fleet's caches hold, evicting others), trading TTFT "
+        "for hit rate (docs/benchmarks.md, the routing grid).",
+    )
     prefill_tokens_per_s: float = Field(
         default=DEFAULT_PREFILL_TOKENS_PER_S,
         gt=0,

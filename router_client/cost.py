@@ -44,6 +44,8 @@ token on ``w`` (:func:`predicted_ttft_s`)::
     prefill_s(w)       = uncached_tokens(w) / rate(w)
     ttft(w)            = queue_s(w) + prefill_s(w)
 
+(``RouterConfig.prefill_weight`` above 1 weighs ``prefill_s`` that many times:
+a ranking that values hits above the queue time they cost, see below)
 where ``pending_prefill_tokens`` is the uncached prompt tokens waiting on the
 worker (its engine's last report plus what this router sent it since) and
 ``rate(w)`` its prefill tokens per second: the smoothed figure its engine
@@ -154,8 +156,12 @@ def prefill_rate(load: WorkerLoad, default_tokens_per_s: float) -> float:
 
 
 def predicted_ttft_s(
-    pending_prefill_tokens: float, uncached_tokens: float, tokens_per_s: float
+    pending_prefill_tokens: float,
+    uncached_tokens: float,
+    tokens_per_s: float,
+    prefill_weight: float = 1.0,
 ) -> float:
     """Predicted TTFT in seconds: the queue ahead, then the request's own prefill, at
-    ``tokens_per_s`` (``queue_s + prefill_s`` of the module docstring)."""
-    return pending_prefill_tokens / tokens_per_s + uncached_tokens / tokens_per_s
+    ``tokens_per_s`` (``queue_s + prefill_s`` of the module docstring); with
+    ``prefill_weight`` above 1, ``queue_s + prefill_weight * prefill_s``."""
+    return (pending_prefill_tokens + prefill_weight * uncached_tokens) / tokens_per_s

@@ -555,7 +555,9 @@ class Router:
         if cfg.cost == "ttft":
             tokens = costmod.uncached_tokens(req.input_tokens or n_blocks * bs, cached, bs)
             rate = costmod.prefill_rate(wl, cfg.prefill_tokens_per_s)
-            return costmod.predicted_ttft_s(wl.pending_prefill_tokens, tokens, rate)
+            return costmod.predicted_ttft_s(
+                wl.pending_prefill_tokens, tokens, rate, cfg.prefill_weight
+            )
         uncached = max(0.0, n_blocks - cached)
         return costmod.cost(uncached, costmod.load_blocks(wl, bs), self._balance)
 

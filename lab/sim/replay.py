@@ -201,6 +201,9 @@ class ReplaySettings:
     #: token; the engines report their prefill rate with their load) or
     #: ``blocks`` (cached blocks against load, weighed by ``balance``).
     cost_model: CostModel = "ttft"
+    #: router_client's ``prefill_weight`` (the ttft cost's weight of the
+    #: request's own prefill against the queue; 1: predicted TTFT exactly).
+    prefill_weight: float = 1.0
     #: Route-time predictions (cache_shared): each decision records the chosen
     #: engine as about to hold the prompt's blocks for ``prediction_ttl_s``
     #: (virtual seconds), and Matches count them (router_client's
@@ -582,6 +585,7 @@ async def run_policy(
         model=REPLAY_MODEL,
         balance=settings.balance,
         cost=settings.cost_model,
+        prefill_weight=settings.prefill_weight,
         prefill_tokens_per_s=settings.service.prefill_tokens_per_s,
         predictions=settings.predict,
         prediction_ttl_ms=max(1, round(settings.prediction_ttl_s * 1000)),

@@ -58,11 +58,14 @@ def naive_cached(m: WorkerMatch | None, reusable: int) -> float:
     return weighted
 
 
-def naive_ttft(report: WorkerLoad | None, cached: float, input_tokens: int) -> float:
+def naive_ttft(
+    report: WorkerLoad | None, cached: float, input_tokens: int, weight: float = 1.0
+) -> float:
+    """Queue, then the request's own prefill (``weight`` times), at the worker's rate."""
     rate = report.prefill_tokens_per_s if report and report.prefill_tokens_per_s > 0 else 0.0
     rate = rate or DEFAULT_RATE
     queue = report.pending_prefill_tokens if report else 0
-    return queue / rate + max(0.0, input_tokens - cached * BS) / rate
+    return queue / rate + weight * max(0.0, input_tokens - cached * BS) / rate
 
 
 def naive_admits(report: WorkerLoad | None, limits: dict[str, int], prefill: int) -> bool:
@@ -115,10 +118,17 @@ def fleets(draw: st.DrawFn) -> Fleet:
 
 
 @settings(max_examples=300, deadline=None, database=None, report_multiple_bugs=False)
-@given(fleets(), st.booleans(), st.integers(0, 2**16))
-def check_ttft_choice_is_the_naive_minimum(fleet: Fleet, predictions: bool, seed: int) -> None:
+@given(fleets(), st.booleans(), st.integers(0, 2**16), st.sampled_from([1.0, 1.0, 2.0, 7.5]))
+def check_ttft_choice_is_the_naive_minimum(
+    fleet: Fleet, predictions: bool, seed: int, weight: float
+) -> None:
     names = fleet.names
-    config = {"cost": "ttft", "limits": fleet.limits, "predictions": predictions}
+    config = {
+        "cost": "ttft",
+        "limits": fleet.limits,
+        "predictions": predictions,
+        "prefill_weight": weight,
+    }
     r = make_router(config, names, seed)
     for w, load in fleet.reports.items():
         r.load.report(w, load, at=NOW)
@@ -135,7 +145,7 @@ def check_ttft_choice_is_the_naive_minimum(fleet: Fleet, predictions: bool, seed
         if predictions and m is not None:
             cached = max(cached, min(m.predicted_depth, reusable) * PREDICTED_WEIGHT)
         if naive_admits(fleet.reports.get(w), fleet.limits, prefill):
-            ttft[w] = naive_ttft(fleet.reports.get(w), cached, fleet.input_tokens)
+            ttft[w] = naive_ttft(fleet.reports.get(w), cached, fleet.input_tokens, weight)
     if not ttft:
         assert choice.pass_no == 2
         return
@@ -152,8 +162,8 @@ def test_ttft_choice_minimises_the_naive_predicted_ttft() -> None:
 def test_a_cost_that_ignores_the_queue_fails_the_property(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def own_prefill_only(pending: float, uncached: float, rate: float) -> float:
-        return uncached / rate
+    def own_prefill_only(pending: float, uncached: float, rate: float, weight: float) -> float:
+        return weight * uncached / rate
 
     monkeypatch.setattr(costmod, "predicted_ttft_s", own_prefill_only)
     with pytest.raises(AssertionError):
@@ -163,15 +173,44 @@ def test_a_cost_that_ignores_the_queue_fails_the_property(
 def test_a_cost_that_ignores_the_rate_fails_the_property(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def tokens_only(pending: float, uncached: float, rate: float) -> float:
-        return pending + uncached
+    def tokens_only(pending: float, uncached: float, rate: float, weight: float) -> float:
+        return pending + weight * uncached
 
     monkeypatch.setattr(costmod, "predicted_ttft_s", tokens_only)
     with pytest.raises(AssertionError):
         check_ttft_choice_is_the_naive_minimum()
 
 
+def test_a_cost_that_ignores_the_prefill_weight_fails_the_property(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unweighted(pending: float, uncached: float, rate: float, weight: float) -> float:
+        return (pending + uncached) / rate
+
+    monkeypatch.setattr(costmod, "predicted_ttft_s", unweighted)
+    with pytest.raises(AssertionError):
+        check_ttft_choice_is_the_naive_minimum()
+
+
 # -- examples ------------------------------------------------------------------------
+
+
+def test_a_prefill_weight_keeps_a_hit_behind_a_short_queue() -> None:
+    """a holds 9 of 10 blocks behind 1,000 tokens at 10,000 tokens/s (0.1 s of queue);
+    b is idle and cold (161 tokens to compute, 16 ms). By predicted TTFT b wins; with
+    the request's prefill weighed 8 times (129 ms against 0.1 s + 8 * 1.7 ms), a does."""
+    matches = MatchOutcome(MatchStatus.OK, {"a": WorkerMatch(9, 9)})
+    picks = {}
+    for weight in (1.0, 8.0):
+        r = make_router({"cost": "ttft", "prefill_weight": weight}, ["a", "b"])
+        r.load.report("a", WorkerLoad(1, 1_000, 1_000, DEFAULT_RATE), at=NOW)
+        picks[weight] = r.decide(req(10 * BS + 1), matches, decode=False).prefill.worker
+    assert picks == {1.0: "b", 8.0: "a"}
+    with pytest.raises(ConfigError) as e:
+        parse_config({"prefill_weight": 0.5})
+    assert e.value.field == "prefill_weight"
+
+
 
 
 def test_ttft_leaves_a_slow_queue_the_blocks_cost_keeps() -> None:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Protocol, TypeVar
+from typing import IO, Any, Protocol, TypeVar
 
 from kvmesh.runtime import new_event_loop
 
@@ -92,6 +92,27 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+class Spawn(Protocol):
+    """Starts a child instead of ``subprocess.Popen`` (:class:`ChildProcess` ``spawn``).
+
+    Called with the command, ``stdin``, ``stdout`` and ``stderr`` as Popen takes
+    them and the child's whole environment (None: this process's); returns a
+    Popen of the running child, in a session and process group of its own
+    (its pid is the group's id). A fork server
+    (``lab/engines/zygote.py``'s ``Zygote.spawn``) is one.
+    """
+
+    def __call__(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: int | IO[Any] | None,
+        stdout: int | IO[Any] | None,
+        stderr: int | IO[Any] | None,
+        env: Mapping[str, str] | None,
+    ) -> subprocess.Popen[bytes]: ...
+
+
 class ChildProcess:
     """One child process (see the module docstring); a context manager that stops it.
 
@@ -102,6 +123,9 @@ class ChildProcess:
     inherited. ``env``: the child's whole environment (default: this
     process's). ``die_with_parent`` (Linux): the child is SIGTERMed when the
     thread that started it ends, so start such children on the main thread.
+    ``spawn``: what starts the child instead of ``subprocess.Popen`` (see
+    :class:`Spawn`); the command is given as it is, and dying with the parent
+    is then the spawner's to arrange.
 
     :meth:`start` may be called again after the child ended (a restart).
     """
@@ -115,6 +139,7 @@ class ChildProcess:
         log_path: str | Path | None = None,
         pipes: bool = False,
         die_with_parent: bool = False,
+        spawn: Spawn | None = None,
     ) -> None:
         self.argv = list(argv)
         self.name = name or Path(self.argv[0]).name
@@ -122,6 +147,7 @@ class ChildProcess:
         self.log_path = Path(log_path) if log_path is not None else None
         self.pipes = pipes
         self.die_with_parent = die_with_parent
+        self.spawn = spawn
         #: Set once this process stopped or killed the child: an exit before
         #: that is a failure.
         self.stopping = False
@@ -164,7 +190,7 @@ class ChildProcess:
             raise RuntimeError(f"{self.name} is already running")
         self._close_pipes()
         cmd = list(self.argv)
-        if self.die_with_parent and sys.platform == "linux":
+        if self.die_with_parent and sys.platform == "linux" and self.spawn is None:
             exe = cmd[0] if os.path.isabs(cmd[0]) else shutil.which(cmd[0]) or cmd[0]
             cmd = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), exe, *cmd[1:]]
         log: IO[bytes] | None = None
@@ -178,15 +204,20 @@ class ChildProcess:
         if not self.pipes and log is not None:
             stderr = subprocess.STDOUT
         try:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
-                env=self.env,
-                start_new_session=True,
-                bufsize=0,
-            )
+            if self.spawn is not None:
+                self._proc = self.spawn(
+                    cmd, stdin=stdin, stdout=stdout, stderr=stderr, env=self.env
+                )
+            else:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=stdin,
+                    stdout=stdout,
+                    stderr=stderr,
+                    env=self.env,
+                    start_new_session=True,
+                    bufsize=0,
+                )
         finally:
             if log is not None:
                 log.close()

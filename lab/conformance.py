@@ -39,6 +39,15 @@ looked it up. Several engines (``multi``) take turns, each its own instance.
 Every run is seeded and deterministic on the engine side; what the index
 answers is the figure under test.
 
+**Engine processes.** Each engine is forked from a zygote
+(``lab/engines/zygote.py``): one process per engine interpreter and program,
+started with the first engine and shared by every run of the process (its
+threads included), that has imported the engine program once. A child
+forked from it is what ``python -m`` would start, without the 8 to 15 s of
+importing vLLM or SGLang each time; it dies with the zygote, and the zygote
+with this process. ``KVMESH_CONFORMANCE_ZYGOTE=0`` starts every engine as a
+process of its own instead (:data:`ZYGOTE_ENV`).
+
 Nothing here is vLLM's but the default: an :class:`EngineKind` names another
 engine program speaking the same protocol, its interpreter and its scenarios
 (``lab/conformance_sglang.py``: SGLang's radix cache).
@@ -47,6 +56,7 @@ engine program speaking the same protocol, its interpreter and its scenarios
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -68,7 +78,8 @@ from indexer import convert
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.blockkeys import block_keys
-from lab.children import ChildProcess, python_module, stop_all
+from lab.children import ChildProcess, Spawn, python_module, stop_all
+from lab.engines.zygote import Zygote
 from router_client.follower import IndexFollower
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +104,9 @@ APPLY_TIMEOUT_S = 120.0
 #: (ZMQ's slow joiner). The first batch is published only after the first
 #: ``go``, so this wait happens once per run.
 SUBSCRIBE_SETTLE_S = 0.5
+#: Environment variable: ``0`` starts every engine with its interpreter
+#: (``python -m``) instead of forking it from a zygote that imported it once.
+ZYGOTE_ENV = "KVMESH_CONFORMANCE_ZYGOTE"
 #: Mismatches kept per result for debugging.
 EXAMPLES = 5
 #: Default requests per scenario.
@@ -662,6 +676,49 @@ class RunResult:
         ]
 
 
+#: The process's zygotes by (interpreter, engine program); see the module docstring.
+_ZYGOTES: dict[tuple[str, str], tuple[Zygote, Path]] = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def engine_spawn(interpreter: Path, kind: EngineKind, env: Mapping[str, str]) -> Spawn | None:
+    """What starts ``kind``'s engines with ``interpreter``: the process's zygote of
+    them (started, with ``env``, by the first engine it forks), or None when
+    :data:`ZYGOTE_ENV` is ``0``."""
+    if os.environ.get(ZYGOTE_ENV, "1") == "0":
+        return None
+    key = (str(interpreter), kind.module)
+    with _ZYGOTES_LOCK:
+        entry = _ZYGOTES.get(key)
+        if entry is None or entry[0].ended():
+            if entry is not None:
+                shutil.rmtree(entry[1], ignore_errors=True)
+            if not _ZYGOTES:
+                atexit.register(close_zygotes)
+            logs = Path(tempfile.mkdtemp(prefix="kvz-"))
+            zygote = Zygote(
+                interpreter,
+                kind.module,
+                env=env,
+                log_path=logs / "zygote.log",
+                start_timeout_s=ENGINE_START_TIMEOUT_S,
+            )
+            entry = _ZYGOTES[key] = (zygote, logs)
+    return entry[0].spawn
+
+
+def close_zygotes(*, idle_only: bool = False) -> None:
+    """Stop the process's zygotes (``idle_only``: those with no engine running);
+    the next engine starts a new one."""
+    with _ZYGOTES_LOCK:
+        for key, (zygote, logs) in list(_ZYGOTES.items()):
+            if idle_only and not zygote.idle():
+                continue
+            zygote.close()
+            shutil.rmtree(logs, ignore_errors=True)
+            del _ZYGOTES[key]
+
+
 @contextlib.contextmanager
 def _workdir() -> Iterator[Path]:
     # Short: ipc:// paths must fit a Unix socket address (about 100 bytes).
@@ -708,6 +765,7 @@ def run_scenario(
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         for name, value in kind.env.items():
             env.setdefault(name, value)
+        spawn = engine_spawn(interpreter, kind, env)
         engines: list[Engine] = []
         indexers: list[Indexer] = []
         children: list[ChildProcess] = []
@@ -728,6 +786,7 @@ def run_scenario(
                     log_path=logs / f"{scenario}-engine{i}.log",
                     pipes=True,
                     die_with_parent=True,
+                    spawn=spawn,
                 )
                 engines.append(Engine(i, child, ep, rep, prefix=kind.worker_prefix))
                 children.append(child.start())
@@ -854,11 +913,13 @@ def _drive(
 class ScenarioRuns:
     """Scenario runs on ``jobs`` threads, started in the order given, each awaited by name.
 
-    Runs overlap well on two cores: most of a run's wall time is an engine
-    importing vLLM or the harness waiting on a child, so a second run's
-    import proceeds while the first one is driven. The engines' lockstep is
-    per run; concurrent runs share nothing but the Redis server (each run
-    uses a key prefix of its own).
+    Runs overlap well on two cores: most of a run's wall time is the harness
+    waiting on a child (the lockstep round trip through ZMQ, an indexer and
+    Match), so a second run proceeds while the first one waits. The engines'
+    lockstep is per run; concurrent runs share nothing but the Redis server
+    (each run uses a key prefix of its own) and the engines' zygote, which
+    forks their engines one request at a time. :meth:`close` stops the
+    zygotes no other run is using.
     """
 
     def __init__(self, names: Sequence[str], *, jobs: int = 2, **kwargs: Any) -> None:
@@ -872,5 +933,6 @@ class ScenarioRuns:
         return self._futures[name].result()
 
     def close(self) -> None:
-        """Cancel runs not started yet and wait for the running ones."""
+        """Cancel runs not started yet, wait for the running ones, stop idle zygotes."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        close_zygotes(idle_only=True)

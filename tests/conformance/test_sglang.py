@@ -45,13 +45,14 @@ from lab.conformance_sglang import (
 
 #: Requests per scenario: enough for eviction, flushes and shared prefixes to
 #: occur (the SWA and Mamba rows fail at it as at 2,000), few enough for the
-#: whole file to take about two minutes on two cores (300 took three; ``kvmesh
-#: bench conformance --engine sglang`` runs 2,000).
+#: whole file to take about a minute on two cores, the engines forked from one
+#: zygote (two with ``KVMESH_CONFORMANCE_ZYGOTE=0``; ``kvmesh bench conformance
+#: --engine sglang`` runs 2,000).
 REQUESTS = 150
 MIN_EXACT = 0.995
 #: Runs at a time. A run is mostly latency (the lockstep round trip through
-#: ZMQ, the indexer and Match) after its engines' import, so three overlap
-#: on two cores without one starving another.
+#: ZMQ, the indexer and Match), so three overlap on two cores without one
+#: starving another.
 JOBS = 3
 
 _SWA = (

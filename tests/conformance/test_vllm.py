@@ -42,8 +42,9 @@ from lab.conformance import (
 )
 
 #: Requests per scenario: enough for evictions, preemptions and shared
-#: prefixes to occur, few enough for the whole file to take about two
-#: minutes on two cores (``kvmesh bench conformance`` runs 2,000).
+#: prefixes to occur, few enough for the whole file to take about a minute
+#: on two cores, the engines forked from one zygote (two and a half with
+#: ``KVMESH_CONFORMANCE_ZYGOTE=0``; ``kvmesh bench conformance`` runs 2,000).
 REQUESTS = 300
 MIN_EXACT = 0.995
 

@@ -9,6 +9,17 @@ address of the pod behind it, and each volume mount is a local folder. Any
 part of the spec it cannot stand in for (a Secret reference, a mount without a
 folder) raises ``ValueError`` naming it, so the chart cannot silently ask for
 something the test does not provide.
+
+A component may run several replicas (:meth:`Cluster.add_replica`). A
+headless Service's name then resolves to all of them, as the cluster's DNS
+lists every ready pod: ``dns:///svc:port`` becomes one ``ipv4:`` target of
+every replica's address, a bare ``svc:port`` the replicas' addresses joined by
+commas (the form :func:`kvmesh.balancing.channel_target` takes); a Service
+with a cluster IP reaches one replica (the first, where kube-proxy would pick
+any). The containers of one pod share its loopback: pass one ``loopback`` map
+to :func:`localize` for each of them, and every ``127.0.0.1:<port>`` they name
+(a container port or not) gets a local port of its own for that pod, so two
+pods may both use, say, 127.0.0.1:5557, as in a cluster.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import yaml
 POD_IP = "127.0.0.1"
 
 _VAR = re.compile(r"\$\((\w+)\)")
-_HOST_PORT = re.compile(r"(?P<host>[a-z0-9][-a-z0-9.]*):(?P<port>\d+)")
+_HOST_PORT = re.compile(r"(?P<dns>dns:///)?(?P<host>[a-z0-9][-a-z0-9.]*):(?P<port>\d+)")
 
 
 def free_port() -> int:
@@ -71,6 +82,8 @@ class LocalPod:
     port_map: dict[int, int] = field(default_factory=dict)
     #: Local port of the readiness probe's gRPC health check (None: no such probe).
     grpc_probe_port: int | None = None
+    #: The pod's loopback ports (port the spec names -> local port), when given one.
+    loopback: dict[int, int] = field(default_factory=dict)
 
     def address(self, port_name: str) -> str:
         """``127.0.0.1:<local port>`` of the named container port."""
@@ -85,6 +98,10 @@ class Cluster:
     services: dict[str, tuple[str, dict[int, int | str]]] = field(default_factory=dict)
     #: Component label -> its local pod.
     pods: dict[str, LocalPod] = field(default_factory=dict)
+    #: Component label -> the local pods of its replicas (:meth:`add_replica`).
+    replicas: dict[str, list[LocalPod]] = field(default_factory=dict)
+    #: Names of the headless Services (``clusterIP: None``).
+    headless: set[str] = field(default_factory=set)
     #: "service:port" -> address, for what runs outside the chart's pods (e.g. Redis).
     outside: dict[str, str] = field(default_factory=dict)
 
@@ -96,30 +113,62 @@ class Cluster:
             component = d["spec"]["selector"].get("app.kubernetes.io/component", "")
             ports = {int(p["port"]): p.get("targetPort", p["port"]) for p in d["spec"]["ports"]}
             self.services[d["metadata"]["name"]] = (component, ports)
+            if d["spec"].get("clusterIP") == "None":
+                self.headless.add(d["metadata"]["name"])
 
-    def resolve(self, host: str, port: int) -> str | None:
-        """The local address of ``host:port`` when host names a known Service, else None."""
+    def add_replica(self, component: str, pod: LocalPod) -> None:
+        """One more replica of ``component`` (the first is also its pod in :attr:`pods`)."""
+        self.replicas.setdefault(component, []).append(pod)
+        self.pods.setdefault(component, pod)
+
+    def resolve_all(self, host: str, port: int) -> list[str] | None:
+        """Every local address ``host:port`` reaches when host names a known Service, else None.
+
+        A headless Service reaches every replica of its component, any other
+        Service one.
+        """
         service = host.split(".")[0]
         if service not in self.services:
             return None
         if f"{service}:{port}" in self.outside:
-            return self.outside[f"{service}:{port}"]
+            return [self.outside[f"{service}:{port}"]]
         component, ports = self.services[service]
         pod = self.pods.get(component)
         if pod is None or port not in ports:
             raise ValueError(f"{host}:{port}: no local pod serves component {component!r}")
+        behind = self.replicas.get(component, [pod]) if service in self.headless else [pod]
         target = ports[port]
-        local = pod.ports[target] if isinstance(target, str) else pod.port_map[int(target)]
-        return f"{POD_IP}:{local}"
+        return [
+            f"{POD_IP}:{p.ports[target] if isinstance(target, str) else p.port_map[int(target)]}"
+            for p in behind
+        ]
+
+    def resolve(self, host: str, port: int) -> str | None:
+        """The local address of ``host:port`` when host names a known Service, else None.
+
+        Several replicas behind a headless Service: their addresses joined by commas.
+        """
+        found = self.resolve_all(host, port)
+        return None if found is None else ",".join(found)
 
 
-def _substitute_addresses(value: str, cluster: Cluster, own: Mapping[int, int]) -> str:
+def _substitute_addresses(
+    value: str, cluster: Cluster, own: Mapping[int, int], loopback: dict[int, int] | None = None
+) -> str:
     def sub(m: re.Match[str]) -> str:
-        host, port = m["host"], int(m["port"])
+        host, port, dns = m["host"], int(m["port"]), m["dns"] or ""
         if host == POD_IP and port in own:
-            return f"{POD_IP}:{own[port]}"
-        resolved = cluster.resolve(host, port)
-        return resolved if resolved is not None else m.group(0)
+            return f"{dns}{POD_IP}:{own[port]}"
+        if host == POD_IP and loopback is not None:
+            if port not in loopback:
+                loopback[port] = free_port()
+            return f"{dns}{POD_IP}:{loopback[port]}"
+        found = cluster.resolve_all(host, port)
+        if found is None:
+            return m.group(0)
+        if dns and len(found) > 1:
+            return "ipv4:" + ",".join(found)
+        return dns + ",".join(found)
 
     return _HOST_PORT.sub(sub, value)
 
@@ -131,16 +180,29 @@ def localize(
     cluster: Cluster,
     mounts: Mapping[str, Path],
     base_env: Mapping[str, str],
+    downward: Mapping[str, str] | None = None,
+    loopback: dict[int, int] | None = None,
 ) -> LocalPod:
     """The local process of container ``spec`` (see the module docstring).
 
     ``mounts`` maps each of the container's mount paths to a local folder, and
     ``/tmp`` to the working directory (the image's WORKDIR is /tmp, which the
     chart mounts as an emptyDir where the component may write); ``base_env``
-    is the image's environment (its ENV lines, PATH).
+    is the image's environment (its ENV lines, PATH). ``downward`` gives the
+    pod's fields an env ``fieldRef`` may name besides ``status.podIP``
+    (``metadata.name``, ``metadata.uid``). ``loopback``: the pod's loopback,
+    shared by its containers (filled in here; see the module docstring);
+    None: only the container's own ports of 127.0.0.1 are mapped, in its env.
     """
-    ports = {p["name"]: free_port() for p in spec.get("ports", [])}
+    ports: dict[str, int] = {}
+    for p in spec.get("ports", []):
+        number = int(p["containerPort"])
+        if loopback is not None and number not in loopback:
+            loopback[number] = free_port()
+        ports[p["name"]] = loopback[number] if loopback is not None else free_port()
     port_map = {int(p["containerPort"]): ports[p["name"]] for p in spec.get("ports", [])}
+    own: Mapping[int, int] = port_map if loopback is None else loopback
+    fields = {**(downward or {}), "status.podIP": POD_IP}
     local_mounts: dict[str, Path] = {}
     for m in spec.get("volumeMounts", []):
         path = m["mountPath"]
@@ -151,8 +213,8 @@ def localize(
     for e in spec.get("env", []):
         if "value" in e:
             value = str(e["value"])
-        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
-            value = POD_IP
+        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") in fields:
+            value = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             raise ValueError(f"{name}: env {e['name']} comes from {e.get('valueFrom')}")
         # The kubelet expands $(VAR) from the variables defined before this one.
@@ -161,7 +223,7 @@ def localize(
             value = POD_IP
         if e["name"].endswith("PORT") and value.isdigit() and int(value) in port_map:
             value = str(port_map[int(value)])
-        value = _substitute_addresses(value, cluster, port_map)
+        value = _substitute_addresses(value, cluster, own, loopback)
         for path, local in local_mounts.items():
             if value == path or value.startswith(path + "/"):
                 value = str(local) + value[len(path) :]
@@ -169,7 +231,12 @@ def localize(
             raise ValueError(f"{name}: env {e['name']}={value!r} refers to an unknown variable")
         env[e["name"]] = value
     argv = [
-        _substitute_addresses(_VAR.sub(lambda m: env.get(m[1], m.group(0)), str(a)), cluster, {})
+        _substitute_addresses(
+            _VAR.sub(lambda m: env.get(m[1], m.group(0)), str(a)),
+            cluster,
+            {} if loopback is None else loopback,
+            loopback,
+        )
         for a in [*spec.get("command", []), *spec.get("args", [])]
     ]
     probe = spec.get("readinessProbe", {}).get("grpc", {}).get("port")
@@ -180,4 +247,6 @@ def localize(
         raise ValueError(f"{name}: no local folder for /tmp, the image's working directory")
     cwd = mounts["/tmp"]
     env["TMPDIR"] = str(cwd)
-    return LocalPod(name, argv, env, cwd, ports, port_map, grpc_probe)
+    return LocalPod(
+        name, argv, env, cwd, ports, port_map, grpc_probe, {} if loopback is None else loopback
+    )

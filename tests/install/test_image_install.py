@@ -11,6 +11,10 @@ starts from that environment with the chart's own command, args and env
 (rendered by Helm's engine, translated to this machine by pods.py), outside
 the repository and with nothing of the source tree on its path; each must
 answer SERVING, pass the chart's ``helm test`` pod, and exit 0 on SIGTERM.
+The engine-with-bridge example runs the same way over the chart's two indexer
+replicas, real vLLM event publishers standing in for its engine containers:
+the engines publish through their bridges, the headless Service resolving to
+both replicas, and the index must equal what the engines hold.
 
 One environment serves the whole session. With a warm pip cache the module
 takes well under a minute and a half; a cold cache downloads the
@@ -19,6 +23,9 @@ dependencies, hence the module's generous timeout.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -27,7 +34,7 @@ import sys
 import time
 import urllib.request
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +44,7 @@ import helm_python
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lab.children import stop_all
 from tests.install import dockerfile, pods
 from tests.install.dockerignore import DockerIgnore
 
@@ -493,3 +501,284 @@ def test_every_component_of_the_chart_starts_serves_and_stops(
         for pool in pools:
             pool.close()
             pool.unlink()
+
+
+# -- the engine + bridge install -------------------------------------------------------
+
+BRIDGE_EXAMPLE = ROOT / "helm" / "examples" / "engine-with-bridge"
+#: The example's engine pods (its default 2 replicas), named as a ReplicaSet names them.
+ENGINE_PODS = ("rel-engine-5c7d9-a1b2c", "rel-engine-5c7d9-d3e4f")
+#: The workload: the first trace requests, each cut to its first trace blocks (512 tokens,
+#: 32 engine blocks each), and what an engine holds before it evicts, in trace blocks.
+BRIDGE_REQUESTS = 12
+BRIDGE_PROMPT_BLOCKS = 3
+BRIDGE_CAPACITY = 8
+
+
+def _keys_of_trace_blocks(
+    parent: dict[int, int | None], model: str, block_size: int
+) -> Callable[[int], list[int]]:
+    """The index's keys of each trace block: its 512 tokens at the engine's block size."""
+    from kvmesh.blockkeys import chain_keys, namespace_seed
+    from lab.engines.vllm_publishers import trace_tokens
+
+    seed = namespace_seed(model)
+    memo: dict[int, list[int]] = {}
+
+    def of(h: int) -> list[int]:
+        path: list[int] = []
+        node: int | None = h
+        while node is not None and node not in memo:
+            path.append(node)
+            node = parent.get(node)
+        last = seed if node is None else memo[node][-1]
+        for b in reversed(path):
+            memo[b] = chain_keys(last, trace_tokens([b])[0].tolist(), block_size)
+            last = memo[b][-1]
+        return memo[h]
+
+    return of
+
+
+def _get(url: str) -> str:
+    """The body of an HTTP 200 answer to GET ``url``."""
+    with urllib.request.urlopen(url, timeout=2) as r:
+        assert r.status == 200, (url, r.status)
+        return str(r.read().decode("utf-8", "replace"))
+
+
+def _arg_after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+async def test_engines_publish_through_their_bridges_to_every_indexer_replica(
+    image: Image, tmp_path: Path, redis_for_the_chart: tuple[str, str]
+) -> None:
+    """The engine-with-bridge example over the chart's two indexer replicas, as rendered.
+
+    The kvmesh chart (release ``kvmesh`` in namespace ``kvmesh``, the target the
+    example's values name) runs its two indexer replicas on Redis; each of the
+    example's two engine pods runs its ``kvmesh-bridge`` container as rendered,
+    and a real vLLM ``ZmqEventPublisher`` stands in for its engine container on
+    the endpoints the engine's ``--kv-events-config`` names (the pod's loopback,
+    where the bridge binds). The headless Service resolves to both replicas.
+    Once both pods are registered, replica A is stopped (SIGTERM, exit 0): the
+    engines then publish, and the bridges must reach replica B through the same
+    target; the index (DumpIndex) and a router's Matches (IndexerClient, round
+    robin over the target the bridges dial) must equal what the engines hold.
+    """
+    from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+    from lab.engines.vllm_publishers import TRACE_BLOCK_TOKENS
+    from lab.traces import load_mooncake
+    from lab.workload import TRACE_MODEL
+    from router_client.config import IndexerClientSettings
+    from router_client.indexer_client import IndexerClient
+    from tests.integration.test_bridge import EventStreams, dumped, listed, plan_fleet, wait_for
+
+    redis_address, redis_password = redis_for_the_chart
+    # A short drain, so that replica A's SIGTERM ends its streams soon (a chart value).
+    release = pods.manifests(
+        helm_python.Chart.load(str(CHART)).render(
+            {"indexer": {"shutdownGraceSeconds": 1}}, name="kvmesh", namespace="kvmesh"
+        )
+    )
+    engine_chart = tmp_path / "engine-with-bridge"
+    shutil.copytree(BRIDGE_EXAMPLE, engine_chart)
+    shutil.copytree(CHART, engine_chart / "charts" / "kvmesh")
+    # The engines serve the trace's model (any name; the helpers read this one).
+    engines = _render(engine_chart, {"engine": {"model": TRACE_MODEL}})
+    replicas = next(d for d in release if d["metadata"]["name"] == "kvmesh-indexer")
+    assert replicas["spec"]["replicas"] == 2
+    engine_deployment = next(d for d in engines if d["metadata"]["name"] == "rel-engine")
+    assert engine_deployment["spec"]["replicas"] == len(ENGINE_PODS)
+
+    cluster = pods.Cluster()
+    cluster.add_services(release)
+    assert "kvmesh-indexer-headless" in cluster.headless
+    cluster.outside["kvmesh-redis:6379"] = redis_address
+    secrets = tmp_path / "redis-auth"
+    secrets.mkdir()
+    (secrets / "password").write_text(redis_password)
+
+    def folder(name: str) -> Path:
+        path = tmp_path / f"{name}-tmp"
+        path.mkdir()
+        return path
+
+    indexer_spec = pods.container(release, "Deployment", "kvmesh-indexer", "indexer")
+    indexers = [
+        pods.localize(
+            indexer_spec,
+            name=f"indexer-{x}",
+            cluster=cluster,
+            mounts={"/tmp": folder(f"indexer-{x}"), "/etc/kvmesh/redis-auth": secrets},
+            base_env=image.env,
+        )
+        for x in "ab"
+    ]
+    for pod in indexers:
+        cluster.add_replica("indexer", pod)
+    bridges: list[pods.LocalPod] = []
+    downwards: list[dict[str, str]] = []
+    publishers: list[list[str]] = []
+    block_sizes: set[int] = set()
+    for i, pod_name in enumerate(ENGINE_PODS):
+        loopback: dict[int, int] = {}  # the pod's network namespace: its containers share it
+        downward = {"metadata.name": pod_name, "metadata.uid": f"0b1c{i}-uid-{pod_name}"}
+        downwards.append(downward)
+        engine = pods.localize(
+            pods.container(engines, "Deployment", "rel-engine", "engine"),
+            name=f"engine-{i}",
+            cluster=cluster,
+            mounts={"/tmp": folder(f"engine-{i}")},
+            base_env=image.env,
+            downward=downward,
+            loopback=loopback,
+        )
+        bridges.append(
+            pods.localize(
+                pods.container(engines, "Deployment", "rel-engine", "kvmesh-bridge"),
+                name=f"bridge-{i}",
+                cluster=cluster,
+                mounts={"/tmp": folder(f"bridge-{i}")},
+                base_env=image.env,
+                downward=downward,
+                loopback=loopback,
+            )
+        )
+        events = json.loads(_arg_after(engine.argv, "--kv-events-config"))
+        assert events["publisher"] == "zmq" and events["topic"] == "", events
+        publishers.append([events["endpoint"], events["replay_endpoint"]])
+        block_sizes.add(int(_arg_after(engine.argv, "--block-size")))
+        api_port = int(_arg_after(engine.argv, "--port"))
+    # Each pod's stream stays on its own loopback, one local port per pod.
+    assert len({tuple(p) for p in publishers}) == len(ENGINE_PODS), publishers
+    # The bridges (and the router below) dial every replica the headless Service lists.
+    target = bridges[0].env["KVMESH_BRIDGE_INDEXER__TARGET"]
+    assert target == "ipv4:" + ",".join(p.address("grpc") for p in indexers), target
+    assert all(b.env["KVMESH_BRIDGE_INDEXER__TARGET"] == target for b in bridges)
+    (block_size,) = block_sizes
+    assert indexers[0].env["KVMESH_INDEXER_BLOCK_SIZE"] == str(block_size)
+
+    requests = [
+        dataclasses.replace(r, hash_ids=r.hash_ids[:BRIDGE_PROMPT_BLOCKS])
+        for r in load_mooncake(limit=BRIDGE_REQUESTS)
+    ]
+    fleet = plan_fleet(requests, len(ENGINE_PODS), BRIDGE_CAPACITY)
+    keys = _keys_of_trace_blocks(fleet.parent, TRACE_MODEL, block_size)
+    truth = {
+        pod_name: {k for h in held for k in keys(h)}
+        for pod_name, held in zip(ENGINE_PODS, fleet.held, strict=True)
+    }
+    plan = {
+        "block_size": block_size,
+        "buffer_steps": 10_000,
+        "interval_s": 0.05,
+        "streams": fleet.streams,
+        "endpoints": publishers,
+    }
+
+    work = tmp_path / "engines"
+    work.mkdir()
+    streams = EventStreams(work)
+    streams.start()  # vLLM imports while the image's processes start
+    t0 = time.monotonic()
+    at: dict[str, float] = {}
+    running: list[Running] = []
+    client: IndexerClient | None = None
+    channel = None
+    try:
+        running = [Running(p, image) for p in [*indexers, *bridges]]
+        _wait_serving(running, {})
+        at["serving"] = time.monotonic() - t0
+        loop = asyncio.get_running_loop()
+        for b in bridges:
+            url = f"http://{b.address('bridge-metrics')}/metrics"
+            assert "kvmesh_bridge_" in await loop.run_in_executor(None, _get, url), url
+        await loop.run_in_executor(None, streams.wait_ready)
+        at["vllm"] = time.monotonic() - t0
+        streams.open(0, plan)
+
+        channel = grpc.aio.insecure_channel(indexers[1].address("grpc"))
+        stub = pb_grpc.IndexerServiceStub(channel)
+
+        async def registered() -> bool:
+            return set(await listed(stub)) == set(ENGINE_PODS)
+
+        await wait_for(registered, 20.0, "both engine pods registered")
+        infos = await listed(stub)
+        for i, pod_name in enumerate(ENGINE_PODS):
+            # The instance is the pod: its name, the engine's API on the pod IP, its uid.
+            api = bridges[i].loopback[api_port]
+            assert infos[pod_name].address == f"http://{pods.POD_IP}:{api}", infos[pod_name]
+            assert infos[pod_name].incarnation.startswith(downwards[i]["metadata.uid"])
+        # Replica A leaves (as on a rollout): its streams end, the bridges move to B.
+        a = running[0]
+        assert a.stop() == 0, a.log()
+        at["replica_a_stopped"] = time.monotonic() - t0
+        streams.command("go 0", "go 0")
+        await loop.run_in_executor(None, lambda: streams.child.wait_line(60.0, word="OK"))
+        last_seq = {w: len(s) - 1 for w, s in zip(ENGINE_PODS, fleet.streams, strict=True)}
+
+        async def caught_up() -> bool:
+            infos = await listed(stub)
+            return all(
+                w in infos and infos[w].has_applied_sequence and infos[w].applied_sequence == s
+                for w, s in last_seq.items()
+            )
+
+        await wait_for(caught_up, 20.0, "every engine's last batch applied through replica B")
+        at["caught_up"] = time.monotonic() - t0
+        got = await dumped(stub)
+        for w, want in truth.items():
+            have = got.get(w, set())
+            assert have == want, (
+                f"{w}: index holds {len(have)} blocks, the engine {len(want)}: "
+                f"{len(have - want)} extra, {len(want - have)} missing"
+            )
+
+        # A router dials the same target, round robin, and Matches every prompt.
+        client = IndexerClient(
+            target,
+            settings=IndexerClientSettings(load_balancing="round_robin", deadline_ms=3000),
+            model=TRACE_MODEL,
+        )
+        seen: set[str] = set()
+        for req in requests:
+            prompt = [k for h in req.hash_ids for k in keys(h)]
+            outcome = await client.match(prompt)
+            assert outcome.ok, outcome
+            want_depths = {}
+            for pod_name, held in zip(ENGINE_PODS, fleet.held, strict=True):
+                d = 0
+                while d < len(req.hash_ids) and req.hash_ids[d] in held:
+                    d += 1
+                if d:
+                    want_depths[pod_name] = d * (TRACE_BLOCK_TOKENS // block_size)
+            answer = {w: m.depth for w, m in outcome.matches.items()}
+            assert answer == want_depths, req.hash_ids
+            seen |= answer.keys()
+        assert seen == set(ENGINE_PODS), seen
+
+        # The bridges first (their streams end), then the last replica.
+        codes = {r.pod.name: r.stop() for r in [*running[2:], running[1]]}
+        at["stopped"] = time.monotonic() - t0
+        print(
+            f"\nengine + bridge install: {fleet.stored} trace blocks stored, "
+            f"{fleet.removed} removed, {fleet.clears} cleared; index blocks "
+            f"{ {w: len(k) for w, k in got.items()} }; seconds since start: "
+            f"{ {k: round(v, 1) for k, v in at.items()} }"
+        )
+        bad = {n: c for n, c in codes.items() if c != 0}
+        logs = "\n".join(f"--- {r.pod.name}\n{r.log()}" for r in running if r.pod.name in bad)
+        assert not bad, f"exit codes after SIGTERM: {bad}\n{logs}"
+    finally:
+        if client is not None:
+            await client.close()
+        if channel is not None:
+            await channel.close()
+        for r in running:
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+        stop_all([streams.child])

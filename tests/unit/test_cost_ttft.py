@@ -211,8 +211,6 @@ def test_a_prefill_weight_keeps_a_hit_behind_a_short_queue() -> None:
     assert e.value.field == "prefill_weight"
 
 
-
-
 def test_ttft_leaves_a_slow_queue_the_blocks_cost_keeps() -> None:
     """A holds 9 of 10 blocks behind 2,000 tokens at 1,000 tokens/s (2 s of queue); b is
     idle and cold. In blocks a wins (1 block to compute, a small load); in time b does

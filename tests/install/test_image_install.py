@@ -573,7 +573,14 @@ async def test_engines_publish_through_their_bridges_to_every_indexer_replica(
     from lab.workload import TRACE_MODEL
     from router_client.config import IndexerClientSettings
     from router_client.indexer_client import IndexerClient
-    from tests.integration.test_bridge import EventStreams, dumped, listed, plan_fleet, wait_for
+    from tests.integration.test_bridge import (
+        EventStreams,
+        applied_through,
+        dumped,
+        listed,
+        plan_fleet,
+        wait_for,
+    )
 
     redis_address, redis_password = redis_for_the_chart
     # A short drain, so that replica A's SIGTERM ends its streams soon (a chart value).
@@ -720,14 +727,11 @@ async def test_engines_publish_through_their_bridges_to_every_indexer_replica(
         await loop.run_in_executor(None, lambda: streams.child.wait_line(60.0, word="OK"))
         last_seq = {w: len(s) - 1 for w, s in zip(ENGINE_PODS, fleet.streams, strict=True)}
 
-        async def caught_up() -> bool:
-            infos = await listed(stub)
-            return all(
-                w in infos and infos[w].has_applied_sequence and infos[w].applied_sequence == s
-                for w, s in last_seq.items()
-            )
-
-        await wait_for(caught_up, 20.0, "every engine's last batch applied through replica B")
+        await wait_for(
+            lambda: applied_through(stub, last_seq),
+            20.0,
+            "every engine's last batch applied through replica B",
+        )
         at["caught_up"] = time.monotonic() - t0
         got = await dumped(stub)
         for w, want in truth.items():

@@ -338,6 +338,15 @@ async def dumped(stub: Any) -> dict[str, set[int]]:
     return out
 
 
+async def applied_through(stub: Any, last_seq: dict[str, int]) -> bool:
+    """Whether each worker of ``last_seq`` is listed with batch ``last_seq[w]`` applied."""
+    infos = await listed(stub)
+    return all(
+        w in infos and infos[w].has_applied_sequence and infos[w].applied_sequence == s
+        for w, s in last_seq.items()
+    )
+
+
 async def wait_for(check: Any, within_s: float, what: str) -> None:
     deadline = time.monotonic() + within_s
     while True:
@@ -461,14 +470,9 @@ async def test_bridges_keep_the_index_exact_through_a_stall_and_a_replica_kill(
         killed_at = time.monotonic() - t0
         await loop.run_in_executor(None, lambda: streams.child.wait_line(120.0, word="OK"))
 
-        async def caught_up() -> bool:
-            infos = await listed(stub)
-            return all(
-                w in infos and infos[w].has_applied_sequence and infos[w].applied_sequence == s
-                for w, s in last_seq.items()
-            )
-
-        await wait_for(caught_up, 45.0, "every engine's last batch applied")
+        await wait_for(
+            lambda: applied_through(stub, last_seq), 45.0, "every engine's last batch applied"
+        )
         done_s = time.monotonic() - t0
 
         # The index, block for block, is each engine's stores minus its removals.

@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import heapq
 import math
+import operator
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -177,8 +178,9 @@ def _walk_alone(
     counts[0] += gpu
 
 
-def _match_order(m: InstanceMatch) -> tuple[int, InstanceId]:
-    return (-m.depth, m.instance)
+#: InstanceMatch fields 0 (instance) and 2 (depth), for sorting in C.
+_BY_INSTANCE = operator.itemgetter(0)
+_BY_DEPTH = operator.itemgetter(2)
 
 
 def _predicted_order(m: InstanceMatch) -> tuple[int, int, InstanceId]:
@@ -1403,15 +1405,22 @@ class MemoryIndex(Index):
         active: dict[int, list[int]] = {}
         k1 = keys[1] if len(keys) > 1 else 0
         nxt = tables[k1 & _SHARD].get(k1) if len(keys) > 1 else None
+        all_gpu: dict[int, int] | None = None
         if nxt is not None:
             holders = _holders_dict(nxt, k1, shareds[k1 & _SHARD])
-            small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
-            for n in small:
-                if n in big:
-                    counts = [0, 0, 0]
-                    counts[_FASTEST[cand[n]]] += 1
-                    counts[_FASTEST[holders[n]]] += 1
-                    active[n] = counts
+            if len(holders) > 1 and holders == cand and cand == (all_gpu := dict.fromkeys(cand, 1)):
+                # A shared prefix's usual start: the same holders of blocks 0
+                # and 1, each on the GPU alone (two C-level ==).
+                active = {n: [2, 0, 0] for n in cand}
+            else:
+                all_gpu = None
+                small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
+                for n in small:
+                    if n in big:
+                        counts = [0, 0, 0]
+                        counts[_FASTEST[cand[n]]] += 1
+                        counts[_FASTEST[holders[n]]] += 1
+                        active[n] = counts
         # Ordered by instance id, as every answer is (numbers follow registration).
         shallow = cand.keys() - active.keys() if active else cand.keys()
         shallow_order = sorted(shallow, key=lambda n: by_no[n].key)
@@ -1428,7 +1437,8 @@ class MemoryIndex(Index):
             # everyone's GPU count; a walker takes it when it stops.
             common = 0
             # {walker: GPU-only mask}: a block held exactly so is one C-level ==.
-            all_gpu = dict.fromkeys(active, 1)
+            if all_gpu is None:
+                all_gpu = dict.fromkeys(active, 1)
             while active and depth < n_keys:
                 if len(active) == 1:
                     # The shared prefix is behind: the last walker goes on alone.
@@ -1481,7 +1491,10 @@ class MemoryIndex(Index):
                     inst.spec.instance, inst.spec.address, g + c + d, g, c, d, inst.stale
                 )
             out.append(hit)
-        out.sort(key=_match_order)
+        # By depth (deepest first), then instance: two C-level stable sorts,
+        # not a Python key per hit.
+        out.sort(key=_BY_INSTANCE)
+        out.sort(key=_BY_DEPTH, reverse=True)
         for n in shallow_order:
             mask = cand[n]
             inst = by_no[n]

@@ -19,10 +19,10 @@ FIGURES = {
 }  # fmt: skip
 
 
-@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 def test_prefetch_part_prints_the_ratio_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    assert nixl_available(), "nixl-cu12 is not importable: run `make setup`"
     out = tmp_path / "p.json"
     argv = ["--prefetch", "--rooms", "2", "--pages", "8", "--page-size", "4096",
             "--prefetch-requests", "3", "--prefetch-lead-ms", "20", "--json", str(out)]  # fmt: skip

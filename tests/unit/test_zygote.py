@@ -85,7 +85,6 @@ def _child(zygote: Zygote, env: dict[str, str], log: Path, *args: str) -> ChildP
     )
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="fork server, pidfds and prctl: Linux")
 def test_two_children_of_one_import_run_at_once_with_their_own_stdio(
     program: tuple[Zygote, dict[str, str]], tmp_path: Path
 ) -> None:
@@ -116,7 +115,6 @@ def test_two_children_of_one_import_run_at_once_with_their_own_stdio(
     assert b.exit_code() in (0, -signal.SIGTERM)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="fork server, pidfds and prctl: Linux")
 def test_a_child_exiting_non_zero_is_reported_with_its_log(
     program: tuple[Zygote, dict[str, str]], tmp_path: Path
 ) -> None:
@@ -128,7 +126,6 @@ def test_a_child_exiting_non_zero_is_reported_with_its_log(
     assert zygote.idle()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="fork server, pidfds and prctl: Linux")
 def test_kill_takes_the_childs_whole_group(
     program: tuple[Zygote, dict[str, str]], tmp_path: Path
 ) -> None:
@@ -142,7 +139,6 @@ def test_kill_takes_the_childs_whole_group(
     assert zygote.idle()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="fork server, pidfds and prctl: Linux")
 def test_children_die_with_the_harness(tmp_path: Path) -> None:
     """A harness killed by SIGKILL leaves neither its zygote nor the zygote's children."""
     (tmp_path / "zygote_program.py").write_text(PROGRAM)
@@ -180,7 +176,6 @@ def test_children_die_with_the_harness(tmp_path: Path) -> None:
             proc.wait()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="fork server, pidfds and prctl: Linux")
 def test_a_closed_zygote_stops_its_children_and_refuses_more(
     program: tuple[Zygote, dict[str, str]], tmp_path: Path
 ) -> None:

@@ -45,11 +45,12 @@ token on ``w`` (:func:`predicted_ttft_s`)::
     ttft(w)            = queue_s(w) + prefill_s(w)
 
 (``RouterConfig.prefill_weight`` above 1 weighs ``prefill_s`` that many times:
-a ranking that values hits above the queue time they cost, see below)
-where ``pending_prefill_tokens`` is the uncached prompt tokens waiting on the
-worker (its engine's last report plus what this router sent it since) and
-``rate(w)`` its prefill tokens per second: the smoothed figure its engine
-reports (:attr:`router_client.load.WorkerLoad.prefill_tokens_per_s`), else
+a ranking that values hits above the queue time they cost; docs/benchmarks.md,
+the routing grid, measures what it trades), where ``pending_prefill_tokens``
+is the uncached prompt tokens waiting on the worker (its engine's last report
+plus what this router sent it since) and ``rate(w)`` its prefill tokens per
+second: the smoothed figure its engine reports
+(:attr:`router_client.load.WorkerLoad.prefill_tokens_per_s`), else
 :attr:`~router_client.config.RouterConfig.prefill_tokens_per_s`
 (:func:`prefill_rate`). ``balance`` plays no part: a hit and a queue are
 traded in the one unit they cost, time, and a slow worker's queue weighs more

@@ -249,9 +249,7 @@ class IndexFollower:
     def match(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome | None:
         """``keys``' hits from the copy, or None when it cannot answer (out of
         sync, a model not followed, a hybrid-attention model): ask the indexer."""
-        if not self.synced or (self._wanted and model not in self._wanted):
-            return None
-        if model in self.dropped or self._is_hybrid(model):
+        if not self.synced or not self._answers_for(model):
             return None
         self._matched_at[model] = time.monotonic()
         self.local_matches += 1
@@ -273,12 +271,17 @@ class IndexFollower:
         snapshot, past ``hold_s``, and for a model the copy does not follow."""
         if self.synced or self._heard_at == -math.inf or self.held_age_s > self.hold_s:
             return None
-        if (self._wanted and model not in self._wanted) or model in self.dropped:
-            return None
-        if self._is_hybrid(model):
+        if not self._answers_for(model):
             return None
         self.held_matches += 1
         return self._answer(model, lora_name, keys)
+
+    def _answers_for(self, model: str) -> bool:
+        """Whether the copy answers for ``model``: followed, not dropped for the
+        bound, not hybrid-attention."""
+        if self._wanted and model not in self._wanted:
+            return False
+        return model not in self.dropped and not self._is_hybrid(model)
 
     def _answer(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome:
         hits = self.index.match_sync(Namespace(model, lora_name), keys)

@@ -612,10 +612,7 @@ class IndexerClient:
             # The indexer did not answer and the follower is out of sync: its
             # last copy, within its hold (router_client/follower.py), beats
             # routing on load alone. The failed attempt stays counted in calls.
-            held = getattr(follower, "held_match", None)
-            answer: MatchOutcome | None = (
-                held(self._model, self._lora, keys) if held is not None else None
-            )
+            answer: MatchOutcome | None = follower.held_match(self._model, self._lora, keys)
             if answer is not None:
                 self.follower_held_matches += 1
                 return answer

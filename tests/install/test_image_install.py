@@ -576,6 +576,7 @@ async def test_engines_publish_through_their_bridges_to_every_indexer_replica(
     from tests.integration.test_bridge import (
         EventStreams,
         applied_through,
+        assert_index_is_truth,
         dumped,
         listed,
         plan_fleet,
@@ -734,12 +735,7 @@ async def test_engines_publish_through_their_bridges_to_every_indexer_replica(
         )
         at["caught_up"] = time.monotonic() - t0
         got = await dumped(stub)
-        for w, want in truth.items():
-            have = got.get(w, set())
-            assert have == want, (
-                f"{w}: index holds {len(have)} blocks, the engine {len(want)}: "
-                f"{len(have - want)} extra, {len(want - have)} missing"
-            )
+        assert_index_is_truth(got, truth)
 
         # A router dials the same target, round robin, and Matches every prompt.
         client = IndexerClient(

@@ -338,6 +338,16 @@ async def dumped(stub: Any) -> dict[str, set[int]]:
     return out
 
 
+def assert_index_is_truth(got: dict[str, set[int]], truth: dict[str, set[int]]) -> None:
+    """Each worker's blocks in the index (``dumped``) are exactly the engine's."""
+    for w, want in truth.items():
+        have = got.get(w, set())
+        assert have == want, (
+            f"{w}: index holds {len(have)} blocks, the engine {len(want)}: "
+            f"{len(have - want)} extra, {len(want - have)} missing"
+        )
+
+
 async def applied_through(stub: Any, last_seq: dict[str, int]) -> bool:
     """Whether each worker of ``last_seq`` is listed with batch ``last_seq[w]`` applied."""
     infos = await listed(stub)
@@ -479,12 +489,7 @@ async def test_bridges_keep_the_index_exact_through_a_stall_and_a_replica_kill(
         keys = Keys(fleet.parent)
         truth = {f"bridge-e{i}": {keys.of(h) for h in held} for i, held in enumerate(fleet.held)}
         got = await dumped(stub)
-        for w, want in truth.items():
-            have = got.get(w, set())
-            assert have == want, (
-                f"{w}: index holds {len(have)} blocks, the engine {len(want)}: "
-                f"{len(have - want)} extra, {len(want - have)} missing"
-            )
+        assert_index_is_truth(got, truth)
         infos = await listed(stub)
         assert all(info.live and not info.stale for info in infos.values()), infos
 

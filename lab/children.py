@@ -87,6 +87,20 @@ class ChildNotReady(TimeoutError):
     """The child did not become ready, or did not answer, in time."""
 
 
+def child_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The whole environment to start a child with: ``env``, or a copy of this
+    process's taken now.
+
+    Never start a child on the live environment (Popen's ``env=None``): CPython
+    starts children with vfork, and the child then execs with the C ``environ``
+    array, which a ``putenv`` on another thread (``os.environ[...] = ...``,
+    pytest's ``setenv``) may reallocate and free meanwhile; the exec fails with
+    EFAULT ("Bad address"). Popen builds a given environment in the parent
+    before it forks, so a copy is safe whatever other threads do.
+    """
+    return dict(os.environ if env is None else env)
+
+
 def python_module(module: str, *args: str) -> list[str]:
     """The command line of ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]
@@ -214,7 +228,7 @@ class ChildProcess:
                     stdin=stdin,
                     stdout=stdout,
                     stderr=stderr,
-                    env=self.env,
+                    env=child_env(self.env),
                     start_new_session=True,
                     bufsize=0,
                 )

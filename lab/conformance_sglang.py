@@ -34,6 +34,7 @@ most for page size ``P``: the count vLLM's hit has, so
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from lab.conformance import ROOT, EngineKind, EngineMissing, Spec
@@ -48,13 +49,14 @@ class SglangMissing(EngineMissing):
     """The SGLang virtualenv the engines run in is not there."""
 
 
-def sglang_python() -> Path:
-    """The interpreter of the SGLang virtualenv: ``$KVMESH_SGLANG_PYTHON``, else
-    ``.venv-sglang`` (``make setup``).
+def sglang_python(environ: Mapping[str, str] | None = None) -> Path:
+    """The interpreter of the SGLang virtualenv: ``$KVMESH_SGLANG_PYTHON`` (read
+    from ``environ``, this process's by default), else ``.venv-sglang``
+    (``make setup``).
 
     Raises :class:`SglangMissing` saying how to make it.
     """
-    env = os.environ.get(SGLANG_PYTHON_ENV)
+    env = (os.environ if environ is None else environ).get(SGLANG_PYTHON_ENV)
     candidates = [Path(env)] if env else [LOCAL_SGLANG_PYTHON]
     for path in candidates:
         if path.exists():

@@ -443,7 +443,9 @@ class Zygote:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT if log is not None else None,
-                env=self.env,
+                # A copy, never the live environ: see lab.children.child_env
+                # (this file does not import the harness's modules).
+                env=dict(os.environ if self.env is None else self.env),
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
             )

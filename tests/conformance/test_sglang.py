@@ -260,9 +260,8 @@ def test_a_summary_at_one_token_pages_counts_every_verdict() -> None:
     assert [e["verdict"] for e in r.examples] == ["over", "under"]
 
 
-def test_a_missing_sglang_interpreter_says_to_run_make_setup(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv(SGLANG_PYTHON_ENV, str(tmp_path / "no-such-python"))
+def test_a_missing_sglang_interpreter_says_to_run_make_setup(tmp_path: Path) -> None:
+    # The variable is given, not set: the scenario runs start engines on other
+    # threads meanwhile, and this process's environment is theirs too.
     with pytest.raises(SglangMissing, match="make setup"):
-        sglang_python()
+        sglang_python({SGLANG_PYTHON_ENV: str(tmp_path / "no-such-python")})

@@ -2,14 +2,23 @@
 
 Layout: per namespace a dict ``block key -> holders``, where holders is one
 int ``instance number << 3 | tier mask`` while a single instance holds the
-block (most blocks of a fleet: a conversation lives on one worker) and
-SHARED (0) once several do, their ``{instance number: tier mask}`` then in
-the namespace's table of shared blocks; per instance its engine-hash map
+block (most blocks of a fleet: a conversation lives on one worker) and a
+signature of its holders (a negative int, below) once several do, their
+``{instance number: tier mask}`` then in the namespace's table of shared
+blocks; per instance its engine-hash map
 ``engine hash -> (namespace, key)``, which is also the reverse index used to
 clear or remove the instance. Instance numbers are small ints given at
 registration and never reused. Match walks the keys in order and narrows the
 set of instances still holding the prefix, so its cost is the number of
 (block, instance) pairs visited, never the size of the index.
+
+Signatures: a shared block's table entry is ``~x``, ``x`` the XOR over its
+holders of a 63-bit mix of ``(number, tier mask)`` (:func:`_signature`), kept
+up to date by every store and drop in O(1). Equal holders give equal
+entries, so Match walks a prefix every walker holds alike with one int
+comparison per block (a dict comparison over 64 holders cost 0.6 us a
+block); different holders give equal entries with probability 2^-63, the
+order of a content-key collision.
 
 Memory: a dict per block cost about 230 of the 470 bytes a (block, instance)
 pair took at 16-token blocks; the single-holder int is 28.
@@ -134,15 +143,26 @@ PURGE_BUDGET = 4096
 MAX_PREDICTED_PER_INSTANCE = 65536
 
 #: A block table's entry: ``number << 3 | mask`` (one instance holds the
-#: block), or SHARED (several do: ``{number: mask}`` in the namespace's table
-#: of shared blocks).
+#: block: positive), or the signature of its holders (several do: negative;
+#: their ``{number: mask}`` in the namespace's table of shared blocks).
 Holders = int
-SHARED = 0
+
+
+def _signature(no: int) -> tuple[int, ...]:
+    """Instance ``no``'s share of a shared block's signature, by tier mask
+    0..7 (0 for mask 0): splitmix64 of ``no << 3 | mask``, 63 bits."""
+    out = [0]
+    for mask in range(1, 8):
+        z = ((no << 3 | mask) + 0x9E3779B97F4A7C15) & _U64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+        out.append((z ^ (z >> 31)) >> 1)
+    return tuple(out)
 
 
 def _holders_dict(holders: int, key: int, shared: dict[int, dict[int, int]]) -> dict[int, int]:
     """Block ``key``'s holders as ``{number: mask}`` (a new dict for one holder)."""
-    if holders:
+    if holders > 0:
         return {holders >> 3: holders & 7}
     return shared[key]
 
@@ -166,7 +186,7 @@ def _walk_alone(
             continue
         if h is None:
             break
-        if h:
+        if h > 0:
             if h >> 3 != n:
                 break
             counts[_FASTEST[h & 7]] += 1
@@ -207,6 +227,8 @@ class _Instance:
     key: tuple[str, int]
     #: The instance's number in holder entries (see the module docstring).
     no: int
+    #: Its share of shared blocks' signatures by tier mask (_signature(no)).
+    sig: tuple[int, ...] = ()
     stale: bool = False
     applied_sequence: int | None = None
     bits: int = 0
@@ -391,7 +413,13 @@ class MemoryIndex(Index):
             key = (str(iid.worker_id), int(iid.dp_rank))
             no = self._next_no
             self._next_no += 1
-            inst = _Instance(spec=spec, lease_expires_at=now + spec.lease_ttl_s, key=key, no=no)
+            inst = _Instance(
+                spec=spec,
+                lease_expires_at=now + spec.lease_ttl_s,
+                key=key,
+                no=no,
+                sig=_signature(no),
+            )
             self._instances[key] = inst
             self._by_no[no] = inst
             if owner:
@@ -722,6 +750,7 @@ class MemoryIndex(Index):
         bit = ev.tier.bit
         base = nid << 64
         no = inst.no
+        sig = inst.sig
         mine = no << 3 | bit
         stored = removed = pairs = 0
         # Added up after the loop; a re-keyed hash may drop a pair meanwhile.
@@ -739,9 +768,9 @@ class MemoryIndex(Index):
                 table[key] = mine
                 pairs += 1
                 stored += 1
-            elif cur:
+            elif cur > 0:
                 if cur >> 3 != no:
-                    table[key] = SHARED
+                    table[key] = ~(_signature(cur >> 3)[cur & 7] ^ sig[bit])
                     shareds[key & _SHARD][key] = {cur >> 3: cur & 7, no: bit}
                     pairs += 1
                     stored += 1
@@ -758,6 +787,7 @@ class MemoryIndex(Index):
                     if not old:
                         pairs += 1
                     held[no] = old | bit
+                    table[key] = cur ^ sig[old] ^ sig[old | bit]
                     stored += 1
                 elif counts_copies:
                     k = h << 2 | (ev.tier.value - 1)
@@ -780,7 +810,7 @@ class MemoryIndex(Index):
             table = tables[key & _SHARD]
             holders = table.get(key)
             if holders is not None:
-                old, new = self._drop(ns, table, key, holders, inst.no, mask)
+                old, new = self._drop(ns, table, key, holders, inst, mask)
         if not new:
             del inst.engine_hashes[h]
         if inst.copies:
@@ -797,11 +827,12 @@ class MemoryIndex(Index):
         table: dict[int, Holders],
         key: int,
         holders: Holders,
-        no: int,
+        inst: _Instance,
         mask: int,
     ) -> tuple[int, int]:
-        """Clear ``mask`` of instance ``no`` on block ``key``: (old mask, new mask)."""
-        if holders:
+        """Clear ``mask`` of ``inst`` on block ``key``: (old mask, new mask)."""
+        no = inst.no
+        if holders > 0:
             if holders >> 3 != no:
                 return 0, 0
             old = holders & 7
@@ -827,6 +858,8 @@ class MemoryIndex(Index):
                 ((n, m),) = held.items()
                 table[key] = n << 3 | m
                 del shared[key]
+                return old, new
+        table[key] = holders ^ inst.sig[old] ^ inst.sig[new]
         return old, new
 
     def _clear(self, inst: _Instance) -> int:
@@ -841,7 +874,6 @@ class MemoryIndex(Index):
     def _clear_entries(self, inst: _Instance, entries: Iterable[int]) -> int:
         """Drop ``inst``'s holder bits of the engine-hash ``entries`` (its maps stay)."""
         removed = 0
-        no = inst.no
         ns_list = self._ns_list
         blocks = self._blocks
         for entry in entries:
@@ -854,7 +886,7 @@ class MemoryIndex(Index):
             holders = table.get(key)
             if holders is None:
                 continue
-            old, _ = self._drop(ns, table, key, holders, no, ALL_TIERS_MASK)
+            old, _ = self._drop(ns, table, key, holders, inst, ALL_TIERS_MASK)
             removed += _POPCOUNT[old]
         return removed
 
@@ -927,7 +959,7 @@ class MemoryIndex(Index):
                     held = tables[key & _SHARD].get(key)
                     if held is None:
                         continue
-                    if held:
+                    if held > 0:
                         mask = held & 7 if held >> 3 == no else 0
                     else:
                         mask = self._shared[ns][key & _SHARD][key].get(no, 0)
@@ -1170,7 +1202,7 @@ class MemoryIndex(Index):
         h = tables[key & _SHARD].get(key)
         if h is None:
             return False
-        if h:
+        if h > 0:
             return h >> 3 == no
         return no in self._shared[ns][key & _SHARD][key]
 
@@ -1406,12 +1438,16 @@ class MemoryIndex(Index):
         k1 = keys[1] if len(keys) > 1 else 0
         nxt = tables[k1 & _SHARD].get(k1) if len(keys) > 1 else None
         all_gpu: dict[int, int] | None = None
+        # The table entry (signature) of a block held exactly by the walkers,
+        # each on the GPU alone, once one was seen (None: not known).
+        alike: int | None = None
         if nxt is not None:
             holders = _holders_dict(nxt, k1, shareds[k1 & _SHARD])
             if len(holders) > 1 and holders == cand and cand == (all_gpu := dict.fromkeys(cand, 1)):
                 # A shared prefix's usual start: the same holders of blocks 0
                 # and 1, each on the GPU alone (two C-level ==).
                 active = {n: [2, 0, 0] for n in cand}
+                alike = nxt
             else:
                 all_gpu = None
                 small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
@@ -1447,11 +1483,22 @@ class MemoryIndex(Index):
                     common = 0
                     _walk_alone(tables, shareds, keys, depth, n, counts)
                     break
+                if alike is not None:
+                    # The run of blocks held alike: one int == a block.
+                    run = 0
+                    for key in islice(keys, depth, None):
+                        if tables[key & _SHARD].get(key) != alike:
+                            break
+                        run += 1
+                    common += run
+                    depth += run
+                    if depth == n_keys:
+                        break
                 key = keys[depth]
                 h = tables[key & _SHARD].get(key)
                 if h is None:
                     break
-                if h:
+                if h > 0:
                     n1 = h >> 3
                     counts1 = active.pop(n1, None)
                     for n, counts in active.items():
@@ -1463,6 +1510,7 @@ class MemoryIndex(Index):
                         active[n1] = counts1
                 elif (hs := shareds[key & _SHARD][key]) == all_gpu:
                     common += 1
+                    alike = h
                 else:
                     for n, counts in list(active.items()):
                         held = hs.get(n)
@@ -1474,6 +1522,7 @@ class MemoryIndex(Index):
                             counts[_FASTEST[held]] += 1
                     if len(all_gpu) != len(active):
                         all_gpu = dict.fromkeys(active, 1)
+                        alike = None
                 depth += 1
             for counts in active.values():
                 counts[0] += common

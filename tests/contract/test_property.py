@@ -376,3 +376,149 @@ def test_broken_slicing_is_caught() -> None:
 
     with sliced_applies(broken):
         assert_counterexample()
+
+
+def _signature_violations(index: MemoryIndex) -> list[str]:
+    """Shared blocks whose table entry is not the signature of their holders,
+    and entries that say "one holder" or "shared" wrongly."""
+    import functools
+    import operator
+
+    import indexer.memory as memory
+
+    out = []
+    for ns, tables in index._blocks.items():
+        for table, shared in zip(tables, index._shared[ns], strict=True):
+            for key, entry in table.items():
+                if entry > 0:
+                    if key in shared:
+                        out.append(f"{ns} {key}: one holder, and a shared entry")
+                    continue
+                held = shared.get(key)
+                if held is None or len(held) < 2:
+                    out.append(f"{ns} {key}: shared entry, holders {held}")
+                    continue
+                sig = functools.reduce(
+                    operator.xor, (memory._signature(n)[m] for n, m in held.items())
+                )
+                if entry != ~sig:
+                    out.append(f"{ns} {key}: entry {entry}, holders' signature {~sig}")
+    return out
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=case_st)
+def test_shared_entries_are_their_holders_signatures(case: Any) -> None:
+    """After any sequence, every shared block's entry is its holders' signature
+    (Match walks a prefix held alike by comparing entries)."""
+    made: list[MemoryIndex] = []
+
+    def factory(clock: FakeClock) -> MemoryIndex:
+        made.append(MemoryIndex(clock=clock))
+        return made[-1]
+
+    run_case(factory, case)
+    assert _signature_violations(made[0]) == []
+
+
+def _invariant_counterexample() -> None:
+    """The signature invariant must fail within 500 cases (deterministic, no shrinking)."""
+
+    @settings(
+        max_examples=500,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=case_st)
+    def prop(case: Any) -> None:
+        test_shared_entries_are_their_holders_signatures.hypothesis.inner_test(case)  # type: ignore[attr-defined]
+
+    with pytest.raises(AssertionError):
+        prop()
+
+
+def _match_through_a_shared_run(tier_of_w1_block2: Tier, drop_w1_block2: bool) -> Any:
+    """w0, w1 and w2 store one 4-block chain on the GPU (w1's block 2 on
+    ``tier_of_w1_block2``); w1 may then drop block 2, which w0 and w2 still
+    share. Match's answer: instance -> (depth, GPU blocks, CPU blocks)."""
+    tokens = list(range(4 * BS))
+    hashes = [101, 102, 103, 104]
+
+    async def go() -> Any:
+        index = MemoryIndex(clock=FakeClock())
+        for iid in (W0, W1, W2):
+            await index.register(InstanceSpec(iid, "m", f"http://{iid}", 30.0, "a"))
+        whole = (BlockStored(tuple(hashes), None, tuple(tokens), BS),)
+        await index.apply(EventBatch(W0, 0, whole))
+        await index.apply(EventBatch(W2, 0, whole))
+        tiers = [Tier.GPU, Tier.GPU, tier_of_w1_block2, Tier.GPU]
+        evs: list[Any] = []
+        parent = None
+        for i, tier in enumerate(tiers):
+            chunk = tuple(tokens[i * BS : (i + 1) * BS])
+            evs.append(BlockStored((hashes[i],), parent, chunk, BS, tier=tier))
+            parent = hashes[i]
+        if drop_w1_block2:
+            evs.append(BlockRemoved((hashes[2],)))
+        await index.apply(EventBatch(W1, 0, tuple(evs)))
+        keys = block_keys(tokens, BS, "m", "")
+        return {
+            m.instance: (m.depth, m.gpu_blocks, m.cpu_blocks)
+            for m in await index.match(Namespace("m"), keys)
+        }
+
+    return asyncio.run(go())
+
+
+W0, W1, W2 = InstanceId("w0", 0), InstanceId("w1", 0), InstanceId("w2", 0)
+
+
+def test_a_run_held_alike_is_walked_exactly() -> None:
+    """The run scan stops where the holders differ: a dropped block or another tier."""
+    full = (4, 4, 0)
+    assert _match_through_a_shared_run(Tier.GPU, False) == {W0: full, W1: full, W2: full}
+    assert _match_through_a_shared_run(Tier.GPU, True) == {W0: full, W1: (2, 2, 0), W2: full}
+    assert _match_through_a_shared_run(Tier.CPU, False) == {W0: full, W1: (4, 3, 1), W2: full}
+
+
+def test_a_stale_signature_after_a_drop_is_caught() -> None:
+    """A drop that leaves the block's old signature in place breaks the
+    invariant, and Match walks the dropped holder on through the run."""
+    real = MemoryIndex._drop
+
+    def broken(
+        self: MemoryIndex, ns: Any, table: Any, key: int, holders: int, inst: Any, mask: int
+    ):  # type: ignore[no-untyped-def]
+        out = real(self, ns, table, key, holders, inst, mask)
+        if holders < 0 and table.get(key, 0) < 0:
+            table[key] = holders  # the signature before the drop
+        return out
+
+    MemoryIndex._drop = broken  # type: ignore[method-assign]
+    try:
+        _invariant_counterexample()
+        with pytest.raises(AssertionError):
+            test_a_run_held_alike_is_walked_exactly()
+    finally:
+        MemoryIndex._drop = real  # type: ignore[method-assign]
+
+
+def test_a_signature_blind_to_tiers_is_caught() -> None:
+    """Signatures that do not tell a holder's tiers apart break the invariant,
+    and a block held on the CPU counts in a run held alike on the GPU."""
+    import indexer.memory as memory
+
+    real = memory._signature
+
+    def blind(no: int) -> tuple[int, ...]:
+        return (0, *[real(no)[1]] * 7)
+
+    memory._signature = blind  # type: ignore[assignment]
+    try:
+        with pytest.raises(AssertionError):
+            test_a_run_held_alike_is_walked_exactly()
+    finally:
+        memory._signature = real  # type: ignore[assignment]

@@ -148,16 +148,18 @@ MAX_PREDICTED_PER_INSTANCE = 65536
 Holders = int
 
 
+def _share(no: int, mask: int) -> int:
+    """Instance ``no``'s share of a shared block's signature while it holds
+    the block on tier ``mask`` (1..7): splitmix64 of ``no << 3 | mask``, 63 bits."""
+    z = ((no << 3 | mask) + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return (z ^ (z >> 31)) >> 1
+
+
 def _signature(no: int) -> tuple[int, ...]:
-    """Instance ``no``'s share of a shared block's signature, by tier mask
-    0..7 (0 for mask 0): splitmix64 of ``no << 3 | mask``, 63 bits."""
-    out = [0]
-    for mask in range(1, 8):
-        z = ((no << 3 | mask) + 0x9E3779B97F4A7C15) & _U64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
-        out.append((z ^ (z >> 31)) >> 1)
-    return tuple(out)
+    """Instance ``no``'s shares by tier mask 0..7 (0 for mask 0: not held)."""
+    return (0, *(_share(no, mask) for mask in range(1, 8)))
 
 
 def _holders_dict(holders: int, key: int, shared: dict[int, dict[int, int]]) -> dict[int, int]:
@@ -770,7 +772,7 @@ class MemoryIndex(Index):
                 stored += 1
             elif cur > 0:
                 if cur >> 3 != no:
-                    table[key] = ~(_signature(cur >> 3)[cur & 7] ^ sig[bit])
+                    table[key] = ~(_share(cur >> 3, cur & 7) ^ sig[bit])
                     shareds[key & _SHARD][key] = {cur >> 3: cur & 7, no: bit}
                     pairs += 1
                     stored += 1

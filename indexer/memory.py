@@ -2,10 +2,10 @@
 
 Layout: per namespace a dict ``block key -> holders``, where holders is one
 int ``instance number << 3 | tier mask`` while a single instance holds the
-block (most blocks of a fleet: a conversation lives on one worker) and a
+block (most blocks of a fleet: a conversation lives on one worker) and the
 signature of its holders (a negative int, below) once several do, their
-``{instance number: tier mask}`` then in the namespace's table of shared
-blocks; per instance its engine-hash map
+``{instance number: tier mask}`` then in the index's table of holder sets,
+one per distinct set (interned by signature); per instance its engine-hash map
 ``engine hash -> (namespace, key)``, which is also the reverse index used to
 clear or remove the instance. Instance numbers are small ints given at
 registration and never reused. Match walks the keys in order and narrows the
@@ -20,8 +20,17 @@ comparison per block (a dict comparison over 64 holders cost 0.6 us a
 block); different holders give equal entries with probability 2^-63, the
 order of a content-key collision.
 
+Interned holder sets: a set is never changed in place; a block whose holders
+change moves to the set of its new signature (made, a copy, only if no block
+holds it yet), and a set goes when no block names it (reference counts). The
+blocks of a prefix that 64 instances hold share one set: a store or drop
+there costs O(1) dict operations after the first block of a run, and the
+memory of a shared block is its table entry.
+
 Memory: a dict per block cost about 230 of the 470 bytes a (block, instance)
-pair took at 16-token blocks; the single-holder int is 28.
+pair took at 16-token blocks; the single-holder int is 28. With holder sets
+interned, 64 holders of 20 k blocks take 62 bytes a pair (97 with a dict per
+shared block), 4 holders of 200 k blocks 77 (123).
 
 Shards: each namespace's tables are :data:`SHARDS` dicts, a key in the one
 its low bits name. A dict grows by copying itself whole, in one step no
@@ -39,7 +48,9 @@ tracked), an engine-hash entry being ``namespace number << 64 | content
 key``. A dict among a table's values would make the table tracked, and each
 collection that reached it would walk every block (60 ms at 721 k blocks):
 that is why shared blocks' holders live apart. What is left to walk is the
-tables of shared blocks, one visit per block several instances hold.
+table of holder sets, one visit per distinct set (a table of holder dicts
+per shared block cost 64.5 ms a full collection at 1 M shared blocks; the
+interned sets 1.9 ms).
 
 Predictions (indexer/index.py, "Predictions"): per namespace ``key ->
 {instance number: expiry}``, and per instance its predicted entries oldest
@@ -162,16 +173,17 @@ def _signature(no: int) -> tuple[int, ...]:
     return (0, *(_share(no, mask) for mask in range(1, 8)))
 
 
-def _holders_dict(holders: int, key: int, shared: dict[int, dict[int, int]]) -> dict[int, int]:
-    """Block ``key``'s holders as ``{number: mask}`` (a new dict for one holder)."""
+def _holders_dict(holders: int, sets: dict[int, dict[int, int]]) -> dict[int, int]:
+    """A block's holders as ``{number: mask}`` from its table entry (a new dict
+    for one holder; the interned set, never to be changed, for several)."""
     if holders > 0:
         return {holders >> 3: holders & 7}
-    return shared[key]
+    return sets[holders]
 
 
 def _walk_alone(
     tables: list[dict[int, Holders]],
-    shareds: list[dict[int, dict[int, int]]],
+    sets: dict[int, dict[int, int]],
     keys: Sequence[int],
     start: int,
     n: int,
@@ -193,7 +205,7 @@ def _walk_alone(
                 break
             counts[_FASTEST[h & 7]] += 1
         else:
-            held = shareds[key & _SHARD][key].get(n)
+            held = sets[h].get(n)
             if held is None:
                 break
             counts[_FASTEST[held]] += 1
@@ -354,12 +366,19 @@ class MemoryIndex(Index):
         #: Per namespace, its block table in :data:`SHARDS` dicts (a key in
         #: shard ``key & _SHARD``).
         self._blocks: dict[Namespace, list[dict[int, Holders]]] = {}
-        #: Per namespace, the holders of each block several instances hold
-        #: (sharded as the block table is).
-        #: Apart so that the block table holds only ints: the garbage collector
-        #: then never walks it (a dict value would make it tracked: 60 ms for
-        #: a full walk of 721 k blocks, whenever a collection reached it).
-        self._shared: dict[Namespace, list[dict[int, dict[int, int]]]] = {}
+        #: The holder sets of shared blocks, interned by signature (a shared
+        #: block's table entry): ``{number: mask}``, one per distinct set
+        #: however many blocks it holds, and never changed in place (a block
+        #: whose holders change moves to another set). Apart so that the
+        #: block table holds only ints: the garbage collector then never walks
+        #: it (a dict value would make it tracked: 60 ms for a full walk of
+        #: 721 k blocks); interned, so that what it walks is one entry per
+        #: distinct set, not per shared block (a table of holder dicts per
+        #: block cost 65 ns a shared block each full collection: 0.6 s after
+        #: a 16-token ingest of the conversation trace).
+        self._sets: dict[int, dict[int, int]] = {}
+        #: Blocks (of every namespace) whose entry is each interned set's signature.
+        self._set_refs: dict[int, int] = {}
         self._ns_pairs: dict[Namespace, int] = {}
         # Namespace numbers of engine-hash entries, and back (never reused).
         self._ns_ids: dict[Namespace, int] = {}
@@ -714,15 +733,44 @@ class MemoryIndex(Index):
         else:
             yield ev
 
-    def _tables(
-        self, ns: Namespace
-    ) -> tuple[list[dict[int, Holders]], list[dict[int, dict[int, int]]]]:
-        """The shards of ``ns``'s block table and of its shared blocks (made on first use)."""
+    def _tables(self, ns: Namespace) -> list[dict[int, Holders]]:
+        """The shards of ``ns``'s block table (made on first use)."""
         tables = self._blocks.get(ns)
         if tables is None:
             tables = self._blocks[ns] = [{} for _ in range(SHARDS)]
-            self._shared[ns] = [{} for _ in range(SHARDS)]
-        return tables, self._shared[ns]
+        return tables
+
+    def _moved(self, old: int, new: int, held: dict[int, int], no: int, mask: int) -> int:
+        """A block leaves the set of signature ``old`` (0: it was held by one
+        instance, ``held`` then the new set) for the set ``held`` with ``no``
+        at ``mask`` (0: without ``no``), of signature ``new``; returns ``new``.
+        The new set is made (a copy) only when no block holds it yet."""
+        refs = self._set_refs
+        n = refs.get(new)
+        if n is None:
+            if old:
+                held = dict(held)
+                if mask:
+                    held[no] = mask
+                else:
+                    del held[no]
+            self._sets[new] = held
+            refs[new] = 1
+        else:
+            refs[new] = n + 1
+        if old:
+            self._unref(old)
+        return new
+
+    def _unref(self, sig: int) -> None:
+        """A block no longer holds the set of signature ``sig``."""
+        refs = self._set_refs
+        n = refs[sig] - 1
+        if n:
+            refs[sig] = n
+        else:
+            del refs[sig]
+            del self._sets[sig]
 
     def _ns_id(self, ns: Namespace) -> int:
         nid = self._ns_ids.get(ns)
@@ -748,7 +796,8 @@ class MemoryIndex(Index):
                     return 0, 0, len(ev.block_hashes)
                 parent = mapped & _U64
             keys = chain_keys(parent, ev.token_ids, ev.block_size, encoded_extras(ev.extras))
-        tables, shareds = self._tables(ns)
+        tables = self._tables(ns)
+        sets = self._sets
         bit = ev.tier.bit
         base = nid << 64
         no = inst.no
@@ -772,8 +821,8 @@ class MemoryIndex(Index):
                 stored += 1
             elif cur > 0:
                 if cur >> 3 != no:
-                    table[key] = ~(_share(cur >> 3, cur & 7) ^ sig[bit])
-                    shareds[key & _SHARD][key] = {cur >> 3: cur & 7, no: bit}
+                    new = ~(_share(cur >> 3, cur & 7) ^ sig[bit])
+                    table[key] = self._moved(0, new, {cur >> 3: cur & 7, no: bit}, no, bit)
                     pairs += 1
                     stored += 1
                 elif not cur & bit:
@@ -783,13 +832,13 @@ class MemoryIndex(Index):
                     k = h << 2 | (ev.tier.value - 1)
                     inst.copies[k] = inst.copies.get(k, 0) + 1
             else:
-                held = shareds[key & _SHARD][key]
+                held = sets[cur]
                 old = held.get(no, 0)
                 if not old & bit:
                     if not old:
                         pairs += 1
-                    held[no] = old | bit
-                    table[key] = cur ^ sig[old] ^ sig[old | bit]
+                    new = cur ^ sig[old] ^ sig[old | bit]
+                    table[key] = self._moved(cur, new, held, no, old | bit)
                     stored += 1
                 elif counts_copies:
                     k = h << 2 | (ev.tier.value - 1)
@@ -845,23 +894,21 @@ class MemoryIndex(Index):
                 del table[key]
                 self._ns_pairs[ns] -= 1
             return old, new
-        shared = self._shared[ns][key & _SHARD]
-        held = shared[key]
+        held = self._sets[holders]
         old = held.get(no, 0)
         if not old:
             return 0, 0
         new = old & ~mask
-        if new:
-            held[no] = new
-        else:
-            del held[no]
+        if not new:
             self._ns_pairs[ns] -= 1
-            if len(held) == 1:
-                ((n, m),) = held.items()
+            if len(held) == 2:
+                # One holder is left: the block leaves the shared sets.
+                ((n, m),) = ((n, m) for n, m in held.items() if n != no)
                 table[key] = n << 3 | m
-                del shared[key]
+                self._unref(holders)
                 return old, new
-        table[key] = holders ^ inst.sig[old] ^ inst.sig[new]
+        sig = holders ^ inst.sig[old] ^ inst.sig[new]
+        table[key] = self._moved(holders, sig, held, no, new)
         return old, new
 
     def _clear(self, inst: _Instance) -> int:
@@ -964,7 +1011,7 @@ class MemoryIndex(Index):
                     if held > 0:
                         mask = held & 7 if held >> 3 == no else 0
                     else:
-                        mask = self._shared[ns][key & _SHARD][key].get(no, 0)
+                        mask = self._sets[held].get(no, 0)
                     for tier in Tier:
                         if mask & tier.bit:
                             run = runs.setdefault((ns.lora_name, tier), ([], []))
@@ -1206,7 +1253,7 @@ class MemoryIndex(Index):
             return False
         if h > 0:
             return h >> 3 == no
-        return no in self._shared[ns][key & _SHARD][key]
+        return no in self._sets[h]
 
     def _drop_prediction(self, inst: _Instance, entry: int) -> None:
         """Forget ``inst``'s prediction of ``entry`` (namespace number << 64 | key)."""
@@ -1421,11 +1468,11 @@ class MemoryIndex(Index):
         first = tables[k0 & _SHARD].get(k0)
         if first is None:
             return []
-        shareds = self._shared[namespace]
+        sets = self._sets
         by_no = self._by_no
         now = self._clock()
         # candidates: visible holders of block 0 -> their tier mask there
-        cand = _holders_dict(first, k0, shareds[k0 & _SHARD])
+        cand = _holders_dict(first, sets)
         if not self._all_visible(now):
             cand = {
                 n: mask
@@ -1444,7 +1491,7 @@ class MemoryIndex(Index):
         # each on the GPU alone, once one was seen (None: not known).
         alike: int | None = None
         if nxt is not None:
-            holders = _holders_dict(nxt, k1, shareds[k1 & _SHARD])
+            holders = _holders_dict(nxt, sets)
             if len(holders) > 1 and holders == cand and cand == (all_gpu := dict.fromkeys(cand, 1)):
                 # A shared prefix's usual start: the same holders of blocks 0
                 # and 1, each on the GPU alone (two C-level ==).
@@ -1468,7 +1515,7 @@ class MemoryIndex(Index):
         if len(active) == 1:
             # One instance walks on (a conversation's own blocks): no dict to narrow.
             ((n, counts),) = active.items()
-            _walk_alone(tables, shareds, keys, 2, n, counts)
+            _walk_alone(tables, sets, keys, 2, n, counts)
         else:
             # A shared prefix: while the block's holders are exactly the walkers,
             # each on the GPU alone (C-level checks), one counter stands for
@@ -1483,7 +1530,7 @@ class MemoryIndex(Index):
                     ((n, counts),) = active.items()
                     counts[0] += common
                     common = 0
-                    _walk_alone(tables, shareds, keys, depth, n, counts)
+                    _walk_alone(tables, sets, keys, depth, n, counts)
                     break
                 if alike is not None:
                     # The run of blocks held alike: one int == a block.
@@ -1510,7 +1557,7 @@ class MemoryIndex(Index):
                     if counts1 is not None:
                         counts1[_FASTEST[h & 7]] += 1
                         active[n1] = counts1
-                elif (hs := shareds[key & _SHARD][key]) == all_gpu:
+                elif (hs := sets[h]) == all_gpu:
                     common += 1
                     alike = h
                 else:
@@ -1614,7 +1661,6 @@ class MemoryIndex(Index):
                 best = sorted(chain(best, now[shard]))[: want + 1]
                 await asyncio.sleep(0)
             tables = self._blocks.get(ns) or []
-            shared = self._shared.get(ns) or []
             taken = 0
             for i, key in enumerate(best):
                 if taken == want:
@@ -1625,12 +1671,12 @@ class MemoryIndex(Index):
                     now = self._blocks.get(ns)
                     if now is None:
                         break  # the namespace emptied meanwhile
-                    tables, shared = now, self._shared[ns]
+                    tables = now
                     ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
                 h = tables[key & _SHARD].get(key)
                 if h is None:
                     continue  # removed meanwhile
-                holders = _holders_dict(h, key, shared[key & _SHARD])
+                holders = _holders_dict(h, self._sets)
                 named = {ids[n]: m for n, m in holders.items() if n in ids}
                 if named:
                     out.append((ns, key, named))
@@ -1644,8 +1690,8 @@ class MemoryIndex(Index):
         ns_list = self._ns_list
         blocks = {
             ns: {
-                k: {ids[i]: m for i, m in _holders_dict(h, k, shared).items()}
-                for table, shared in zip(tables, self._shared[ns], strict=True)
+                k: {ids[i]: m for i, m in _holders_dict(h, self._sets).items()}
+                for table in tables
                 for k, h in table.items()
             }
             for ns, tables in self._blocks.items()

@@ -61,6 +61,11 @@ Per side, in order:
    probes then went out late and in a burst, which measured the bench, not
    the indexer (both sides alike).
 
+   With ``--pin`` the indexer under test (kvmesh's, with its Redis, or
+   Dynamo's) runs alone on the first CPU and the publishers and the probing
+   client on the others, as when the indexer has a node of its own: on two
+   cores, 64 publisher threads otherwise take the indexer's CPU share too.
+
 5. **Redis's own limit** (standalone Redis only): the same number of
    (block, instance) pairs (at most 2 M) written as plain pipelined HSETs by
    ``redis-cli --pipe`` into the same server (:mod:`lab.bench.rawwrite`):
@@ -171,6 +176,18 @@ class PeerParams:
     dynamo_threads: int = 2
     #: kvmesh config settings over the bench's (``--kvmesh-set``): (dotted key, value).
     kvmesh_set: tuple[tuple[str, Any], ...] = ()
+    #: The indexer under test (with its Redis) on the first CPU alone, the
+    #: publishers and the bench's own client on the others (``--pin``).
+    pin: bool = False
+
+    def cpu_sets(self) -> tuple[set[int], set[int]] | None:
+        """With :attr:`pin`: (the indexer's CPUs, everyone else's); None without."""
+        if not self.pin:
+            return None
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("kvmesh bench peer --pin: needs two CPUs or more")
+        return {cpus[0]}, set(cpus[1:])
 
     @property
     def sub_blocks(self) -> int:
@@ -590,6 +607,8 @@ class Run:
     expected: list[Answer]
     work: Path
     notes: dict[str, Any] = field(default_factory=dict)
+    #: With --pin: (the indexer's CPUs, everyone else's), read before any was set.
+    pinned: tuple[set[int], set[int]] | None = None
 
 
 def round_model(r: int) -> str:
@@ -702,6 +721,11 @@ def run_side(run: Run, kind: str, index: int, f: dict[str, float]) -> None:
         rounds[probed] = round_model(probed)
     for r in rounds:
         run.fleet.command("open", r)
+    # With --pin, what starts from here (the Redis, the indexer) inherits the
+    # indexer's CPU; the bench goes back to the others once the side is up.
+    pinned = run.pinned
+    if pinned is not None:
+        os.sched_setaffinity(0, pinned[0])
     try:
         with _store(kind) as (url, store):
             side: KvmeshSide | DynamoSide
@@ -713,6 +737,9 @@ def run_side(run: Run, kind: str, index: int, f: dict[str, float]) -> None:
                 )
                 side.probe_stream = p.probe_stream
             with side:
+                if pinned is not None:
+                    os.sched_setaffinity(0, pinned[1])
+                    run.notes[f"cpus_{kind}"] = sorted(os.sched_getaffinity(side.child.pid or 0))
                 if isinstance(side, DynamoSide):
                     for r, m in rounds.items():
                         side.register(r, m, run.fleet.endpoints(r))
@@ -722,6 +749,8 @@ def run_side(run: Run, kind: str, index: int, f: dict[str, float]) -> None:
                 side.prepare(rounds[quiet], run.queries)
                 _measure(run, side, store, quiet, probed, rounds, f)
     finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned[1])
         for r in rounds:
             run.fleet.command("close", r)
 
@@ -913,10 +942,17 @@ def run_bench(
         sock = Path(tmp) / "sock"
         sock.mkdir()
         procs = max(1, min(params.publisher_procs, params.publishers))
+        pinned = params.cpu_sets()
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned[1])  # the publishers inherit it
         t0 = time.perf_counter()
         with PublisherFleet(plan_path, params.publishers, procs, sock, work) as fleet:
-            run = Run(params, stream, fleet, queries, expected, work)
+            run = Run(params, stream, fleet, queries, expected, work, pinned=pinned)
             run.notes["publisher_start_s"] = round(time.perf_counter() - t0, 1)
+            if pinned is not None:
+                run.notes["cpus_publishers"] = sorted(
+                    {c for pr in fleet.procs for c in os.sched_getaffinity(pr.pid or 0)}
+                )
             run.notes["publisher_encode_s"] = [r["encode_s"] for r in fleet.ready]
             run.notes["encoded_bytes"] = sum(int(r["bytes"]) for r in fleet.ready)
             run.notes["vllm"] = fleet.ready[0]["vllm"]
@@ -1001,6 +1037,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[PeerParams, str | None, str | No
     )
     p.add_argument("--dynamo-threads", type=int, default=2, help="dynamo.indexer --threads")
     p.add_argument(
+        "--pin",
+        action="store_true",
+        help="the indexer under test (and its Redis) alone on the first CPU, the publishers "
+        "and the bench's client on the others, as when the indexer has a node of its own "
+        "(default: every process on every CPU)",
+    )
+    p.add_argument(
         "--kvmesh-set",
         action="append",
         default=[],
@@ -1048,6 +1091,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[PeerParams, str | None, str | No
         probe_stream=args.probe_stream,
         dynamo_threads=args.dynamo_threads,
         kvmesh_set=tuple(kvmesh_set),
+        pin=args.pin,
     )
     return params, args.json_path, args.log_dir
 
@@ -1068,7 +1112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"kvmesh bench peer: {params.block_size}-token blocks, {run_params['block_instances']:,} "
         f"(block, instance) pairs from {run_params['trace_requests']:,} requests over "
         f"{params.publishers} vLLM publishers in {min(params.publisher_procs, params.publishers)} "
-        f"processes; {run_params['query_blocks']}-block queries; {os.cpu_count()} cpus, load "
+        f"processes; {run_params['query_blocks']}-block queries; {os.cpu_count()} cpus"
+        f"{' (the indexer under test pinned alone to one)' if params.pin else ''}, load "
         f"{run_params['load_average_at_end'][0]}; {time.perf_counter() - t0:.0f} s"
     )
     print(format_table(figures, sides))

@@ -11,6 +11,7 @@ rounds; most of its time is the publishers importing vLLM.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     out = tmp_path / "peer.json"
     args = ["--publishers", "4", "--publisher-procs", "2", "--requests", "200"]
     args += ["--queries", "150", "--prompts", "20", "--backend", "memory", "--block-size", "64"]
-    assert main([*args, "--json", str(out)]) == 0
+    assert main([*args, "--pin", "--json", str(out)]) == 0
     printed = capfd.readouterr().out
     assert "mem/dyn" in printed and "wrong answers, keys" in printed
     doc = json.loads(out.read_text())
@@ -54,6 +55,12 @@ def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
         assert figures[f"peer_{side}_answers_checked"] >= 300
     assert figures["ratio_memory_match_keys_p50_us"] > 0
     assert doc["params"]["block_size"] == 64 and doc["params"]["publishers"] == 4
+    # --pin: each indexer under test alone on the first CPU, the publishers on the rest.
+    cpus = sorted(os.sched_getaffinity(0))
+    params = doc["params"]
+    assert params["pin"] is True
+    assert params["cpus_memory"] == params["cpus_dynamo"] == cpus[:1]
+    assert params["cpus_publishers"] == cpus[1:]
 
 
 def test_stream_and_reference_model() -> None:

@@ -319,19 +319,30 @@ def test_broken_model_is_caught(bug: str) -> None:
 
 def assert_counterexample(ref_cls: type = ReferenceIndex) -> None:
     """The memory backend against ``ref_cls`` must fail the harness within 3,000 cases."""
+    find_counterexample(
+        lambda case: run_case(lambda clock: MemoryIndex(clock=clock), case, ref_cls),
+        case_st,
+        3000,
+    )
 
-    # Deterministic and without shrinking: only "is a counterexample found" matters.
+
+def find_counterexample(
+    check: Callable[[Any], None], strategy: st.SearchStrategy[Any], cases: int
+) -> None:
+    """``check`` must fail (AssertionError) on one of ``cases`` cases drawn from
+    ``strategy``: deterministic and without shrinking, only "is one found" matters."""
+
     @settings(
-        max_examples=3000,
+        max_examples=cases,
         deadline=None,
         database=None,
         derandomize=True,
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(case=case_st)
+    @given(case=strategy)
     def prop(case: Any) -> None:
-        run_case(lambda clock: MemoryIndex(clock=clock), case, ref_cls)
+        check(case)
 
     with pytest.raises(AssertionError):
         prop()
@@ -480,22 +491,12 @@ def test_shared_entries_are_their_holders_signatures(case: Any) -> None:
 
 
 def _invariant_counterexample() -> None:
-    """The signature invariant must fail within 500 cases (deterministic, no shrinking)."""
-
-    @settings(
-        max_examples=500,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
+    """The signature invariant must fail within 500 shared-runs cases."""
+    find_counterexample(
+        test_shared_entries_are_their_holders_signatures.hypothesis.inner_test,  # type: ignore[attr-defined]
+        shared_runs_case_st,
+        500,
     )
-    @given(case=shared_runs_case_st)
-    def prop(case: Any) -> None:
-        test_shared_entries_are_their_holders_signatures.hypothesis.inner_test(case)  # type: ignore[attr-defined]
-
-    with pytest.raises(AssertionError):
-        prop()
 
 
 def _match_through_a_shared_run(tier_of_w1_block2: Tier, drop_w1_block2: bool) -> Any:

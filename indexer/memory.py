@@ -155,7 +155,7 @@ MAX_PREDICTED_PER_INSTANCE = 65536
 
 #: A block table's entry: ``number << 3 | mask`` (one instance holds the
 #: block: positive), or the signature of its holders (several do: negative;
-#: their ``{number: mask}`` in the namespace's table of shared blocks).
+#: their ``{number: mask}`` in the index's interned holder sets).
 Holders = int
 
 
@@ -373,9 +373,8 @@ class MemoryIndex(Index):
         #: block table holds only ints: the garbage collector then never walks
         #: it (a dict value would make it tracked: 60 ms for a full walk of
         #: 721 k blocks); interned, so that what it walks is one entry per
-        #: distinct set, not per shared block (a table of holder dicts per
-        #: block cost 65 ns a shared block each full collection: 0.6 s after
-        #: a 16-token ingest of the conversation trace).
+        #: distinct set, not per shared block (a holder dict per shared block
+        #: cost a full collection 64.5 ms at 1 M shared blocks; now 1.9 ms).
         self._sets: dict[int, dict[int, int]] = {}
         #: Blocks (of every namespace) whose entry is each interned set's signature.
         self._set_refs: dict[int, int] = {}

@@ -1489,13 +1489,23 @@ class MemoryIndex(Index):
         # The table entry (signature) of a block held exactly by the walkers,
         # each on the GPU alone, once one was seen (None: not known).
         alike: int | None = None
+        depth = 2
+        n_keys = len(keys)
         if nxt is not None:
             holders = _holders_dict(nxt, sets)
             if len(holders) > 1 and holders == cand and cand == (all_gpu := dict.fromkeys(cand, 1)):
                 # A shared prefix's usual start: the same holders of blocks 0
-                # and 1, each on the GPU alone (two C-level ==).
-                active = {n: [2, 0, 0] for n in cand}
+                # and 1, each on the GPU alone (two C-level ==). The run they
+                # hold alike is walked once; where it ends at a block nobody
+                # holds (or at the prompt's end), every answer is that depth.
                 alike = nxt
+                for key in islice(keys, 2, None):
+                    if tables[key & _SHARD].get(key) != alike:
+                        break
+                    depth += 1
+                if depth == n_keys or keys[depth] not in tables[keys[depth] & _SHARD]:
+                    return self._alike_answers(cand, depth)
+                active = {n: [depth, 0, 0] for n in cand}
             else:
                 all_gpu = None
                 small, big = (holders, cand) if len(holders) < len(cand) else (cand, holders)
@@ -1509,12 +1519,10 @@ class MemoryIndex(Index):
         shallow = cand.keys() - active.keys() if active else cand.keys()
         shallow_order = sorted(shallow, key=lambda n: by_no[n].key)
         done: list[tuple[int, list[int]]] = []
-        depth = 2
-        n_keys = len(keys)
         if len(active) == 1:
             # One instance walks on (a conversation's own blocks): no dict to narrow.
             ((n, counts),) = active.items()
-            _walk_alone(tables, sets, keys, 2, n, counts)
+            _walk_alone(tables, sets, keys, depth, n, counts)
         else:
             # A shared prefix: while the block's holders are exactly the walkers,
             # each on the GPU alone (C-level checks), one counter stands for
@@ -1603,6 +1611,25 @@ class MemoryIndex(Index):
                     inst.spec.instance, inst.spec.address, 1, g, c, d, inst.stale
                 )
             out.append(hit)
+        return out
+
+    def _alike_answers(self, holders: dict[int, int], depth: int) -> list[InstanceMatch]:
+        """Every one of ``holders`` holds the prompt's first ``depth`` blocks,
+        each on the GPU: their answers, ordered by instance (equal depths)."""
+        by_no = self._by_no
+        tiers = (depth, 0, 0)
+        out = []
+        for n in holders:
+            inst = by_no[n]
+            hit = inst.hits.get(tiers)
+            if hit is None:
+                if len(inst.hits) >= HIT_CACHE_SIZE:
+                    inst.hits.clear()
+                hit = inst.hits[tiers] = InstanceMatch(
+                    inst.spec.instance, inst.spec.address, depth, depth, 0, 0, inst.stale
+                )
+            out.append(hit)
+        out.sort(key=_BY_INSTANCE)
         return out
 
     def pairs_by_model(self) -> dict[str, int]:

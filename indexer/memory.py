@@ -79,7 +79,7 @@ import operator
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import chain, islice
+from itertools import chain, islice, takewhile
 
 from indexer.index import Index
 from indexer.model import (
@@ -376,8 +376,13 @@ class MemoryIndex(Index):
         #: distinct set, not per shared block (a holder dict per shared block
         #: cost a full collection 64.5 ms at 1 M shared blocks; now 1.9 ms).
         self._sets: dict[int, dict[int, int]] = {}
-        #: Blocks (of every namespace) whose entry is each interned set's signature.
-        self._set_refs: dict[int, int] = {}
+        #: Per interned set's signature, per namespace number, the block keys
+        #: whose entry it is, as ``{key: 1}`` (a dict of ints, which the
+        #: collector does not track): a set goes with its last block, and
+        #: Match tells whether a prompt's blocks are all held alike in one
+        #: C-level pass over them. By namespace, since a client that gives
+        #: block keys may give two namespaces the same ones.
+        self._members: dict[int, dict[int, dict[int, int]]] = {}
         self._ns_pairs: dict[Namespace, int] = {}
         # Namespace numbers of engine-hash entries, and back (never reused).
         self._ns_ids: dict[Namespace, int] = {}
@@ -739,14 +744,16 @@ class MemoryIndex(Index):
             tables = self._blocks[ns] = [{} for _ in range(SHARDS)]
         return tables
 
-    def _moved(self, old: int, new: int, held: dict[int, int], no: int, mask: int) -> int:
-        """A block leaves the set of signature ``old`` (0: it was held by one
-        instance, ``held`` then the new set) for the set ``held`` with ``no``
-        at ``mask`` (0: without ``no``), of signature ``new``; returns ``new``.
-        The new set is made (a copy) only when no block holds it yet."""
-        refs = self._set_refs
-        n = refs.get(new)
-        if n is None:
+    def _moved(
+        self, nid: int, key: int, old: int, new: int, held: dict[int, int], no: int, mask: int
+    ) -> int:
+        """Block ``key`` of namespace number ``nid`` leaves the set of
+        signature ``old`` (0: it was held by one instance, ``held`` then the
+        new set) for the set ``held`` with ``no`` at ``mask`` (0: without
+        ``no``), of signature ``new``; returns ``new``. The new set is made (a
+        copy) only when no block holds it yet."""
+        by_ns = self._members.get(new)
+        if by_ns is None:
             if old:
                 held = dict(held)
                 if mask:
@@ -754,22 +761,28 @@ class MemoryIndex(Index):
                 else:
                     del held[no]
             self._sets[new] = held
-            refs[new] = 1
+            self._members[new] = {nid: {key: 1}}
         else:
-            refs[new] = n + 1
+            members = by_ns.get(nid)
+            if members is None:
+                by_ns[nid] = {key: 1}
+            else:
+                members[key] = 1
         if old:
-            self._unref(old)
+            self._unref(nid, old, key)
         return new
 
-    def _unref(self, sig: int) -> None:
-        """A block no longer holds the set of signature ``sig``."""
-        refs = self._set_refs
-        n = refs[sig] - 1
-        if n:
-            refs[sig] = n
-        else:
-            del refs[sig]
-            del self._sets[sig]
+    def _unref(self, nid: int, sig: int, key: int) -> None:
+        """Block ``key`` of namespace number ``nid`` no longer holds the set of
+        signature ``sig``."""
+        by_ns = self._members[sig]
+        members = by_ns[nid]
+        del members[key]
+        if not members:
+            del by_ns[nid]
+            if not by_ns:
+                del self._members[sig]
+                del self._sets[sig]
 
     def _ns_id(self, ns: Namespace) -> int:
         nid = self._ns_ids.get(ns)
@@ -821,7 +834,9 @@ class MemoryIndex(Index):
             elif cur > 0:
                 if cur >> 3 != no:
                     new = ~(_share(cur >> 3, cur & 7) ^ sig[bit])
-                    table[key] = self._moved(0, new, {cur >> 3: cur & 7, no: bit}, no, bit)
+                    table[key] = self._moved(
+                        nid, key, 0, new, {cur >> 3: cur & 7, no: bit}, no, bit
+                    )
                     pairs += 1
                     stored += 1
                 elif not cur & bit:
@@ -837,7 +852,7 @@ class MemoryIndex(Index):
                     if not old:
                         pairs += 1
                     new = cur ^ sig[old] ^ sig[old | bit]
-                    table[key] = self._moved(cur, new, held, no, old | bit)
+                    table[key] = self._moved(nid, key, cur, new, held, no, old | bit)
                     stored += 1
                 elif counts_copies:
                     k = h << 2 | (ev.tier.value - 1)
@@ -898,16 +913,18 @@ class MemoryIndex(Index):
         if not old:
             return 0, 0
         new = old & ~mask
+        if new == old:
+            return old, new  # none of those tiers held: the block stays in its set
         if not new:
             self._ns_pairs[ns] -= 1
             if len(held) == 2:
                 # One holder is left: the block leaves the shared sets.
                 ((n, m),) = ((n, m) for n, m in held.items() if n != no)
                 table[key] = n << 3 | m
-                self._unref(holders)
+                self._unref(self._ns_ids[ns], holders, key)
                 return old, new
         sig = holders ^ inst.sig[old] ^ inst.sig[new]
-        table[key] = self._moved(holders, sig, held, no, new)
+        table[key] = self._moved(self._ns_ids[ns], key, holders, sig, held, no, new)
         return old, new
 
     def _clear(self, inst: _Instance) -> int:
@@ -1499,10 +1516,7 @@ class MemoryIndex(Index):
                 # hold alike is walked once; where it ends at a block nobody
                 # holds (or at the prompt's end), every answer is that depth.
                 alike = nxt
-                for key in islice(keys, 2, None):
-                    if tables[key & _SHARD].get(key) != alike:
-                        break
-                    depth += 1
+                depth += self._run_alike(namespace, alike, keys, 2)
                 if depth == n_keys or keys[depth] not in tables[keys[depth] & _SHARD]:
                     return self._alike_answers(cand, depth)
                 active = {n: [depth, 0, 0] for n in cand}
@@ -1540,12 +1554,7 @@ class MemoryIndex(Index):
                     _walk_alone(tables, sets, keys, depth, n, counts)
                     break
                 if alike is not None:
-                    # The run of blocks held alike: one int == a block.
-                    run = 0
-                    for key in islice(keys, depth, None):
-                        if tables[key & _SHARD].get(key) != alike:
-                            break
-                        run += 1
+                    run = self._run_alike(namespace, alike, keys, depth)
                     common += run
                     depth += run
                     if depth == n_keys:
@@ -1612,6 +1621,15 @@ class MemoryIndex(Index):
                 )
             out.append(hit)
         return out
+
+    def _run_alike(self, ns: Namespace, sig: int, keys: Sequence[int], start: int) -> int:
+        """How many of ``keys`` from ``start`` on have the entry ``sig`` in
+        ``ns`` (its set's members there): one C-level pass, no Python step per
+        block."""
+        members = self._members[sig].get(self._ns_ids[ns])
+        if members is None:
+            return 0
+        return len(list(takewhile(members.__contains__, islice(keys, start, None))))
 
     def _alike_answers(self, holders: dict[int, int], depth: int) -> list[InstanceMatch]:
         """Every one of ``holders`` holds the prompt's first ``depth`` blocks,

@@ -395,18 +395,18 @@ def _signature_violations(index: MemoryIndex) -> list[str]:
     and sets no block names."""
     import functools
     import operator
-    from collections import Counter
 
     import indexer.memory as memory
 
     out = []
-    named: Counter[int] = Counter()
+    named: dict[tuple[int, int], set[int]] = {}
     for ns, tables in index._blocks.items():
+        nid = index._ns_ids[ns]
         for table in tables:
             for key, entry in table.items():
                 if entry > 0:
                     continue
-                named[entry] += 1
+                named.setdefault((entry, nid), set()).add(key)
                 held = index._sets.get(entry)
                 if held is None or len(held) < 2:
                     out.append(f"{ns} {key}: shared entry, holders {held}")
@@ -416,10 +416,15 @@ def _signature_violations(index: MemoryIndex) -> list[str]:
                 )
                 if entry != ~sig:
                     out.append(f"{ns} {key}: entry {entry}, holders' signature {~sig}")
-    if dict(named) != index._set_refs:
-        out.append(f"set references {index._set_refs}, blocks naming them {dict(named)}")
-    if index._sets.keys() != index._set_refs.keys():
-        out.append(f"sets {sorted(index._sets)} but references {sorted(index._set_refs)}")
+    members = {
+        (sig, nid): set(keys)
+        for sig, by_ns in index._members.items()
+        for nid, keys in by_ns.items()
+    }
+    if members != named:
+        out.append(f"set members {members}, blocks naming them {named}")
+    if index._sets.keys() != index._members.keys():
+        out.append(f"sets {sorted(index._sets)} but members of {sorted(index._members)}")
     return out
 
 
@@ -479,7 +484,7 @@ def test_memory_backend_shared_runs_match_reference(case: Any) -> None:
 def test_shared_entries_are_their_holders_signatures(case: Any) -> None:
     """After any sequence, every shared block's entry is the signature of its
     interned holder set (Match walks a prefix held alike by comparing entries),
-    and every set is referenced by exactly the blocks naming it."""
+    and every set's members are exactly the blocks naming it."""
     made: list[MemoryIndex] = []
 
     def factory(clock: FakeClock) -> MemoryIndex:
@@ -549,16 +554,18 @@ def test_a_set_changed_in_place_is_caught() -> None:
     answers for the other blocks of the set what one block's change said."""
     real = MemoryIndex._moved
 
-    def in_place(self: MemoryIndex, old: int, new: int, held: Any, no: int, mask: int) -> int:
+    def in_place(
+        self: MemoryIndex, nid: int, key: int, old: int, new: int, held: Any, no: int, mask: int
+    ) -> int:
         if not old or new in self._sets:
-            return real(self, old, new, held, no, mask)
+            return real(self, nid, key, old, new, held, no, mask)
         if mask:
             held[no] = mask
         else:
             del held[no]
         self._sets[new] = held
-        self._set_refs[new] = 1
-        self._unref(old)
+        self._members[new] = {nid: {key: 1}}
+        self._unref(nid, old, key)
         return new
 
     MemoryIndex._moved = in_place  # type: ignore[method-assign]
@@ -586,3 +593,30 @@ def test_a_signature_blind_to_tiers_is_caught() -> None:
             test_a_run_held_alike_is_walked_exactly()
     finally:
         memory._share = real  # type: ignore[assignment]
+
+
+def test_the_same_block_keys_in_two_namespaces_keep_their_own_sets() -> None:
+    """A client giving block keys may give two namespaces the same ones (here
+    two LoRA names of one model, so the same holders): each namespace's blocks
+    are members of the holder set there, and a drop in one leaves the other's
+    answers and the invariant whole."""
+    keys = (11, 12, 13)
+
+    async def go() -> tuple[Any, Any, MemoryIndex]:
+        index = MemoryIndex(clock=FakeClock())
+        for iid in (W0, W1):
+            await index.register(InstanceSpec(iid, "m", f"http://{iid}", 30.0, "a"))
+            evs = tuple(
+                BlockStored(hashes, None, (), BS, lora, block_keys=keys, position_known=False)
+                for hashes, lora in (((1, 2, 3), ""), ((4, 5, 6), "x"))
+            )
+            await index.apply(EventBatch(iid, 0, evs))
+        await index.apply(EventBatch(W1, 1, (BlockRemoved((5,)),)))
+        base = {x.instance: x.depth for x in await index.match(Namespace("m"), keys)}
+        lora = {x.instance: x.depth for x in await index.match(Namespace("m", "x"), keys)}
+        return base, lora, index
+
+    base, lora, index = asyncio.run(go())
+    assert base == {W0: 3, W1: 3}
+    assert lora == {W0: 3, W1: 1}
+    assert _signature_violations(index) == []

@@ -15,14 +15,17 @@ set of instances still holding the prefix, so its cost is the number of
 Signatures: a shared block's table entry is ``~x``, ``x`` the XOR over its
 holders of a 63-bit mix of ``(number, tier mask)`` (:func:`_signature`), kept
 up to date by every store and drop in O(1). Equal holders give equal
-entries, so Match walks a prefix every walker holds alike with one int
-comparison per block (a dict comparison over 64 holders cost 0.6 us a
-block); different holders give equal entries with probability 2^-63, the
-order of a content-key collision.
+entries, so Match tells a block held exactly by its walkers with one int
+comparison (a dict comparison over 64 holders cost 0.6 us a block), and
+measures the whole run they hold alike in one C-level pass over the
+prompt's keys against the members of that set (below); different holders
+give equal entries with probability 2^-63, the order of a content-key
+collision.
 
 Interned holder sets: a set is never changed in place; a block whose holders
 change moves to the set of its new signature (made, a copy, only if no block
-holds it yet), and a set goes when no block names it (reference counts). The
+holds it yet), and a set goes when no block names it: each set keeps its
+member blocks per namespace (``{key: 1}``, untracked by the collector). The
 blocks of a prefix that 64 instances hold share one set: a store or drop
 there costs O(1) dict operations after the first block of a run, and the
 memory of a shared block is its table entry.

@@ -47,6 +47,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "lab.bench.follower",
         "a router's follower beside gRPC Match and Dynamo's RadixTree",
     ),
+    ("bench", "holders"): (
+        "lab.bench.holders",
+        "what blocks held by many instances cost the memory backend",
+    ),
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
     ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),

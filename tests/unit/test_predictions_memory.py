@@ -194,8 +194,9 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-#: A broken variant only has to fail: no shrinking of its counterexample.
-BROKEN_SETTINGS = settings(SETTINGS, max_examples=200, phases=[Phase.generate])
+#: A broken variant only has to fail: no shrinking of its counterexample, and
+#: the same draws every run (a random search missed _IgnoresExpiry once in 200).
+BROKEN_SETTINGS = settings(SETTINGS, max_examples=200, phases=[Phase.generate], derandomize=True)
 
 
 def test_memory_predictions_match_the_reference() -> None:

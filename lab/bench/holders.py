@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import random
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
 from lab.bench.report import fmt, table, write_report
+from lab.children import child_env
 
 #: (blocks, holders) per case; the first shares nothing (the baseline).
 CASES = ((200_000, 1), (20_000, 64), (200_000, 4), (1_000_000, 2))
@@ -96,7 +96,7 @@ def _run_case(blocks: int, holders: int, prompt: int) -> dict[str, float]:
         check=True,
         capture_output=True,
         text=True,
-        env=dict(os.environ),
+        env=child_env(None),
     )
     figures: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return figures

@@ -634,26 +634,26 @@ async def test_engines_publish_through_their_bridges_to_every_indexer_replica(
         loopback: dict[int, int] = {}  # the pod's network namespace: its containers share it
         downward = {"metadata.name": pod_name, "metadata.uid": f"0b1c{i}-uid-{pod_name}"}
         downwards.append(downward)
-        engine = pods.localize(
-            pods.container(engines, "Deployment", "rel-engine", "engine"),
-            name=f"engine-{i}",
-            cluster=cluster,
-            mounts={"/tmp": folder(f"engine-{i}")},
-            base_env=image.env,
-            downward=downward,
-            loopback=loopback,
-        )
-        bridges.append(
-            pods.localize(
-                pods.container(engines, "Deployment", "rel-engine", "kvmesh-bridge"),
-                name=f"bridge-{i}",
+
+        def in_pod(
+            container: str,
+            name: str,
+            downward: dict[str, str] = downward,
+            loopback: dict[int, int] = loopback,
+        ) -> Any:
+            """The pod's ``container``, run here as ``name`` (its own /tmp)."""
+            return pods.localize(
+                pods.container(engines, "Deployment", "rel-engine", container),
+                name=name,
                 cluster=cluster,
-                mounts={"/tmp": folder(f"bridge-{i}")},
+                mounts={"/tmp": folder(name)},
                 base_env=image.env,
                 downward=downward,
                 loopback=loopback,
             )
-        )
+
+        engine = in_pod("engine", f"engine-{i}")
+        bridges.append(in_pod("kvmesh-bridge", f"bridge-{i}"))
         events = json.loads(_arg_after(engine.argv, "--kv-events-config"))
         assert events["publisher"] == "zmq" and events["topic"] == "", events
         publishers.append([events["endpoint"], events["replay_endpoint"]])

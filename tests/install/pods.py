@@ -24,6 +24,7 @@ pods may both use, say, 127.0.0.1:5557, as in a cluster.
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 from collections.abc import Iterable, Mapping
@@ -39,12 +40,46 @@ _VAR = re.compile(r"\$\((\w+)\)")
 _HOST_PORT = re.compile(r"(?P<dns>dns:///)?(?P<host>[a-z0-9][-a-z0-9.]*):(?P<port>\d+)")
 
 
+#: Ports handed out by this process (never twice).
+_GIVEN: set[int] = set()
+#: Where ports are drawn from when the kernel's ephemeral range is unknown.
+_EPHEMERAL_FALLBACK = (32768, 60999)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
+
+
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((POD_IP, 0))
-        port: int = s.getsockname()[1]
+    """A TCP port of 127.0.0.1 that is free now and that the kernel will not
+    hand to anything else: below its ephemeral range, never given twice.
+
+    A port is given out seconds before the process that binds it starts (the
+    engines' publishers import vLLM meanwhile). Drawn from the ephemeral range
+    (``bind(port 0)``), the same port could meanwhile become the local end of
+    another process's connection (a bridge dialling an indexer), and the
+    bind failed with EADDRINUSE (seen once in a full run).
+    """
+    low, _ = _ephemeral_range()
+    floor = max(1024, low - 12_000)
+    rnd = random.Random()
+    for _ in range(1000):
+        port = rnd.randrange(floor, low)
+        if port in _GIVEN or port == 6379:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((POD_IP, port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
         return port
+    raise RuntimeError(f"no free port below {low} after 1,000 tries")
 
 
 def manifests(rendered: Mapping[str, str]) -> list[dict[str, Any]]:

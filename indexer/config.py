@@ -511,12 +511,18 @@ class SglangApiSettings(StrictModel):
 
 
 class WatchSettings(StrictModel):
-    """Followers of a memory replica (WatchIndex): routers that hold a copy of the index."""
+    """Followers of a replica (WatchIndex): routers that hold a copy of the index.
+
+    A memory replica serves its own index. A replica over standalone Redis keeps
+    a copy of the shared index in its memory, fed by the change stream every
+    replica appends to while one watches (indexer/redis/KEYS.md, "Watching"),
+    and serves that; over a Redis Cluster WatchIndex answers FAILED_PRECONDITION.
+    """
 
     enabled: bool = Field(
         default=True,
-        description="Serve WatchIndex (memory backend only; a Redis replica answers "
-        "FAILED_PRECONDITION).",
+        description="Serve WatchIndex (memory backend; standalone Redis through a copy of "
+        "the index kept in this replica's memory; not over a Redis Cluster).",
     )
     max_followers: int = Field(
         default=64, ge=0, le=4096, description="Followers one replica serves at once."
@@ -527,6 +533,14 @@ class WatchSettings(StrictModel):
         le=1_000_000,
         description="Changes a follower may fall behind before it is told to resync and "
         "sent a new snapshot (bounds the replica's memory per follower).",
+    )
+    redis_backlog: int = Field(
+        default=16384,
+        ge=64,
+        le=10_000_000,
+        description="Redis backend: entries the change stream keeps (about; Redis trims "
+        "whole nodes). A watching replica that falls further behind copies the index "
+        "again; every replica's writes pay one stream append each while one watches.",
     )
 
 

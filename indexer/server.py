@@ -65,6 +65,8 @@ from indexer.logic import IndexerLogic, _check_name
 from indexer.memory import MemoryIndex
 from indexer.model import Namespace
 from indexer.pacing import loop_pacer
+from indexer.redis.backend import RedisIndex
+from indexer.redis.watchfeed import RedisWatchFeed
 from indexer.rpc import IndexerCalls
 from indexer.sglang.compat import SglangCompat
 from indexer.sglang.server import SGLANG_SERVICE_NAME, SglangServicer, add_sglang_servicer
@@ -80,6 +82,7 @@ from kvmesh.errors import (
     KvmeshError,
     PermissionDenied,
     Unauthenticated,
+    Unavailable,
 )
 from kvmesh.grpcsvc import (
     HANDLER_FACTORIES,
@@ -326,6 +329,9 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         #: The backend WatchIndex follows (IndexerServer sets it for a memory
         #: backend with watch.enabled); None: WatchIndex is refused.
         self.watch_index: MemoryIndex | None = None
+        #: A replica over standalone Redis: the copy of the index it serves
+        #: WatchIndex from (indexer/redis/watchfeed.py); None otherwise.
+        self.watch_feed: RedisWatchFeed | None = None
         #: Followers told to resync since the start.
         self.watch_resyncs = 0
         self._watch_pb: dict[int, tuple[pb.WatchChange, int]] = {}
@@ -636,9 +642,19 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         """A snapshot of the models asked for, then every change, batched per read
         (indexer/watch.py says what a follower is owed)."""
         index = self.watch_index
+        if index is None and self.watch_feed is not None:
+            # A replica over Redis serves its copy of the index (made on demand).
+            feed = self.watch_feed
+            index = feed.demand()
+            if index is None:
+                why = f" (the last attempt failed: {feed.last_error})" if feed.last_error else ""
+                raise Unavailable(
+                    f"this replica is copying the index from Redis for its followers{why}; retry"
+                )
         if index is None or index.watch is None:
             raise FailedPrecondition(
-                "WatchIndex needs a memory-backend replica with watch.enabled",
+                "WatchIndex needs watch.enabled on a memory replica or one over standalone "
+                "Redis (not a Redis Cluster)",
                 field="backend",
             )
         models = list(request.models)
@@ -827,6 +843,14 @@ class IndexerServer:
                 max_watchers=config.watch.max_followers, buffer=config.watch.buffer
             )
             self.servicer.watch_index = index
+        elif config.watch.enabled and isinstance(index, RedisIndex) and not index.cluster:
+            self.servicer.watch_feed = RedisWatchFeed(
+                index,
+                max_followers=config.watch.max_followers,
+                buffer=config.watch.buffer,
+                backlog=config.watch.redis_backlog,
+            )
+            self.metrics.watch_counters(self.servicer.watch_feed.counters)
         add_servicer(self.servicer, self._server, self.guard)
         #: Names whose health follows the backend ("" is the whole server).
         self._health_names = ["", SERVICE_NAME]
@@ -973,6 +997,8 @@ class IndexerServer:
             watch = getattr(self.index, "watch", None)
             if watch is not None:
                 watch.close()  # followers are not in-flight work: end them now
+            if self.servicer.watch_feed is not None:
+                await self.servicer.watch_feed.close()
             await self._server.stop(grace)
             if self._health_port is not None:
                 await self._health_port.stop()

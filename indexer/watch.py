@@ -196,6 +196,17 @@ class WatchHub:
         for w in self._watchers:
             w.close()
 
+    def resync_all(self) -> int:
+        """Tell every watcher to take a new snapshot (the replica changed its index
+        in a way it can not describe as changes); return how many were told."""
+        for w in self._watchers:
+            if w._resync is None:
+                w._queue.clear()
+                w._resync = Resync(self.position)
+                w.resyncs += 1
+                w._ready.set()
+        return len(self._watchers)
+
     def unsubscribe(self, watcher: Watcher) -> None:
         """Forget ``watcher`` (idempotent)."""
         if watcher in self._watchers:

@@ -81,6 +81,7 @@ from redis.exceptions import (
     ConnectionError as RedisConnectionError,
 )
 
+from indexer.bridge import wire
 from indexer.index import Index
 from indexer.model import (
     ALL_TIERS_MASK,
@@ -89,6 +90,7 @@ from indexer.model import (
     BatchOutcome,
     BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     IndexDump,
     IndexStats,
@@ -100,6 +102,7 @@ from indexer.model import (
     NamespaceStats,
     Quota,
     QuotaUsage,
+    Tier,
     encoded_extras,
     fenced_out,
 )
@@ -539,6 +542,11 @@ class RedisIndex(Index):
         self.round_trips = 0
         self._s_match = self._scripts["match"]
         self._s_apply = self._scripts["capply" if cluster else "apply"]
+        #: Whether a replica watches this Redis (KEYS.md, "Watching"): its
+        #: applies then carry the batch for the stream. Each apply's reply says
+        #: (standalone only); an apply without it while one watches is answered
+        #: ``watch``, writing nothing, and sent again with the batch.
+        self._watched = False
         # instance table cache
         self._by_name: dict[InstanceId, _Inst] = {}
         self._by_id: dict[bytes, _Inst] = {}
@@ -1523,6 +1531,9 @@ class RedisIndex(Index):
                 raise FailedPrecondition(f"instance {instance} is not registered", field="instance")
         fetched: dict[int, bytes | None] = {}
         use_lru = True
+        watched: tuple[bytes, bytes] | tuple[()] = ()
+        if self._watched:
+            watched = self._watch_op(batch)
         for _attempt in range(_APPLY_ATTEMPTS):
             quota_args = self._quota_args(batch.quota, inst.spec.model)
             args, missing, written = self._encode(inst, batch, fetched, use_lru)
@@ -1547,6 +1558,7 @@ class RedisIndex(Index):
                 *((self._anchor,) if self.cluster else ()),
                 *quota_args,
                 *args,
+                *watched,
             )
             status = res[0]
             if status == b"ok":
@@ -1567,9 +1579,21 @@ class RedisIndex(Index):
                         writes,
                     ) = res
                 else:
-                    _, gap, stale, exp, bits, stored, removed, orphaned, int_id, over, *retired = (
-                        res
-                    )
+                    (
+                        _,
+                        gap,
+                        stale,
+                        exp,
+                        bits,
+                        stored,
+                        removed,
+                        orphaned,
+                        int_id,
+                        over,
+                        watching,
+                        *retired,
+                    ) = res
+                    self._watched = bool(watching)
                 if inst.exp <= now:
                     self._excl_dirty = True  # a lapsed lease was renewed
                 inst.exp = float(exp)
@@ -1607,6 +1631,11 @@ class RedisIndex(Index):
                     stale=bool(stale),
                     blocks_over_quota=int(over),
                 )
+            if status == b"watch":
+                # A replica watches: the batch goes to the change stream with it.
+                self._watched = True
+                watched = self._watch_op(batch)
+                continue
             if status == b"inc":
                 raise fenced_out(batch)
             if status == b"addr":
@@ -1637,6 +1666,127 @@ class RedisIndex(Index):
             use_lru = False
             fetched = {}
         raise Unavailable(f"apply for {instance}: concurrent updates, retry later")
+
+    # -- watching (KEYS.md, "Watching") ----------------------------------------
+
+    @staticmethod
+    def _watch_op(batch: EventBatch) -> tuple[bytes, bytes]:
+        """The apply's ``W`` op: the batch as applied (without its fences), for the stream."""
+        applied = dataclasses.replace(batch, incarnation="", address="", quota=None)
+        return b"W", wire.batch_to_pb(applied).SerializeToString()
+
+    async def watch_start(self, backlog: int, lease_s: float) -> tuple[int, bytes]:
+        """Start (or go on) watching: every change is appended to the stream, which
+        keeps about ``backlog`` entries, for ``lease_s`` unless renewed. Returns the
+        number and stream id of its last entry (a reader reads after them)."""
+        if self.cluster:
+            raise FailedPrecondition(
+                "WatchIndex over Redis Cluster is not served (standalone Redis only)",
+                field="backend",
+            )
+        n, last = await self._eval(
+            self._scripts["wstart"],
+            0,
+            self._base,
+            str(backlog),
+            str(max(1, round(lease_s * 1000))),
+            repr(float(self._clock())),
+        )
+        self._watched = True
+        return int(n), bytes(last)
+
+    async def watch_names(self) -> list[bytes]:
+        """Every registered instance's name (``P:lease``)."""
+        return list(await self._cmd("ZRANGE", self._base + b"lease", 0, -1))
+
+    async def watch_read(self, name: bytes) -> tuple[int, InstanceState | None, EventBatch | None]:
+        """Instance ``name`` as a watching replica copies it, read at once, with the
+        number of the stream's last entry then: ``(number, state, content)``;
+        state and content None when it is not registered. ``content`` holds its
+        blocks as stores of keys (and its copies), as MemoryIndex.load_instance
+        takes them."""
+        got = await self._eval(self._scripts["wread"], 0, self._base, name)
+        n = int(got[0]) if got[0] else 0
+        if len(got) == 1:
+            return n, None, None
+        inst = _parse_inst(got[1])
+        names = got[4]
+        lora_of: dict[bytes, str] = {}
+        for i in range(0, len(names), 2):
+            nsname = bytes(names[i + 1])
+            lora_of[bytes(names[i])] = nsname.partition(b"\0")[2].decode("utf-8")
+        runs: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        entries = got[2]
+        for i in range(0, len(entries), 3):
+            h = int.from_bytes(entries[i], "big")
+            suf = bytes(entries[i + 1])
+            mask = int(entries[i + 2])
+            lora = lora_of.get(suf[:8], "")
+            key = int.from_bytes(suf[8:], "big")
+            for tier in Tier:
+                if mask & tier.bit:
+                    run = runs.setdefault((lora, tier.value), ([], []))
+                    run[0].append(h)
+                    run[1].append(key)
+        events: list[Event] = [
+            BlockStored(
+                block_hashes=tuple(hs),
+                parent_block_hash=None,
+                token_ids=(),
+                block_size=0,
+                lora_name=lora,
+                tier=Tier(tier),
+                block_keys=tuple(ks),
+            )
+            for (lora, tier), (hs, ks) in runs.items()
+        ]
+        keyed = {
+            int.from_bytes(entries[i], "big"): bytes(entries[i + 1])
+            for i in range(0, len(entries), 3)
+        }
+        copies = got[3]
+        for i in range(0, len(copies), 2):
+            field = bytes(copies[i])
+            count = int(copies[i + 1])
+            h = int.from_bytes(field[:8], "big")
+            held = keyed.get(h)
+            if held is None or count <= 0:
+                continue
+            suf = held
+            tier = next(t for t in Tier if t.bit == int(field[8:]))
+            events.append(
+                BlockStored(
+                    block_hashes=(h,) * count,
+                    parent_block_hash=None,
+                    token_ids=(),
+                    block_size=0,
+                    lora_name=lora_of.get(suf[:8], ""),
+                    tier=tier,
+                    block_keys=(int.from_bytes(suf[8:], "big"),) * count,
+                )
+            )
+        state = inst.state(self._clock())
+        content = EventBatch(inst.spec.instance, inst.seq or 0, tuple(events), counts_copies=True)
+        return n, state, content
+
+    async def watch_tail(
+        self, after: bytes, count: int, block_ms: int | None
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The stream's entries after id ``after``, at most ``count``, waiting up to
+        ``block_ms`` for the first (None: not at all): ``[(id, fields)]``."""
+        block = ("BLOCK", block_ms) if block_ms is not None else ()
+        got = await self._cmd("XREAD", "COUNT", count, *block, "STREAMS", self._base + b"w", after)
+        if not got:
+            return []
+        # [[stream, [(id, {field: value}), ...]]] as redis-py parses it (a flat
+        # [f, v, ...] list without its reply callbacks).
+        out = []
+        for eid, fields in got[0][1]:
+            if not isinstance(fields, dict):
+                it = iter(fields)
+                fields = dict(zip(it, it, strict=False))
+            out.append((bytes(eid), {bytes(k): bytes(v) for k, v in fields.items()}))
+        return out
 
     # -- reads -----------------------------------------------------------------
 

@@ -68,6 +68,8 @@ ACL_COMMANDS = (
     "incr", "sadd", "set", "srem", "time", "unlink", "zadd", "zrange", "zrem",
     # route-time predictions only (predict.lua): their names' TTLs
     "pexpire", "pttl",
+    # WatchIndex served over Redis only (KEYS.md, "Watching"): the change stream
+    "xadd", "xread", "xrevrange",
 )  # fmt: skip
 #: Extra commands of a cluster client: the slot map, and the command table
 #: redis-py reads to find the keys of a command (both at discovery).

@@ -43,6 +43,8 @@ SCRIPTS = (
     "snapshot",
     "predict",
     "pmatch",
+    "wstart",
+    "wread",
 )
 #: Cluster mode: scripts on the control slot (they report a bumped generation).
 CLUSTER_CONTROL = ("register", "heartbeat", "remove", "snapshot", "capply", "cpurge")

@@ -55,7 +55,7 @@ from kvmesh.stats import percentile
 from lab.bench.peer_procs import dynamo_python
 from lab.bench.report import fmt, table, write_report
 from lab.children import ChildProcess
-from lab.redisproc import free_port
+from lab.redisproc import RedisProcess, free_port
 from router_client.follower import IndexFollower
 
 HOST = "127.0.0.1"
@@ -205,49 +205,83 @@ def _ingest(target: str, holders: int, seconds: float, counts: dict[str, float])
         counts["blocks"] = applied
 
 
-async def _run(args: argparse.Namespace, folder: Path) -> tuple[dict[str, float], dict[str, Any]]:
+def _indexer(folder: Path, name: str, backend: dict[str, Any]) -> tuple[ChildProcess, str]:
+    """``kvmesh indexer serve`` in a child process: (the child, its target)."""
     port = free_port()
-    cfg = folder / "indexer.json"
+    cfg = folder / f"{name}.json"
     cfg.write_text(
         json.dumps(
             {
                 "host": HOST,
                 "port": port,
                 "metrics_port": 0,
-                "backend": "memory",
                 "block_size": BLOCK,
                 "log_level": "WARNING",
                 "watch": {"buffer": 65536},
                 "quotas": {"publish_blocks_per_s": 0},
+                **backend,
             }
         ),
         encoding="utf-8",
     )
-    target = f"{HOST}:{port}"
     child = ChildProcess(
         [sys.executable, "-m", "kvmesh.cli", "indexer", "serve", "--config", str(cfg)],
-        name="indexer",
-        log_path=folder / "indexer.log",
+        name=name,
+        log_path=folder / f"{name}.log",
     )
     child.start()
+    return child, f"{HOST}:{port}"
+
+
+async def _wait_up(stub: Any) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await stub.Ping(pb.PingRequest(), timeout=1)
+            return
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _run(args: argparse.Namespace, folder: Path) -> tuple[dict[str, float], dict[str, Any]]:
+    if args.backend == "memory":
+        return await _run_on(args, folder, None)
+    with RedisProcess() as redis_proc:
+        return await _run_on(args, folder, redis_proc.url)
+
+
+async def _run_on(
+    args: argparse.Namespace, folder: Path, redis_url: str | None
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Memory: one indexer, written and followed. Redis: two replicas over one
+    Redis, every write to the first, the follower on the second (which serves
+    the copy of the shared index it keeps, fed by the change stream)."""
+    children: list[ChildProcess] = []
+    if redis_url is None:
+        child, target = _indexer(folder, "indexer", {"backend": "memory"})
+        children.append(child)
+        watched = target
+    else:
+        backend = {"backend": "redis", "redis": {"url": redis_url, "prefix": "bench"}}
+        child, target = _indexer(folder, "writer", backend)
+        children.append(child)
+        child, watched = _indexer(folder, "watched", backend)
+        children.append(child)
     figures: dict[str, float] = {}
     prompts = _prompts()
     keys = {n: block_keys(t, BLOCK, MODEL) for n, t in prompts.items()}
     try:
         ch = grpc.aio.insecure_channel(target)
         stub = pb_grpc.IndexerServiceStub(ch)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                await stub.Ping(pb.PingRequest(), timeout=1)
-                break
-            except grpc.aio.AioRpcError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
+        await _wait_up(stub)
+        if watched != target:
+            async with grpc.aio.insecure_channel(watched) as wch:
+                await _wait_up(pb_grpc.IndexerServiceStub(wch))
         pairs = await _fill(stub, args.holders, prompts, args.tail)
         rss0 = _rss_mb()
-        f = IndexFollower(target, models=[MODEL])
+        f = IndexFollower(watched, models=[MODEL])
         await f.start()
         if not await f.wait_synced(120):
             raise RuntimeError("the follower did not sync within 120 s")
@@ -316,8 +350,10 @@ async def _run(args: argparse.Namespace, folder: Path) -> tuple[dict[str, float]
         await f.close()
         await ch.close()
     finally:
-        child.stop()
+        for c in children:
+            c.stop()
     params = {
+        "backend": args.backend,
         "holders": args.holders,
         "block_size": BLOCK,
         "prompt_blocks": list(PROMPT_BLOCKS),
@@ -344,6 +380,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tail", type=int, default=256, help="blocks of each holder's own")
     p.add_argument("--calls", type=int, default=2000, help="Matches timed per prompt")
     p.add_argument("--ingest-s", type=float, default=5.0, help="seconds of ingest for the lag")
+    p.add_argument(
+        "--backend",
+        choices=("memory", "redis"),
+        default="memory",
+        help="memory: one indexer, written and followed; redis: two replicas over one "
+        "redis-server, written through one, followed through the other (its copy of the "
+        "shared index, fed by the change stream): the lag is the write's, end to end",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.holders, args.tail, args.calls, args.ingest_s = 8, 16, 200, 1.0
@@ -367,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{fmt(figures['follower_bytes_per_block_instance'])} B per (block, instance); "
         f"wrong answers {int(figures['follower_wrong_answers'])}; "
         f"resyncs {int(figures['follower_resyncs'])}",
+        f"{params['backend']} backend; "
         f"{params['holders']} holders of every prompt block, {BLOCK}-token blocks; ratio: follower "
         "p50 / Dynamo find_matches p50 (same blocks, same holders, each in its own process)",
     ]

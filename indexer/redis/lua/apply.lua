@@ -5,10 +5,14 @@
 --   5 values), nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
 --   nn, then nn pairs (ns id, model \0 lora) to register,
 --   then ops:  'S' ns tierbit parent hashes keys | 'R' mask hashes | 'C'
---   (hashes and keys packed as 8-byte big-endian words; parent '' = no check).
--- Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} |
+--   (hashes and keys packed as 8-byte big-endian words; parent '' = no check)
+--   | 'W' batch: the batch as applied (an EventBatch message) for the watch
+--   stream (lib.lua watch_pub; without it a watched apply tells readers to
+--   read the instance again).
+-- Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'watch'} |
 --   {'dup', seq, stale, exp, n} |
---   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota, retired ids...}
+--   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota,
+--    watched (1: a replica watches, P:wl), retired ids...}
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
 local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a')
@@ -23,6 +27,11 @@ if ARGV[6] ~= '' and h[8] ~= ARGV[6] then
 end
 if ARGV[7] ~= '' and h[9] ~= ARGV[7] then
   return {'addr'}
+end
+-- A replica watches (P:wl) and the caller did not pass the batch (the 'W' op,
+-- always the last two arguments): nothing is written, the caller passes it.
+if ARGV[#ARGV - 1] ~= 'W' and watch_on() then
+  return {'watch'}
 end
 local exp = string.format('%.17g', now + tonumber(h[3]))
 redis.call('HSET', meta, 'exp', exp)
@@ -55,6 +64,7 @@ local n = tonumber(h[7])
 local stored, removed, orphaned = 0, 0, 0
 local cleared = false
 local retired = {}
+local wblob = nil
 local bpre = B .. 'b:'
 local sub = string.sub
 while p <= #ARGV do
@@ -143,6 +153,9 @@ while p <= #ARGV do
         end
       end
     end
+  elseif op == 'W' then
+    wblob = ARGV[p + 1]
+    p = p + 2
   elseif op == 'C' then
     p = p + 1
     -- Rotate to a fresh int id: O(1) here, the old entries are purged in chunks.
@@ -168,7 +181,19 @@ q_end(meta, id, n)
 if revived or cleared or nstale ~= stale then
   bump_gen()
 end
-local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over}
+local wl = watch_on()
+local watched = 0
+if wl then
+  watched = 1
+  -- A batch the quotas cut is not the batch applied: readers read the instance.
+  if Q.over == 0 then
+    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', wblob)
+  else
+    watch_pub(wl, 'r', ARGV[5], ARGV[2])
+  end
+end
+local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over,
+  watched}
 for _, r in ipairs(retired) do
   out[#out + 1] = r
 end

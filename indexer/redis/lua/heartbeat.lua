@@ -14,4 +14,8 @@ redis.call('ZADD', B .. 'lease', exp, ARGV[2])
 if tonumber(cur[2]) <= now or tonumber(exp) < tonumber(cur[2]) then
   bump_gen()
 end
+local wl = watch_on()
+if wl then
+  watch_pub(wl, 'h', ARGV[2], ARGV[3])
+end
 return state(meta)

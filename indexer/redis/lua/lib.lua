@@ -333,3 +333,23 @@ local function q_end(meta, id, n)
     redis.call('HSET', meta, 'q', u)
   end
 end
+
+-- Watching (KEYS.md, "Watching"): while a replica serves followers over this
+-- Redis, 'wl' holds the stream's length bound (set by wstart.lua, with a
+-- lease) and every change of the index is appended to the stream 'w', each
+-- entry numbered by 'wn' (field 'n', one more than the entry before it) so
+-- that a reader tells a lost or trimmed entry. Nobody watching: one GET.
+local function watch_on()
+  return redis.call('GET', B .. 'wl')
+end
+local function watch_pub(wl, kind, name, now, ...)
+  local k = B .. 'wn'
+  if redis.call('EXISTS', k) == 0 then
+    -- From the server time in microseconds: a Redis restarted empty never
+    -- numbers an entry as the one a reader expects next.
+    local t = redis.call('TIME')
+    redis.call('SET', k, t[1] .. string.format('%06d', tonumber(t[2])))
+  end
+  local n = redis.call('INCR', k)
+  redis.call('XADD', B .. 'w', 'MAXLEN', '~', wl, '*', 'n', n, 'k', kind, 'i', name, 't', now, ...)
+end

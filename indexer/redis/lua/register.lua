@@ -72,4 +72,9 @@ redis.call('ZADD', B .. 'lease', exp, ARGV[2])
 if gen then
   bump_gen()
 end
+local wl = watch_on()
+if wl then
+  watch_pub(wl, 'g', ARGV[2], ARGV[9], 'w', ARGV[3], 'r', ARGV[4], 'm', ARGV[5], 'a', ARGV[6],
+    'l', ARGV[7], 'c', ARGV[8])
+end
 return {reset, dead, state(meta)}

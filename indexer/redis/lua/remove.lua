@@ -17,4 +17,8 @@ local dead = retire(st[1])
 redis.call('DEL', meta)
 redis.call('ZREM', B .. 'lease', ARGV[2])
 bump_gen()
+local wl = watch_on()
+if wl then
+  watch_pub(wl, 'x', ARGV[2], ARGV[3], 'y', ARGV[4])
+end
 return {dead, st}

@@ -196,7 +196,9 @@ class IndexerServiceServicer:
         follower asks for them, then WatchSynced), then every change this
         replica applies, in order. A follower that falls behind by more than its
         buffer is told WatchResync and sent a new snapshot, never dropped
-        silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+        silently. A replica over standalone Redis serves a copy of the shared
+        index it keeps in memory (UNAVAILABLE while it makes it); over a Redis
+        Cluster, FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

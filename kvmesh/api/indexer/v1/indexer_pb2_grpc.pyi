@@ -77,7 +77,9 @@ class IndexerServiceStub:
     follower asks for them, then WatchSynced), then every change this
     replica applies, in order. A follower that falls behind by more than its
     buffer is told WatchResync and sent a new snapshot, never dropped
-    silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+    silently. A replica over standalone Redis serves a copy of the shared
+    index it keeps in memory (UNAVAILABLE while it makes it); over a Redis
+    Cluster, FAILED_PRECONDITION.
     """
     PredictPlacement: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.PredictPlacementRequest, _indexer_pb2.PredictPlacementResponse]
     """Record where a router just sent a request (router role): the blocks the
@@ -128,7 +130,9 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     follower asks for them, then WatchSynced), then every change this
     replica applies, in order. A follower that falls behind by more than its
     buffer is told WatchResync and sent a new snapshot, never dropped
-    silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+    silently. A replica over standalone Redis serves a copy of the shared
+    index it keeps in memory (UNAVAILABLE while it makes it); over a Redis
+    Cluster, FAILED_PRECONDITION.
     """
     PredictPlacement: _aio.UnaryUnaryMultiCallable[_indexer_pb2.PredictPlacementRequest, _indexer_pb2.PredictPlacementResponse]  # type: ignore[assignment]
     """Record where a router just sent a request (router role): the blocks the
@@ -248,7 +252,9 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         follower asks for them, then WatchSynced), then every change this
         replica applies, in order. A follower that falls behind by more than its
         buffer is told WatchResync and sent a new snapshot, never dropped
-        silently. Memory backend only (FAILED_PRECONDITION on Redis replicas).
+        silently. A replica over standalone Redis serves a copy of the shared
+        index it keeps in memory (UNAVAILABLE while it makes it); over a Redis
+        Cluster, FAILED_PRECONDITION.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,31 @@
+-- One instance as a watching replica copies it (KEYS.md, "Watching").
+-- ARGV: base, name. Returns {'wn'} when the instance is not registered, else
+-- {'wn', state (lib.lua FIELDS), {engine hash, ns id .. key, tier mask, ...},
+-- copies ('cp:' as HGETALL), {ns id, model \0 lora, ...}}, read at once: the
+-- stream's entries up to 'wn' are in it, none after.
+local n = redis.call('GET', B .. 'wn') or ''
+local meta = B .. 'i:' .. ARGV[2]
+local st = state(meta)
+if not st[1] then
+  return {n}
+end
+local id = st[1]
+local out, seen, names = {}, {}, {}
+local e = redis.call('HGETALL', B .. 'e:' .. id)
+local sub = string.sub
+for i = 1, #e, 2 do
+  local suf = e[i + 1]
+  local m = redis.call('HGET', B .. 'b:' .. suf, id)
+  if m then
+    out[#out + 1] = e[i]
+    out[#out + 1] = suf
+    out[#out + 1] = m
+    local ns = sub(suf, 1, 8)
+    if not seen[ns] then
+      seen[ns] = true
+      names[#names + 1] = ns
+      names[#names + 1] = redis.call('HGET', B .. 'ns', ns) or ''
+    end
+  end
+end
+return {n, st, out, redis.call('HGETALL', B .. 'cp:' .. id), names}

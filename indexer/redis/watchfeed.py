@@ -1,0 +1,314 @@
+"""WatchIndex over standalone Redis: a replica's copy of the shared index, fed by the change stream.
+
+Followers need a consistent snapshot and then every change in order
+(indexer/watch.py). The Redis backend has neither by itself: its replicas
+write the shared index independently. So a replica asked to serve followers
+keeps a copy of the index in its own memory, a :class:`~indexer.memory.MemoryIndex`
+(the code a follower itself runs), and serves WatchIndex from that copy as a
+memory replica serves its own index. The copy is fed by the change stream
+that every replica's scripts append to, atomically with each change, while
+someone watches (indexer/redis/KEYS.md, "Watching"):
+
+1. ``wstart.lua`` sets ``P:wl`` (the stream's length bound, with a lease this
+   feed renews) and returns the number and id of the stream's last entry;
+2. every registered instance is read at once (``wread.lua``), each with the
+   number of the stream's last entry at its read: the copy skips that
+   instance's entries up to that number, and applies every later one;
+3. the feed reads the stream after the id of step 1 and applies each entry:
+   ``b`` a batch as applied, ``g`` a registration, ``h`` a renewal, ``x`` a
+   removal or reap, ``r`` "read the instance again" (a batch the quotas cut:
+   not the batch its writer sent). A writer that does not know yet that
+   someone watches is told so by its apply (nothing written) and sends the
+   batch again with its message.
+
+Entries are numbered one by one (``P:wn``); an entry that does not follow
+the last one applied (trimmed past the bound, lost to a Redis restarted
+empty) or a stream that stops holding the next number makes the feed copy
+the index again: its followers are ended then (they come back for a new
+snapshot), never left with a copy that silently misses changes. Any error
+does the same after a pause.
+
+Demand-driven: the copy is made when the first follower asks
+(:meth:`RedisWatchFeed.demand`), and dropped with its stream lease once no
+follower has watched for :data:`IDLE_DROP_S`, so a replica nobody follows
+keeps nothing and the fleet's writes pay nothing but one GET each.
+
+Entries carry the writer's clock (``t``): the copy applies each at that time,
+so its leases are Redis's (the clocks of replicas are assumed to agree, as
+for the Redis backend itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from indexer import convert
+from indexer.memory import MemoryIndex
+from indexer.model import InstanceId, InstanceSpec
+from indexer.redis.backend import RedisIndex
+from indexer.watch import WatchHub
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.errors import FailedPrecondition, KvmeshError, NotFound
+
+log = logging.getLogger(__name__)
+
+#: Lease of ``P:wl``: writers stop appending this long after the last renewal
+#: (a watching replica that died costs the fleet its appends this long).
+LEASE_S = 30.0
+#: How often the feed renews the lease and checks that the stream still holds
+#: its next entry (a Redis restarted empty is found within this).
+CHECK_S = 1.0
+#: A copy nobody has followed for this long is dropped (and the lease left to run out).
+IDLE_DROP_S = 300.0
+#: Entries read per XREAD, and the longest wait of one (below any socket timeout).
+READ_COUNT = 1024
+READ_BLOCK_MS = 200
+#: Entries applied between two turns of the event loop.
+YIELD_EVERY = 16
+#: Pause after an error before the index is copied again.
+RETRY_S = 0.5
+#: Lags kept for the figures (event applied in Redis -> applied in the copy).
+LAG_WINDOW = 4096
+
+
+class _Resync(Exception):
+    """The copy can not follow the stream any more: copy the index again."""
+
+
+def _iid(name: bytes) -> InstanceId:
+    worker, _, rank = name.partition(b"\0")
+    return InstanceId(worker.decode("utf-8"), int(rank))
+
+
+class RedisWatchFeed:
+    """A replica's copy of a standalone Redis index, for its followers.
+
+    ``settle_s``: how long the copy is fed before it serves followers (0: at
+    once; a test's knob).
+    """
+
+    def __init__(
+        self,
+        index: RedisIndex,
+        *,
+        max_followers: int,
+        buffer: int,
+        backlog: int,
+        settle_s: float = 0.0,
+        idle_drop_s: float = IDLE_DROP_S,
+    ) -> None:
+        self.index = index
+        self._max_followers = max_followers
+        self._buffer = buffer
+        self.backlog = backlog
+        self.settle_s = settle_s
+        self.idle_drop_s = idle_drop_s
+        #: The copy followers are served from, once it holds the index (else None).
+        self.mirror: MemoryIndex | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._at: float | None = None  # the entry being applied: its writer's clock
+        self._clock: Callable[[], float] = index._clock
+        #: Number of the last entry applied.
+        self.position = 0
+        self._after = b"0-0"
+        self._skip: dict[bytes, int] = {}
+        self._wanted_at = 0.0  # time.monotonic() of the last demand
+        #: Times the index was copied (the first one included).
+        self.copies = 0
+        #: Copies made again after a gap in the stream or an error.
+        self.resyncs = 0
+        #: Instances read again (an ``r`` entry, or an entry the copy could not apply).
+        self.reloads = 0
+        self.entries_applied = 0
+        #: Redis errors met (each one made the feed copy the index again).
+        self.errors = 0
+        #: Why the last attempt to copy or follow failed ('' once a copy is made).
+        self.last_error = ""
+        #: The last lags, seconds (entry's writer clock -> applied here).
+        self.lag_s: deque[float] = deque(maxlen=LAG_WINDOW)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def demand(self) -> MemoryIndex | None:
+        """The copy to serve a follower from, or None while it is being made
+        (the feed is started by the first demand)."""
+        self._wanted_at = time.monotonic()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="kvmesh-redis-watch")
+        return self.mirror
+
+    async def close(self) -> None:
+        """Stop feeding and end every follower of the copy."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._drop()
+
+    def _drop(self) -> None:
+        m, self.mirror = self.mirror, None
+        if m is not None and m.watch is not None:
+            m.watch.close()  # its followers come back for the next copy
+
+    def _now(self) -> float:
+        at = self._at
+        return self._clock() if at is None else at
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._follow()
+                return  # idle: dropped
+            except asyncio.CancelledError:
+                raise
+            except _Resync as e:
+                self.last_error = str(e)
+                self.resyncs += 1
+                log.warning("redis watch: copying the index again (%s)", e)
+            except (KvmeshError, OSError) as e:
+                self.last_error = str(e)
+                if isinstance(e, FailedPrecondition):
+                    log.error("redis watch: %s", e)
+                    self._drop()
+                    return
+                self.errors += 1
+                log.warning("redis watch: %s; copying the index again in %.1fs", e, RETRY_S)
+            except Exception:  # a bug must not end the replica's followers silently
+                self.errors += 1
+                log.exception("redis watch: unexpected error; copying the index again")
+            self._drop()
+            await asyncio.sleep(RETRY_S)
+
+    async def _follow(self) -> None:
+        idx = self.index
+        started = time.monotonic()
+        n, after = await idx.watch_start(self.backlog, LEASE_S)
+        self.position, self._after = n, after
+        mirror = MemoryIndex(clock=self._now)
+        mirror.watch = WatchHub(max_watchers=self._max_followers, buffer=self._buffer)
+        self._skip = {}
+        for name in await idx.watch_names():
+            await self._load(mirror, name, publish=False)
+        self.copies += 1
+        self.last_error = ""
+        checked = time.monotonic()
+        serving = self.settle_s <= 0
+        if serving:
+            self.mirror = mirror
+        while True:
+            entries = await idx.watch_tail(self._after, READ_COUNT, READ_BLOCK_MS)
+            for i, (eid, fields) in enumerate(entries):
+                if i and not i % YIELD_EVERY:
+                    # The copy's followers' streams run on this loop: they send
+                    # what was applied so far instead of waiting for the read.
+                    await asyncio.sleep(0)
+                await self._apply(mirror, fields)
+                self._after = eid
+            mono = time.monotonic()
+            if not serving and mono - started >= self.settle_s:
+                self.mirror, serving = mirror, True
+            if mono - checked >= CHECK_S:
+                checked = mono
+                if mirror.watch.watchers == 0 and mono - self._wanted_at >= self.idle_drop_s:
+                    log.info(
+                        "redis watch: no follower for %.0fs; dropping the copy",
+                        mono - self._wanted_at,
+                    )
+                    self._drop()
+                    return
+                await self._check()
+
+    async def _check(self) -> None:
+        """Renew the lease; the stream must still hold the next entry, or none yet."""
+        top, _ = await self.index.watch_start(self.backlog, LEASE_S)
+        if top < self.position:
+            raise _Resync(f"the stream went back from entry {self.position} to {top}")
+        # Entries after ours exist: the next read returns them, and a gap shows
+        # there. Nothing after ours while they exist: ours are gone.
+        if top > self.position and not await self.index.watch_tail(self._after, 1, None):
+            raise _Resync(f"the stream holds entry {top} but nothing after {self.position}")
+
+    # -- entries -------------------------------------------------------------------
+
+    async def _apply(self, mirror: MemoryIndex, f: dict[bytes, bytes]) -> None:
+        n = int(f[b"n"])
+        if n != self.position + 1:
+            raise _Resync(
+                f"entry {n} after entry {self.position} (trimmed past the bound, or lost)"
+            )
+        self.position = n
+        kind = f[b"k"]
+        name = f[b"i"]
+        if kind == b"s" or self._skip.get(name, 0) >= n:
+            return
+        at = float(f[b"t"])
+        self._at = at
+        try:
+            if kind == b"b":
+                batch = convert.batch_from_pb(pb.EventBatch.FromString(f[b"x"]))
+                try:
+                    await mirror.apply(batch)
+                except (FailedPrecondition, NotFound):
+                    await self._load(mirror, name)
+            elif kind == b"g":
+                spec = InstanceSpec(
+                    instance=InstanceId(f[b"w"].decode("utf-8"), int(f[b"r"])),
+                    model=f[b"m"].decode("utf-8"),
+                    address=f[b"a"].decode("utf-8"),
+                    lease_ttl_s=float(f[b"l"]),
+                    incarnation=f[b"c"].decode("utf-8"),
+                )
+                await mirror.register(spec)
+            elif kind == b"h":
+                with contextlib.suppress(NotFound):
+                    await mirror.heartbeat(_iid(name))
+            elif kind == b"x":
+                with contextlib.suppress(NotFound):
+                    await mirror.remove_instance(_iid(name))
+            elif kind == b"r":
+                await self._load(mirror, name)
+            else:
+                raise _Resync(f"entry {n} of unknown kind {kind!r}")
+        finally:
+            self._at = None
+        self.entries_applied += 1
+        self.lag_s.append(self._clock() - at)
+
+    async def _load(self, mirror: MemoryIndex, name: bytes, *, publish: bool = True) -> None:
+        """Copy instance ``name`` as Redis holds it now; its entries up to then are skipped."""
+        n, state, content = await self.index.watch_read(name)
+        self._skip[name] = n
+        iid = _iid(name)
+        if publish:
+            self.reloads += 1
+        if state is None or content is None:
+            with contextlib.suppress(NotFound):
+                await mirror.remove_instance(iid)
+            return
+        await mirror.load_instance(state, content)
+        if publish and mirror.watch is not None:
+            # A copied instance is not a change a follower can apply: they take a new snapshot.
+            mirror.watch.resync_all()
+
+    # -- figures ---------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int | dict[str, int]]:
+        """The feed's counters, for the replica's metrics (``kvmesh_indexer_<name>_total``)."""
+        return {
+            "redis_watch_copies": self.copies,
+            "redis_watch_resyncs": self.resyncs,
+            "redis_watch_reloads": self.reloads,
+            "redis_watch_entries_applied": self.entries_applied,
+            "redis_watch_errors": self.errors,
+        }
+
+
+__all__ = ["RedisWatchFeed"]

@@ -1,0 +1,291 @@
+"""A follower of a replica over Redis answers what every replica answers.
+
+Two real indexer servers share one real redis-server and key prefix, as two
+replicas behind a load balancer. A router's follower (router_client/follower.py)
+follows replica B, which serves WatchIndex from its copy of the shared index
+(indexer/redis/watchfeed.py, fed by the change stream of indexer/redis/KEYS.md
+"Watching"). The random workload of tests/integration/test_follower.py goes to
+either replica at random (registrations, resets, stores, removals, tier moves,
+clears, counted copies, orphans, heartbeats, removals), half of it before the
+follower starts. Once B's copy holds every entry of the stream and the follower
+every change of B's copy, each prompt's Match from the follower is compared with
+replica A's own Match, which reads Redis.
+
+Broken on purpose: a copy that drops the removals of the batches it applies
+fails the comparison. Faults: the stream's counter lost (its next entry is not
+the one expected) and the whole prefix wiped (a Redis restarted empty) make B
+copy the index again and its followers take a new snapshot, after which they
+answer what A answers again.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from indexer.redis.backend import RedisIndex
+from indexer.redis.watchfeed import RedisWatchFeed
+from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from router_client.follower import IndexFollower
+from tests.grpc.conftest import Harness, close_harness, expect_status, make_config, open_harness
+from tests.integration.test_follower import _compare, _step, _World
+from tests.integration.test_zmq_subscriber import eventually
+
+
+class _Either:
+    """Each call on one of two replicas, at random (a load balancer)."""
+
+    def __init__(self, a: Harness, b: Harness, rng: random.Random) -> None:
+        self._pair = (a, b)
+        self._rng = rng
+
+    @property
+    def stub(self) -> Any:
+        return self._rng.choice(self._pair).stub
+
+
+class _Pair:
+    def __init__(self, a: Harness, b: Harness, ra: RedisIndex, rb: RedisIndex) -> None:
+        self.a, self.b, self.ra, self.rb = a, b, ra, rb
+
+    @property
+    def feed(self) -> RedisWatchFeed:
+        feed = self.b.server.servicer.watch_feed
+        assert feed is not None
+        return feed
+
+
+@pytest.fixture
+async def pair(redis_server: Any) -> AsyncIterator[_Pair]:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    ra = RedisIndex(redis_server.url, prefix=prefix)
+    rb = RedisIndex(redis_server.url, prefix=prefix)
+    a = await open_harness(make_config(), ra)
+    b = await open_harness(make_config(), rb)
+    try:
+        yield _Pair(a, b, ra, rb)
+    finally:
+        await close_harness(a)
+        await close_harness(b)
+        await ra.close()
+        await rb.close()
+
+
+async def _caught_up(p: _Pair, f: IndexFollower, within: float = 15.0) -> None:
+    """B's copy holds every entry of the stream, the follower every change of the copy."""
+    feed = p.feed
+
+    async def done() -> bool:
+        top = await p.ra._cmd("GET", p.ra._base + b"wn")
+        m = feed.mirror
+        if top is None or m is None or m.watch is None or feed.position < int(top):
+            return False
+        return f.synced and f.position >= m.watch.position
+
+    await eventually(done, within=within)
+
+
+async def _start(p: _Pair, w: _World, follower_cls: type[IndexFollower] = IndexFollower) -> Any:
+    either = _Either(p.a, p.b, w.rng)
+    for _ in range(150):  # before the follower: B's copy and its snapshot hold them
+        await _step(either, w)  # type: ignore[arg-type]
+    f = follower_cls(p.b.server.address)
+    await f.start()
+    assert await f.wait_synced(20)
+    return either, f
+
+
+async def _compare_with_a(p: _Pair, w: _World, f: IndexFollower) -> int:
+    await _caught_up(p, f)
+    return await _compare(_AsA(p), w, f)  # type: ignore[arg-type]
+
+
+class _AsA:
+    """What _compare needs of a harness: A's stub, and a hub already caught up."""
+
+    def __init__(self, p: _Pair) -> None:
+        self.stub = p.a.stub
+        m = p.feed.mirror
+        assert m is not None
+        self.server = type("S", (), {"index": m})()
+
+
+async def _run(p: _Pair, seed: int, follower_cls: type[IndexFollower] = IndexFollower) -> int:
+    w = _World(random.Random(seed))
+    either, f = await _start(p, w, follower_cls)
+    try:
+        wrong = await _compare_with_a(p, w, f)
+        for _ in range(250):  # while it follows
+            await _step(either, w)
+        wrong += await _compare_with_a(p, w, f)
+        assert p.feed.resyncs == 0 and p.feed.errors == 0
+        assert p.feed.entries_applied > 0
+        # Writers that learnt of the watch from their applies sent every batch
+        # with its message: no instance had to be read again.
+        assert p.feed.reloads == 0
+        return wrong
+    finally:
+        await f.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_follower_of_a_redis_replica_answers_what_the_replicas_answer(
+    pair: _Pair, seed: int
+) -> None:
+    assert await _run(pair, seed) == 0
+    # Every registration, batch and removal reached the copy through the stream
+    # (not by reading instances again: the writers knew someone watched).
+    assert pair.feed.copies == 1
+
+
+class _DropsRemovals(RedisWatchFeed):
+    """Broken on purpose: the copy applies every batch without its removals."""
+
+    async def _apply(self, mirror: Any, f: dict[bytes, bytes]) -> None:
+        if f.get(b"k") == b"b":
+            batch = pb.EventBatch.FromString(f[b"x"])
+            keep = [e for e in batch.events if e.WhichOneof("kind") != "removed"]
+            del batch.events[:]
+            batch.events.extend(keep)
+            f = {**f, b"x": batch.SerializeToString()}
+        await super()._apply(mirror, f)
+
+
+async def test_a_copy_that_drops_removals_fails_the_comparison(pair: _Pair) -> None:
+    feed = pair.feed
+    pair.b.server.servicer.watch_feed = _DropsRemovals(
+        feed.index, max_followers=8, buffer=4096, backlog=feed.backlog
+    )
+    try:
+        assert sum([await _run(pair, seed) for seed in (1, 2)]) > 0
+    finally:
+        await pair.b.server.servicer.watch_feed.close()
+
+
+async def test_a_lost_entry_makes_the_replica_copy_again_and_followers_resync(
+    pair: _Pair,
+) -> None:
+    w = _World(random.Random(7))
+    either, f = await _start(pair, w)
+    try:
+        assert await _compare_with_a(pair, w, f) == 0
+        snapshots = f.snapshots
+        # The counter lost: the next entry is numbered from the clock, not after ours.
+        await pair.ra._cmd("DEL", pair.ra._base + b"wn")
+        for _ in range(60):
+            await _step(either, w)
+        await eventually(lambda: pair.feed.resyncs >= 1, within=10)
+        await eventually(lambda: f.snapshots > snapshots, within=20)
+        assert await _compare_with_a(pair, w, f) == 0
+    finally:
+        await f.close()
+
+
+async def test_a_redis_restarted_empty_makes_the_replica_copy_again(pair: _Pair) -> None:
+    w = _World(random.Random(8))
+    either, f = await _start(pair, w)
+    try:
+        assert await _compare_with_a(pair, w, f) == 0
+        snapshots = f.snapshots
+        # Every key of the prefix gone, as after a restart without persistence.
+        keys = [k async for k in pair.ra._r.scan_iter(match=pair.ra._base + b"*")]
+        await pair.ra._cmd("UNLINK", *keys)
+        await eventually(lambda: pair.feed.resyncs >= 1, within=10)
+        await eventually(lambda: f.snapshots > snapshots, within=20)
+        # The engines register again (their sequences start over) and publish.
+        w.incarnation.clear()
+        w.seq.clear()
+        w.model.clear()
+        w.hashes.clear()
+        for _ in range(120):
+            await _step(either, w)
+        assert await _compare_with_a(pair, w, f) == 0
+    finally:
+        await f.close()
+
+
+async def test_an_instance_read_again_reaches_followers_as_a_new_snapshot(pair: _Pair) -> None:
+    """An ``r`` entry (a batch the quotas cut) makes the copy read the instance
+    from Redis; its followers take a new snapshot and answer the same."""
+    w = _World(random.Random(9))
+    either, f = await _start(pair, w)
+    try:
+        assert await _compare_with_a(pair, w, f) == 0
+        snapshots = f.snapshots
+        key = next(k for k in w.incarnation)
+        iname = f"{key[0]}\0{key[1]}".encode()
+        base = pair.ra._base
+        await pair.ra._r.eval(
+            "local n = redis.call('INCR', KEYS[1]) "
+            "redis.call('XADD', KEYS[2], '*', 'n', n, 'k', 'r', 'i', ARGV[1], 't', ARGV[2])",
+            2,
+            base + b"wn",
+            base + b"w",
+            iname,
+            repr(pair.ra._clock()),
+        )
+        await eventually(lambda: pair.feed.reloads >= 1, within=10)
+        await eventually(lambda: f.snapshots > snapshots, within=20)
+        for _ in range(40):
+            await _step(either, w)
+        assert await _compare_with_a(pair, w, f) == 0
+        assert pair.feed.resyncs == 0
+    finally:
+        await f.close()
+
+
+async def test_until_the_copy_is_made_watch_index_says_unavailable(pair: _Pair) -> None:
+    pair.feed.settle_s = 3.0
+    call: Any = pair.b.stub.WatchIndex(pb.WatchIndexRequest())
+    err = await expect_status(call.read(), grpc.StatusCode.UNAVAILABLE)
+    assert "copying the index" in (err.details() or "")
+    await eventually(lambda: pair.feed.mirror is not None, within=10)
+
+
+async def test_a_cluster_replica_refuses_watch_index(redis_cluster: Any) -> None:
+    idx = RedisIndex(redis_cluster.url, prefix=f"t{uuid.uuid4().hex[:8]}", cluster=True)
+    h = await open_harness(make_config(), idx)
+    try:
+        call: Any = h.stub.WatchIndex(pb.WatchIndexRequest())
+        err = await expect_status(call.read(), grpc.StatusCode.FAILED_PRECONDITION)
+        assert "Redis Cluster" in (err.details() or "")
+    finally:
+        await close_harness(h)
+        await idx.close()
+
+
+async def test_a_user_without_the_stream_rights_is_told_and_keeps_writing(
+    redis_server: Any,
+) -> None:
+    """A user made by the rule of before watching (no xadd, xread, xrevrange):
+    WatchIndex answers UNAVAILABLE with the refusal (NOPERM in the wstart script, the
+    ACL SETUSER to run), and writes go on: none of them appends to the stream."""
+    from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
+    from tests.conftest import FakeClock
+    from tests.integration.test_predictions_redis import _acl_index
+
+    idx = _acl_index(redis_server, FakeClock(), drop=("xadd", "xread", "xrevrange"))
+    h = await open_harness(make_config(), idx)
+    try:
+        w0 = InstanceId("w0", 0)
+        await idx.register(InstanceSpec(w0, "m", "http://w0", 60.0))
+        call: Any = h.stub.WatchIndex(pb.WatchIndexRequest())
+        await expect_status(call.read(), grpc.StatusCode.UNAVAILABLE)
+        feed = h.server.servicer.watch_feed
+        assert feed is not None
+        await eventually(lambda: "NOPERM" in feed.last_error)
+        call = h.stub.WatchIndex(pb.WatchIndexRequest())
+        err = await expect_status(call.read(), grpc.StatusCode.UNAVAILABLE)
+        details = err.details() or ""
+        assert "NOPERM" in details and "wstart" in details and "ACL SETUSER" in details
+        await idx.apply(EventBatch(w0, 1, (BlockStored(block_hashes=(1,), block_keys=(101,)),)))
+        got = await idx.match(Namespace("m"), [101])
+        assert [m.instance for m in got] == [w0]
+    finally:
+        await close_harness(h)
+        await idx.close()

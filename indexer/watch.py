@@ -159,7 +159,11 @@ class WatchHub:
     """The replica's watchers and its stream position. One per replica, one event loop."""
 
     def __init__(
-        self, *, max_watchers: int = DEFAULT_MAX_WATCHERS, buffer: int = DEFAULT_BUFFER
+        self,
+        *,
+        max_watchers: int = DEFAULT_MAX_WATCHERS,
+        buffer: int = DEFAULT_BUFFER,
+        position: int = 0,
     ) -> None:
         if max_watchers < 0:
             raise InvalidArgument("must be >= 0", field="watch.max_followers")
@@ -167,8 +171,10 @@ class WatchHub:
             raise InvalidArgument("must be >= 1", field="watch.buffer")
         self.max_watchers = max_watchers
         self.buffer = buffer
-        #: Position of the last change published (0: none yet).
-        self.position = 0
+        #: Position of the last change published (0: none yet; ``position``: a
+        #: hub that replaces another starts past it, so that no watcher of the
+        #: old one is ever at a position of the new one).
+        self.position = position
         self._watchers: list[Watcher] = []
         self.closed = False
 

@@ -513,6 +513,8 @@ class RedisIndex(Index):
         self._gate = asyncio.Semaphore(max_connections)
         #: Reads a router waits on give up after this (the sockets wait for writes).
         self._read_timeout = socket_timeout_s if write_timeout_s > socket_timeout_s else None
+        #: How long a command may wait on its socket (a blocking read must wait less).
+        self.socket_wait_s = max(socket_timeout_s, write_timeout_s)
         self._exec = _gated(self._exec, self._gate)
         self._scripts = load_scripts(cluster)
         self._tracer = trace.get_tracer(TRACER_NAME) if tracing_enabled() else None

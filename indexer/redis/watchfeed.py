@@ -118,6 +118,8 @@ class RedisWatchFeed:
         self._after = b"0-0"
         self._skip: dict[bytes, int] = {}
         self._wanted_at = 0.0  # time.monotonic() of the last demand
+        self._hub: WatchHub | None = None  # the copy's hub (served or not yet)
+        self._hub_end = 0  # the last position of the copies before
         #: Times the index was copied (the first one included).
         self.copies = 0
         #: Copies made again after a gap in the stream or an error.
@@ -155,6 +157,8 @@ class RedisWatchFeed:
         m, self.mirror = self.mirror, None
         if m is not None and m.watch is not None:
             m.watch.close()  # its followers come back for the next copy
+        if self._hub is not None:
+            self._hub_end = max(self._hub_end, self._hub.position)
 
     def _now(self) -> float:
         at = self._at
@@ -193,18 +197,25 @@ class RedisWatchFeed:
         n, after = await idx.watch_start(self.backlog, LEASE_S)
         self.position, self._after = n, after
         mirror = MemoryIndex(clock=self._now)
-        mirror.watch = WatchHub(max_watchers=self._max_followers, buffer=self._buffer)
+        # Positions go on past the last copy's: a follower of that copy (its
+        # stream not ended yet) is never at a position of this one.
+        mirror.watch = WatchHub(
+            max_watchers=self._max_followers, buffer=self._buffer, position=self._hub_end + 1
+        )
+        self._hub = mirror.watch
         self._skip = {}
         for name in await idx.watch_names():
             await self._load(mirror, name, publish=False)
         self.copies += 1
         self.last_error = ""
         checked = time.monotonic()
+        # A blocking read waits well within the socket's timeout.
+        block_ms = max(1, min(READ_BLOCK_MS, int(idx.socket_wait_s * 400)))
         serving = self.settle_s <= 0
         if serving:
             self.mirror = mirror
         while True:
-            entries = await idx.watch_tail(self._after, READ_COUNT, READ_BLOCK_MS)
+            entries = await idx.watch_tail(self._after, READ_COUNT, block_ms)
             for i, (eid, fields) in enumerate(entries):
                 if i and not i % YIELD_EVERY:
                     # The copy's followers' streams run on this loop: they send

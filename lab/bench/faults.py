@@ -17,8 +17,9 @@ writes ``{"figures": {"operations", "faults_injected", "fault_kinds",
 "replicas", "violations", ...}, "params": {...}, "violations": [...]}``.
 
 ``--follower`` adds a router's follower (router_client/follower.py) to every
-memory-backend round: it follows the replica over a real WatchIndex stream
-that the harness cuts and stalls, and its Matches are checked against the
+memory and standalone-Redis round: it follows the replica (over Redis, replica
+0's copy of the shared index) over a real WatchIndex stream that the harness
+cuts and stalls, and its Matches are checked against the
 model under the follower's lag bound (lab/faults/fleet.py); the figures then
 count its answers (``follower``: checked, fallback while out of sync, behind
 while stalled; snapshots, resyncs, reconnects).
@@ -102,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--follower",
         action="store_true",
-        help="memory rounds also follow the replica with a router's follower and check it",
+        help="memory and standalone rounds also follow a replica with a router's follower "
+        "and check it",
     )
     ap.add_argument("--profiles", default="", help="comma-separated profiles (default: rotation)")
     ap.add_argument("--ops", type=int, default=ROUND_OPS, help="operations per round")
@@ -187,7 +189,7 @@ async def _run(
             replicas=args.replicas,
             ops=args.ops,
             duration_s=max(left, 1.0),
-            follower=args.follower and kind == "memory",
+            follower=args.follower and kind in ("memory", "standalone"),
         )
         progress.phase(f"round {k}: {kind}/{profile}, seed {p.seed}")
         res = await run_round(targets[kind], p)

@@ -58,7 +58,7 @@ from indexer.sglang.compat import SglangCompat
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.api.kv_indexer.v1 import kv_indexer_pb2_grpc as spb_grpc
-from kvmesh.errors import Unavailable
+from kvmesh.errors import KvmeshError, Unavailable
 from lab.faults.engines import ZmqEngine
 from lab.faults.faults import Target
 from lab.faults.ops import BLOCK_SIZE, SG_MODEL, SG_TTL_S
@@ -391,7 +391,8 @@ class Proxy:
 
 
 class FollowerLink:
-    """A follower of the fleet's memory replica, through a :class:`Proxy`, with its faults."""
+    """A follower of the fleet's memory replica (or of standalone Redis replica 0's copy of
+    the shared index), through a :class:`Proxy`, with its faults."""
 
     def __init__(
         self,
@@ -436,21 +437,43 @@ class FollowerLink:
         return self.stall_until >= 0
 
     def replica_position(self) -> int | None:
-        """The replica's stream position now (None while it is down)."""
+        """The replica's stream position now (None while it is down, or while a
+        replica over Redis holds no copy of the index)."""
         server = self.replica.server
         if server is None:
             return None
         index = server.servicer.watch_index
+        if index is None and server.servicer.watch_feed is not None:
+            index = server.servicer.watch_feed.mirror
         if index is None or index.watch is None:
             return None
         position: int = index.watch.position
         return position
 
-    def caught_up(self) -> bool:
+    async def redis_top(self) -> int | None:
+        """Over Redis: the number of the change stream's last entry (every change
+        acknowledged so far is at or before it); None elsewhere or while down."""
+        server = self.replica.server
+        if server is None or server.servicer.watch_feed is None:
+            return None
+        idx = server.servicer.watch_feed.index
+        try:
+            raw = await idx._cmd("GET", idx._base + b"wn")
+        except KvmeshError:
+            return None
+        return int(raw) if raw is not None else 0
+
+    def caught_up(self, top: int | None = None) -> bool:
         """Whether the follower answers from a copy holding every change its replica
         applied: in sync, loaded from the replica's current run, at the
-        replica's position."""
+        replica's position; over Redis (``top``: :meth:`redis_top`, read
+        before), the replica's copy also holds every entry up to ``top``."""
         f, pos = self.f, self.replica_position()
+        if top is not None:
+            server = self.replica.server
+            feed = server.servicer.watch_feed if server is not None else None
+            if feed is None or feed.mirror is None or feed.position < top:
+                return False
         return (
             f.synced and f.synced_run == self.replica.run and pos is not None and f.position >= pos
         )

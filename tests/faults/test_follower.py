@@ -1,4 +1,5 @@
-"""The fault harness with a router's follower of the memory replica (lab/faults/fleet.py).
+"""The fault harness with a router's follower (lab/faults/fleet.py): of the memory replica,
+and of a replica over standalone Redis (its copy of the shared index).
 
 The follower (router_client/follower.py) follows the replica through a real
 WatchIndex stream on 127.0.0.1, behind a relay that cuts and stalls it; the
@@ -95,3 +96,39 @@ async def test_a_change_the_follower_applies_late_renews_from_the_replicas_time(
     res = await run_round(memory, p)
     assert res.faults["clock_jump"] >= 1, res.faults
     assert not res.violations, format_round(res)
+
+
+#: Rounds over two replicas sharing one Redis; the follower follows replica 0's
+#: copy of the shared index (indexer/redis/watchfeed.py) through stream cuts and
+#: stalls, and with Redis stalled (CLIENT PAUSE) or restarted empty, which make
+#: the replica copy the index again.
+REDIS_OPS = 250
+
+
+@pytest.mark.parametrize(("profile", "seed"), [("core", 1), ("pause", 2), ("restart", 1)])
+async def test_a_follower_of_a_redis_replica_keeps_the_contract(
+    standalone: Target, profile: str, seed: int
+) -> None:
+    p = RunParams(seed=seed, profile=profile, ops=REDIS_OPS, follower=True)
+    res = await run_round(standalone, p)
+    assert not res.violations, format_round(res)
+    assert res.operations == REDIS_OPS
+    assert res.follower["checked"] > 30, res.follower
+    if profile != "core":
+        # The faults made the replica copy the index again, and the follower
+        # answered checked Matches from the new copies.
+        assert res.follower["copy_made"] >= 2, res.follower
+
+
+async def test_a_broken_follower_of_a_redis_replica_is_caught(standalone: Target) -> None:
+    p = RunParams(
+        seed=2,
+        profile="core",
+        ops=REDIS_OPS,
+        follower=True,
+        follower_cls=FollowerIgnoresBlockRemovals,
+    )
+    res = await run_round(standalone, p)
+    assert res.violations, f"{res.operations} operations and no violation"
+    assert res.violations[0].invariant in {"removed_reported", "wrong_read"}, format_round(res)
+    assert "follower" in res.violations[0].detail

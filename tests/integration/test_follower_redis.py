@@ -175,6 +175,8 @@ async def test_a_lost_entry_makes_the_replica_copy_again_and_followers_resync(
     try:
         assert await _compare_with_a(pair, w, f) == 0
         snapshots = f.snapshots
+        old = pair.feed.mirror
+        assert old is not None and old.watch is not None
         # The counter lost: the next entry is numbered from the clock, not after ours.
         await pair.ra._cmd("DEL", pair.ra._base + b"wn")
         for _ in range(60):
@@ -182,6 +184,11 @@ async def test_a_lost_entry_makes_the_replica_copy_again_and_followers_resync(
         await eventually(lambda: pair.feed.resyncs >= 1, within=10)
         await eventually(lambda: f.snapshots > snapshots, within=20)
         assert await _compare_with_a(pair, w, f) == 0
+        # The new copy's positions go on past the old one's: a follower still on
+        # the old copy (its stream not ended yet) is never at a position of the new.
+        new = pair.feed.mirror
+        assert new is not None and new.watch is not None and new is not old
+        assert new.watch.position > old.watch.position
     finally:
         await f.close()
 

@@ -109,6 +109,14 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        self.redis_watch_lag = Histogram(
+            "kvmesh_indexer_redis_watch_lag_seconds",
+            "A replica over Redis serving followers: each change's delay from its writer's "
+            "apply to this replica's copy of the index (the writers' clocks; "
+            "indexer/redis/KEYS.md, Watching).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # Span export counters (process-wide): a down collector shows here.
         _tracing.register_metrics(r)
 

@@ -192,7 +192,7 @@ SPECS: dict[str, Spec] = {
 
 #: Every scenario, in the order the table prints them.
 SCENARIOS = tuple(SPECS)
-BACKENDS = ("memory", "redis", "follower")
+BACKENDS = ("memory", "redis", "follower", "redis_follower")
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,9 +558,16 @@ def hit_of(stub: Any, query: pb.MatchRequest, worker: str) -> tuple[int, int]:
     return 0, 0
 
 
+#: Backends that are a router's follower, and the backend whose indexer each
+#: follows: the memory one's own index, or the copy of the shared index the
+#: Redis one keeps for its followers (indexer/redis/watchfeed.py).
+FOLLOWS = {"follower": "memory", "redis_follower": "redis"}
+
+
 class FollowerStub:
-    """The ``follower`` backend: a router's follower (router_client/follower.py) of
-    the run's memory indexer, in a thread with its own event loop, behind the
+    """The ``follower`` and ``redis_follower`` backends: a router's follower
+    (router_client/follower.py) of the run's memory or Redis indexer, in a
+    thread with its own event loop, behind the
     two calls the harness makes. Match keys the query as a router does
     (kvmesh.blockkeys, the indexer's block size) and asks the follower; what
     the follower declines (a hybrid-attention model: its hits are cut by group
@@ -572,6 +579,8 @@ class FollowerStub:
         self._remote = remote
         self._block = block_size
         self.declined = 0
+        #: Matches the follower answered itself.
+        self.answered = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="conformance-follower", daemon=True
@@ -583,7 +592,7 @@ class FollowerStub:
 
         self.follower = self._call(make())
         if not self._call(self.follower.wait_synced(60)):
-            raise RuntimeError("the follower did not sync with the memory indexer in 60 s")
+            raise RuntimeError(f"the follower did not sync with the indexer at {target} in 60 s")
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(60)
@@ -614,6 +623,8 @@ class FollowerStub:
             self.declined += 1
             resp: pb.MatchResponse = self._remote.Match(req, timeout=timeout or 30)
             return resp
+        if keys:
+            self.answered += 1
         resp = pb.MatchResponse()
         for name, m in (out.matches if out is not None else {}).items():
             worker, _, rank = name.partition("/dp")
@@ -661,6 +672,10 @@ class RunResult:
     rejected: dict[tuple[str, str], int]
     engines: list[dict[str, Any]]
     seconds: float
+    #: Per follower backend, (Matches it answered in process, Matches it
+    #: declined to its indexer): a follower that answers nothing itself
+    #: would pass the comparison on its indexer's answers.
+    follower_answers: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def results(self, skew_blocks: int = 0) -> list[Result]:
         """One :class:`Result` per (row, backend), in table order."""
@@ -792,8 +807,8 @@ def run_scenario(
                 children.append(child.start())
             prefix = f"kvc{uuid.uuid4().hex[:8]}"
             for backend in backends:
-                if backend == "follower":
-                    continue  # follows the memory indexer (below)
+                if backend in FOLLOWS:
+                    continue  # follows the memory or Redis indexer (below)
                 overrides = _indexer_config(spec, engines, prefix)
                 argv = python_module("lab.bench.indexer_common", "--serve", backend)
                 if backend == "redis":
@@ -813,13 +828,15 @@ def run_scenario(
                 ix.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
                 ix.stub = pb_grpc.IndexerServiceStub(ix.channel)
                 ix.port = port
-            if "follower" in backends:
-                memory = next((ix for ix in indexers if ix.backend == "memory"), None)
-                if memory is None:
-                    raise ValueError("the follower backend follows the memory backend: ask both")
-                follower = Indexer("follower", memory.child)
+            for name, followed in FOLLOWS.items():
+                if name not in backends:
+                    continue
+                leader = next((ix for ix in indexers if ix.backend == followed), None)
+                if leader is None:
+                    raise ValueError(f"the {name} backend follows the {followed} one: ask both")
+                follower = Indexer(name, leader.child)
                 follower.stub = FollowerStub(
-                    f"127.0.0.1:{memory.port}", memory.stub, spec.index_block
+                    f"127.0.0.1:{leader.port}", leader.stub, spec.index_block
                 )
                 indexers.append(follower)
             for e in engines:
@@ -842,6 +859,11 @@ def run_scenario(
                 for keys in spec.keys
             }
             stats = [{"shape": e.shape, **e.stats} for e in engines]
+            answers = {
+                ix.backend: (ix.stub.answered, ix.stub.declined)
+                for ix in indexers
+                if isinstance(ix.stub, FollowerStub)
+            }
         finally:
             for ix in indexers:
                 if isinstance(ix.stub, FollowerStub):
@@ -856,6 +878,7 @@ def run_scenario(
         rejected,
         stats,
         time.monotonic() - started,
+        answers,
     )
 
 

@@ -89,7 +89,8 @@ class RedisWatchFeed:
     """A replica's copy of a standalone Redis index, for its followers.
 
     ``settle_s``: how long the copy is fed before it serves followers (0: at
-    once; a test's knob).
+    once; a test's knob). ``on_lag``: called with each change's delay from its
+    writer to the copy, seconds (the replica's histogram).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class RedisWatchFeed:
         backlog: int,
         settle_s: float = 0.0,
         idle_drop_s: float = IDLE_DROP_S,
+        on_lag: Callable[[float], None] | None = None,
     ) -> None:
         self.index = index
         self._max_followers = max_followers
@@ -108,6 +110,7 @@ class RedisWatchFeed:
         self.backlog = backlog
         self.settle_s = settle_s
         self.idle_drop_s = idle_drop_s
+        self._on_lag = on_lag
         #: The copy followers are served from, once it holds the index (else None).
         self.mirror: MemoryIndex | None = None
         self._task: asyncio.Task[None] | None = None
@@ -291,7 +294,10 @@ class RedisWatchFeed:
         finally:
             self._at = None
         self.entries_applied += 1
-        self.lag_s.append(self._clock() - at)
+        lag = self._clock() - at
+        self.lag_s.append(lag)
+        if self._on_lag is not None:
+            self._on_lag(max(0.0, lag))
 
     async def _load(self, mirror: MemoryIndex, name: bytes, *, publish: bool = True) -> None:
         """Copy instance ``name`` as Redis holds it now; its entries up to then are skipped."""

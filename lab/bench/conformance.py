@@ -41,6 +41,7 @@ from lab.bench.report import table, write_report
 from lab.conformance import (
     BACKENDS,
     DEFAULT_REQUESTS,
+    FOLLOWS,
     VLLM,
     EngineKind,
     EngineMissing,
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=(*BACKENDS, "both"),
         default="memory",
-        help="indexer backend; both: memory and redis against the same engines",
+        help="indexer backend; follower / redis_follower: a router's follower of the memory / "
+        "Redis indexer (which runs too); both: every backend against the same engines",
     )
     ap.add_argument(
         "--block-size",
@@ -177,7 +179,12 @@ def main(argv: Sequence[str]) -> int:
     unknown = [s for s in names if engine_of(s) is None]
     if unknown:
         raise SystemExit(f"kvmesh bench conformance: unknown scenarios {unknown}")
-    backends = list(BACKENDS) if args.backend == "both" else [args.backend]
+    if args.backend == "both":
+        backends = list(BACKENDS)
+    elif args.backend in FOLLOWS:
+        backends = [FOLLOWS[args.backend], args.backend]  # a follower needs its indexer
+    else:
+        backends = [args.backend]
     pythons: dict[str, Path] = {}
     for name in names:
         kind = engine_of(name)

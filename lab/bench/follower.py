@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -245,6 +246,28 @@ async def _wait_up(stub: Any) -> None:
             await asyncio.sleep(0.1)
 
 
+def _ingest_child(target: str, holders: int, seconds: float, out: Any) -> None:
+    counts: dict[str, float] = {}
+    _ingest(target, holders, seconds, counts)
+    out.put(counts.get("blocks", 0))
+
+
+def _ingest_elsewhere(target: str, holders: int, seconds: float) -> float:
+    """:func:`_ingest` in a process of its own (spawned): the publishers do not
+    share the follower's interpreter, as in a fleet; the blocks applied."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_ingest_child, args=(target, holders, seconds, q), daemon=True)
+    proc.start()
+    try:
+        blocks: float = q.get(timeout=seconds + 120)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    return blocks
+
+
 async def _run(args: argparse.Namespace, folder: Path) -> tuple[dict[str, float], dict[str, Any]]:
     if args.backend == "memory":
         return await _run_on(args, folder, None)
@@ -311,11 +334,15 @@ async def _run_on(
                 )
         # Lag at full ingest.
         f.lag_s.clear()
-        counts: dict[str, float] = {}
         t0 = time.monotonic()
-        await asyncio.to_thread(_ingest, target, args.holders, args.ingest_s, counts)
+        if args.ingest_in == "thread":
+            counts: dict[str, float] = {}
+            await asyncio.to_thread(_ingest, target, args.holders, args.ingest_s, counts)
+            blocks = counts.get("blocks", 0)
+        else:
+            blocks = await asyncio.to_thread(_ingest_elsewhere, target, args.holders, args.ingest_s)
         elapsed = time.monotonic() - t0
-        figures["ingest_blocks_per_s"] = counts.get("blocks", 0) / elapsed
+        figures["ingest_blocks_per_s"] = blocks / elapsed
         # A registration after the ingest: once the follower holds it, it holds
         # everything before it (changes come in order).
         marker = pb.InstanceRef(worker_id="marker", dp_rank=0)
@@ -361,6 +388,7 @@ async def _run_on(
         "pairs": pairs,
         "calls": args.calls,
         "ingest_s": args.ingest_s,
+        "ingest_in": args.ingest_in,
         "cpus": os.cpu_count(),
     }
     return figures, params
@@ -380,6 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tail", type=int, default=256, help="blocks of each holder's own")
     p.add_argument("--calls", type=int, default=2000, help="Matches timed per prompt")
     p.add_argument("--ingest-s", type=float, default=5.0, help="seconds of ingest for the lag")
+    p.add_argument(
+        "--ingest-in",
+        choices=("thread", "process"),
+        default="thread",
+        help="where the publisher of the lag's ingest runs: a thread of the follower's process "
+        "(sharing its interpreter), or a process of its own (one more process on the cores)",
+    )
     p.add_argument(
         "--backend",
         choices=("memory", "redis"),

@@ -2,11 +2,12 @@
 
 Every scenario of ``lab/conformance.py`` runs real vLLM engines (from the
 vLLM virtualenv ``make setup`` creates) against a memory and a Redis indexer
-and a router's follower of the memory one (lab/conformance.py ``FollowerStub``)
-at once, :data:`REQUESTS` requests each, and every admitted request's
-predicted reuse is compared with ``get_computed_blocks``. A row passes with
-at least :data:`MIN_EXACT` of its requests exact and none over (a router
-must never be sent where the cache is not).
+and a router's follower of each (lab/conformance.py ``FollowerStub``; the Redis
+one's is the copy of the shared index it keeps for its followers) at once,
+:data:`REQUESTS` requests each, and every admitted request's predicted reuse
+is compared with ``get_computed_blocks``. A row passes with at least
+:data:`MIN_EXACT` of its requests exact and none over (a router must never
+be sent where the cache is not).
 
 A scenario kvmesh gets wrong today is a strict xfail naming its measured
 figure and cause: when a fix makes it pass, the xfail fails the run and its
@@ -169,6 +170,17 @@ def test_the_harness_flags_an_answer_one_block_too_deep(runs: Runs) -> None:
         and ob.predicted() == ob.truth
     ]
     assert broken.over >= len(roomy) > 0
+
+
+@pytest.mark.timeout(900)
+def test_the_followers_answer_in_process(runs: Runs) -> None:
+    """A follower row is the follower's own answers: on a full-attention model each
+    follower (of the memory indexer, of the Redis one's copy) answered every
+    Match itself but the few asked while it was not in sync."""
+    answers = runs.get("full").follower_answers
+    assert set(answers) == {b for b in BACKENDS if "follower" in b}
+    for backend, (answered, declined) in answers.items():
+        assert answered >= 0.99 * (answered + declined) > 0, (backend, answered, declined)
 
 
 def test_tokens_are_counted_the_way_vllm_counts_its_hit() -> None:

@@ -27,11 +27,12 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 import kvmesh
 from indexer.memory import MemoryIndex
+from indexer.redis.backend import RedisIndex
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.tee.v1 import tee_pb2 as tee_pb
 from kvmesh.api.tee.v1 import tee_pb2_grpc as tee_pb_grpc
 from lab.bench.testsink import TestSink
-from lab.redisproc import free_port
+from lab.redisproc import RedisProcess, free_port
 from router_client.metrics import RouterMetrics
 from tee.cachesim.config import CacheSimConfig
 from tee.cachesim.server import CacheSimServer
@@ -97,6 +98,17 @@ async def _run_and_scrape() -> dict[str, dict[str, str]]:
         out["indexer"] = await _both(f"http://127.0.0.1:{h.server.metrics_port}/metrics")
     finally:
         await close_harness(h)
+
+    # A replica over Redis: the families of its copy for followers (KEYS.md, "Watching").
+    with RedisProcess() as redis_proc:
+        rix = RedisIndex(redis_proc.url, prefix="expo")
+        h = await open_harness(make_config(metrics_port=free_port()), rix)
+        try:
+            await register(h.stub, "w0")
+            out["indexer_redis"] = await _both(f"http://127.0.0.1:{h.server.metrics_port}/metrics")
+        finally:
+            await close_harness(h)
+            await rix.close()
 
     sink = await TestSink().start()
     tee_cfg = TeeConfig.model_validate(

@@ -513,16 +513,16 @@ class SglangApiSettings(StrictModel):
 class WatchSettings(StrictModel):
     """Followers of a replica (WatchIndex): routers that hold a copy of the index.
 
-    A memory replica serves its own index. A replica over standalone Redis keeps
-    a copy of the shared index in its memory, fed by the change stream every
-    replica appends to while one watches (indexer/redis/KEYS.md, "Watching"),
-    and serves that; over a Redis Cluster WatchIndex answers FAILED_PRECONDITION.
+    A memory replica serves its own index. A replica over Redis (standalone or
+    Cluster) keeps a copy of the shared index in its memory, fed by the change
+    stream every replica appends to while one watches (indexer/redis/KEYS.md,
+    "Watching"), and serves that.
     """
 
     enabled: bool = Field(
         default=True,
-        description="Serve WatchIndex (memory backend; standalone Redis through a copy of "
-        "the index kept in this replica's memory; not over a Redis Cluster).",
+        description="Serve WatchIndex (memory backend; over Redis through a copy of the "
+        "shared index kept in this replica's memory, made at the first follower).",
     )
     max_followers: int = Field(
         default=64, ge=0, le=4096, description="Followers one replica serves at once."

@@ -653,9 +653,8 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 )
         if index is None or index.watch is None:
             raise FailedPrecondition(
-                "WatchIndex needs watch.enabled on a memory replica or one over standalone "
-                "Redis (not a Redis Cluster)",
-                field="backend",
+                "WatchIndex needs watch.enabled (watch.enabled: false on this replica)",
+                field="watch.enabled",
             )
         models = list(request.models)
         if len(models) > WATCH_MAX_MODELS:
@@ -843,7 +842,7 @@ class IndexerServer:
                 max_watchers=config.watch.max_followers, buffer=config.watch.buffer
             )
             self.servicer.watch_index = index
-        elif config.watch.enabled and isinstance(index, RedisIndex) and not index.cluster:
+        elif config.watch.enabled and isinstance(index, RedisIndex):
             self.servicer.watch_feed = RedisWatchFeed(
                 index,
                 max_followers=config.watch.max_followers,

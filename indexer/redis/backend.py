@@ -545,8 +545,8 @@ class RedisIndex(Index):
         self._s_match = self._scripts["match"]
         self._s_apply = self._scripts["capply" if cluster else "apply"]
         #: Whether a replica watches this Redis (KEYS.md, "Watching"): its
-        #: applies then carry the batch for the stream. Each apply's reply says
-        #: (standalone only); an apply without it while one watches is answered
+        #: applies then carry the batch for the stream. Each apply's reply says;
+        #: an apply without it while one watches is answered
         #: ``watch``, writing nothing, and sent again with the batch.
         self._watched = False
         # instance table cache
@@ -1579,7 +1579,9 @@ class RedisIndex(Index):
                         over,
                         retired,
                         writes,
+                        watching,
                     ) = res
+                    self._watched = bool(watching)
                 else:
                     (
                         _,
@@ -1681,14 +1683,10 @@ class RedisIndex(Index):
         """Start (or go on) watching: every change is appended to the stream, which
         keeps about ``backlog`` entries, for ``lease_s`` unless renewed. Returns the
         number and stream id of its last entry (a reader reads after them)."""
-        if self.cluster:
-            raise FailedPrecondition(
-                "WatchIndex over Redis Cluster is not served (standalone Redis only)",
-                field="backend",
-            )
         n, last = await self._eval(
             self._scripts["wstart"],
-            0,
+            len(self._ctl_keys),
+            *self._ctl_keys,
             self._base,
             str(backlog),
             str(max(1, round(lease_s * 1000))),
@@ -1707,7 +1705,9 @@ class RedisIndex(Index):
         state and content None when it is not registered. ``content`` holds its
         blocks as stores of keys (and its copies), as MemoryIndex.load_instance
         takes them."""
-        got = await self._eval(self._scripts["wread"], 0, self._base, name)
+        got = await self._eval(
+            self._scripts["wread"], len(self._ctl_keys), *self._ctl_keys, self._base, name
+        )
         n = int(got[0]) if got[0] else 0
         if len(got) == 1:
             return n, None, None

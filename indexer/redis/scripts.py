@@ -47,7 +47,16 @@ SCRIPTS = (
     "wread",
 )
 #: Cluster mode: scripts on the control slot (they report a bumped generation).
-CLUSTER_CONTROL = ("register", "heartbeat", "remove", "snapshot", "capply", "cpurge")
+CLUSTER_CONTROL = (
+    "register",
+    "heartbeat",
+    "remove",
+    "snapshot",
+    "capply",
+    "cpurge",
+    "wstart",
+    "wread",
+)
 #: Cluster mode: scripts on a data node.
 CLUSTER_DATA = ("match", "cblocks", "cgen")
 #: Cluster mode: route-time predictions, on the control slot (they bump nothing).

@@ -1,4 +1,4 @@
-"""WatchIndex over standalone Redis: a replica's copy of the shared index, fed by the change stream.
+"""WatchIndex over Redis: a replica's copy of the shared index, fed by the change stream.
 
 Followers need a consistent snapshot and then every change in order
 (indexer/watch.py). The Redis backend has neither by itself: its replicas
@@ -86,7 +86,7 @@ def _iid(name: bytes) -> InstanceId:
 
 
 class RedisWatchFeed:
-    """A replica's copy of a standalone Redis index, for its followers.
+    """A replica's copy of a Redis index (standalone or Cluster), for its followers.
 
     ``settle_s``: how long the copy is fed before it serves followers (0: at
     once; a test's knob). ``on_lag``: called with each change's delay from its

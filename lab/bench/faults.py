@@ -17,8 +17,8 @@ writes ``{"figures": {"operations", "faults_injected", "fault_kinds",
 "replicas", "violations", ...}, "params": {...}, "violations": [...]}``.
 
 ``--follower`` adds a router's follower (router_client/follower.py) to every
-memory and standalone-Redis round: it follows the replica (over Redis, replica
-0's copy of the shared index) over a real WatchIndex stream that the harness
+round: it follows the replica (over Redis or a Cluster, replica 0's copy of
+the shared index) over a real WatchIndex stream that the harness
 cuts and stalls, and its Matches are checked against the
 model under the follower's lag bound (lab/faults/fleet.py); the figures then
 count its answers (``follower``: checked, fallback while out of sync, behind
@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--follower",
         action="store_true",
-        help="memory and standalone rounds also follow a replica with a router's follower "
-        "and check it",
+        help="every round also follows a replica (over Redis: its copy of the index) with a "
+        "router's follower and checks it",
     )
     ap.add_argument("--profiles", default="", help="comma-separated profiles (default: rotation)")
     ap.add_argument("--ops", type=int, default=ROUND_OPS, help="operations per round")
@@ -189,7 +189,7 @@ async def _run(
             replicas=args.replicas,
             ops=args.ops,
             duration_s=max(left, 1.0),
-            follower=args.follower and kind in ("memory", "standalone"),
+            follower=args.follower,
         )
         progress.phase(f"round {k}: {kind}/{profile}, seed {p.seed}")
         res = await run_round(targets[kind], p)

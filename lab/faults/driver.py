@@ -308,8 +308,8 @@ class RunParams:
     script: tuple[Op, ...] | None = None
     #: How long a ZMQ subscriber may take to catch up (``zmq_stuck`` beyond).
     zmq_catch_up_s: float = ZMQ_CATCH_UP_S
-    #: Follow the memory replica (or standalone Redis replica 0's copy of the
-    #: index) with a router's follower and check its Matches (lab/faults/fleet.py);
+    #: Follow the memory replica (or Redis replica 0's copy of the index)
+    #: with a router's follower and check its Matches (lab/faults/fleet.py);
     #: ``follower_cls`` (tests: a broken one) is its class.
     follower: bool = False
     follower_cls: type[HarnessFollower] = HarnessFollower
@@ -1209,7 +1209,7 @@ class Driver:
         while True:
             # Over Redis: every change acknowledged before this line is at or
             # before the stream's last entry now (read before the copy is).
-            top = await link.redis_top() if self.target.kind == "standalone" else None
+            top = await link.redis_top() if self.target.kind != "memory" else None
             out = f.match(model, lora, keys)
             t = time.monotonic()
             if out is None:
@@ -1225,7 +1225,7 @@ class Driver:
             # The copy's own answer (addresses and stale flags too), read in the
             # same step of the loop as the router's.
             raw = f.index.match_sync(ns, keys)
-            over_redis = self.target.kind == "standalone"
+            over_redis = self.target.kind != "memory"
             caught = link.caught_up(top) if top is not None or not over_redis else False
             named = {instance_name(m.instance.worker_id, m.instance.dp_rank): m for m in raw}
             seen = Counter(m.instance for m in raw)
@@ -1951,7 +1951,7 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
     link: FollowerLink | None = None
     try:
         await fleet.start()
-        if p.follower and target.kind in ("memory", "standalone"):
+        if p.follower:
             link = driver.follower = FollowerLink(fleet.replicas[0], clock, p.follower_cls)
             if not await link.start(RECOVERY_S):
                 raise RuntimeError(f"the follower did not sync within {RECOVERY_S:g} s")

@@ -391,8 +391,8 @@ class Proxy:
 
 
 class FollowerLink:
-    """A follower of the fleet's memory replica (or of standalone Redis replica 0's copy of
-    the shared index), through a :class:`Proxy`, with its faults."""
+    """A follower of the fleet's memory replica (or of Redis replica 0's copy of the
+    shared index), through a :class:`Proxy`, with its faults."""
 
     def __init__(
         self,

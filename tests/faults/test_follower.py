@@ -98,26 +98,36 @@ async def test_a_change_the_follower_applies_late_renews_from_the_replicas_time(
     assert not res.violations, format_round(res)
 
 
-#: Rounds over two replicas sharing one Redis; the follower follows replica 0's
-#: copy of the shared index (indexer/redis/watchfeed.py) through stream cuts and
-#: stalls, and with Redis stalled (CLIENT PAUSE) or restarted empty, which make
-#: the replica copy the index again.
+#: Rounds over two replicas sharing one Redis or one Cluster; the follower
+#: follows replica 0's copy of the shared index (indexer/redis/watchfeed.py)
+#: through stream cuts and stalls, with Redis stalled (CLIENT PAUSE) or
+#: restarted empty, slots moved, and the control master failed over to its
+#: replica. Restarts and failovers make the replica copy the index again.
 REDIS_OPS = 250
 
 
-@pytest.mark.parametrize(("profile", "seed"), [("core", 1), ("pause", 2), ("restart", 1)])
+@pytest.mark.parametrize(
+    ("target", "profile", "seed", "copies"),
+    [
+        ("standalone", "core", 1, 1),
+        ("standalone", "pause", 2, 2),
+        ("standalone", "restart", 1, 2),
+        ("cluster", "migrate", 2, 1),
+        ("cluster", "failover", 1, 2),
+    ],
+)
 async def test_a_follower_of_a_redis_replica_keeps_the_contract(
-    standalone: Target, profile: str, seed: int
+    request: pytest.FixtureRequest, target: str, profile: str, seed: int, copies: int
 ) -> None:
+    t: Target = request.getfixturevalue(target)
     p = RunParams(seed=seed, profile=profile, ops=REDIS_OPS, follower=True)
-    res = await run_round(standalone, p)
+    res = await run_round(t, p)
     assert not res.violations, format_round(res)
     assert res.operations == REDIS_OPS
     assert res.follower["checked"] > 30, res.follower
-    if profile != "core":
-        # The faults made the replica copy the index again, and the follower
-        # answered checked Matches from the new copies.
-        assert res.follower["copy_made"] >= 2, res.follower
+    # Faults that lose the stream made the replica copy the index again, and
+    # the follower answered checked Matches from the new copies.
+    assert res.follower["copy_made"] >= copies, res.follower
 
 
 async def test_a_broken_follower_of_a_redis_replica_is_caught(standalone: Target) -> None:

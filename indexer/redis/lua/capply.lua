@@ -13,9 +13,12 @@
 --   lora) to register, then ops: 'S' ns tierbit check hashes keys parent |
 --   'R' mask hashes | 'C' (check: parent engine hash for the orphan test, '' =
 --   none; parent: the engine hash whose location the chain continues, '' = the
---   chain starts a prompt, '?' = its position is unknown).
---   Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'dup', seq, stale, exp, n, W} |
---   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota, {retired ids}, W}.
+--   chain starts a prompt, '?' = its position is unknown) | 'W' batch (last:
+--   the batch as applied, for the watch stream; KEYS.md "Watching").
+--   Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'watch'} |
+--   {'dup', seq, stale, exp, n, W} |
+--   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota, {retired ids}, W,
+--    watched (1: a replica watches)}.
 -- Pending records. KEYS: any control key. ARGV: base, '', '', then
 --   'c' epoch id...: confirm: drop each record still stamped with epoch;
 --   'r' id...: re-drive: the writes of each record, under a new epoch;
@@ -192,6 +195,11 @@ if ARGV[6] ~= '' and h[8] ~= ARGV[6] then
 end
 if ARGV[7] ~= '' and h[9] ~= ARGV[7] then
   return {'addr'}
+end
+-- A replica watches (P:wl) and the caller did not pass the batch (the 'W' op,
+-- always the last two arguments): nothing is written, the caller passes it.
+if ARGV[#ARGV - 1] ~= 'W' and watch_on() then
+  return {'watch'}
 end
 local exp = string.format('%.17g', now + tonumber(h[3]))
 redis.call('HSET', meta, 'exp', exp)
@@ -409,6 +417,8 @@ while p <= #ARGV do
     kk = B .. 'k:' .. id
     redis.call('HSET', meta, 'id', id)
     cleared = true
+  elseif op == 'W' then
+    p = p + 2 -- the batch for the watch stream (below)
   else
     return redis.error_reply('kvmesh capply: bad op ' .. tostring(op))
   end
@@ -429,4 +439,16 @@ if next(rec) then
   drive(id, rec, true)
   w = {epoch, {id}, tags_version(), ops}
 end
-return {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over, retired, w}
+local wl = watch_on()
+local watched = 0
+if wl then
+  watched = 1
+  -- A batch the quotas cut is not the batch applied: readers read the instance.
+  if Q.over == 0 then
+    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', ARGV[#ARGV])
+  else
+    watch_pub(wl, 'r', ARGV[5], ARGV[2])
+  end
+end
+return {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over, retired, w,
+  watched}

@@ -1,6 +1,6 @@
 -- One instance as a watching replica copies it (KEYS.md, "Watching").
--- ARGV: base, name. Returns {'wn'} when the instance is not registered, else
--- {'wn', state (lib.lua FIELDS), {engine hash, ns id .. key, tier mask, ...},
+-- KEYS: none (cluster: a control key). ARGV: base, name. Returns {'wn'} when
+-- the instance is not registered, else {'wn', state (lib.lua FIELDS), {engine hash, ns id .. key, tier mask, ...},
 -- copies ('cp:' as HGETALL), {ns id, model \0 lora, ...}}, read at once: the
 -- stream's entries up to 'wn' are in it, none after.
 local n = redis.call('GET', B .. 'wn') or ''
@@ -11,11 +11,18 @@ if not st[1] then
 end
 local id = st[1]
 local out, seen, names = {}, {}, {}
-local e = redis.call('HGETALL', B .. 'e:' .. id)
 local sub = string.sub
+local e = redis.call('HGETALL', B .. 'e:' .. id)
 for i = 1, #e, 2 do
   local suf = e[i + 1]
-  local m = redis.call('HGET', B .. 'b:' .. suf, id)
+  local m
+  if CLUSTER then
+    -- The authoritative mask is the control node's ('k:<id>': mask digit .. location).
+    m = redis.call('HGET', B .. 'k:' .. id, suf)
+    m = m and sub(m, 1, 1)
+  else
+    m = redis.call('HGET', B .. 'b:' .. suf, id)
+  end
   if m then
     out[#out + 1] = e[i]
     out[#out + 1] = suf

@@ -1,4 +1,5 @@
--- Start or go on watching (KEYS.md, "Watching"). ARGV: base, stream length
+-- Start or go on watching (KEYS.md, "Watching"). KEYS: none (cluster: a
+-- control key). ARGV: base, stream length
 -- bound, lease (ms), now. Sets 'wl' for the lease: while it is there, every
 -- script that changes the index appends the change to the stream. The first
 -- start appends a start entry (so a user without the stream's ACL rights is

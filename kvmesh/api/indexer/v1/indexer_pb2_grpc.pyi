@@ -77,9 +77,8 @@ class IndexerServiceStub:
     follower asks for them, then WatchSynced), then every change this
     replica applies, in order. A follower that falls behind by more than its
     buffer is told WatchResync and sent a new snapshot, never dropped
-    silently. A replica over standalone Redis serves a copy of the shared
-    index it keeps in memory (UNAVAILABLE while it makes it); over a Redis
-    Cluster, FAILED_PRECONDITION.
+    silently. A replica over Redis serves a copy of the shared index it
+    keeps in memory (UNAVAILABLE while it makes it).
     """
     PredictPlacement: _grpc.UnaryUnaryMultiCallable[_indexer_pb2.PredictPlacementRequest, _indexer_pb2.PredictPlacementResponse]
     """Record where a router just sent a request (router role): the blocks the
@@ -130,9 +129,8 @@ class IndexerServiceAsyncStub(IndexerServiceStub):
     follower asks for them, then WatchSynced), then every change this
     replica applies, in order. A follower that falls behind by more than its
     buffer is told WatchResync and sent a new snapshot, never dropped
-    silently. A replica over standalone Redis serves a copy of the shared
-    index it keeps in memory (UNAVAILABLE while it makes it); over a Redis
-    Cluster, FAILED_PRECONDITION.
+    silently. A replica over Redis serves a copy of the shared index it
+    keeps in memory (UNAVAILABLE while it makes it).
     """
     PredictPlacement: _aio.UnaryUnaryMultiCallable[_indexer_pb2.PredictPlacementRequest, _indexer_pb2.PredictPlacementResponse]  # type: ignore[assignment]
     """Record where a router just sent a request (router role): the blocks the
@@ -252,9 +250,8 @@ class IndexerServiceServicer(metaclass=_abc_1.ABCMeta):
         follower asks for them, then WatchSynced), then every change this
         replica applies, in order. A follower that falls behind by more than its
         buffer is told WatchResync and sent a new snapshot, never dropped
-        silently. A replica over standalone Redis serves a copy of the shared
-        index it keeps in memory (UNAVAILABLE while it makes it); over a Redis
-        Cluster, FAILED_PRECONDITION.
+        silently. A replica over Redis serves a copy of the shared index it
+        keeps in memory (UNAVAILABLE while it makes it).
         """
 
     @_abc_1.abstractmethod

@@ -1,10 +1,12 @@
 """``kvmesh bench follower``: a router's follower beside the indexer and Dynamo's in-process index.
 
 The run: ``kvmesh indexer serve`` (memory backend, loopback, plaintext) in a
-child process holds ``--holders`` instances (64), each holding the same
-prompts of 32 and 1,024 blocks (every block has 64 holders: the costliest
-Match there is) plus a tail of its own. A :class:`router_client.follower.IndexFollower`
-in this process follows it. Measured, in one run:
+child process (``--backend redis``: two, over one private redis-server, every
+write through the first and the follower on the second, which serves its copy
+of the shared index: indexer/redis/KEYS.md "Watching") holds ``--holders``
+instances (64), each holding the same prompts of 32 and 1,024 blocks (every
+block has 64 holders: the costliest Match there is) plus a tail of its own.
+A :class:`router_client.follower.IndexFollower` in this process follows it. Measured, in one run:
 
 - ``follower_match_{32,1024}_p50_us`` / ``_p99_us``: the follower's Match
   (``IndexFollower.match``: the memory backend's ``match_sync`` on its copy),
@@ -18,7 +20,8 @@ in this process follows it. Measured, in one run:
 - ``follower_lag_p50_ms`` / ``_p99_ms``: while a publisher in a thread of
   this process streams ``--ingest-s`` seconds of batches as fast as the
   indexer acks them (PublishEventsStream, 8 in flight), each change's arrival
-  at the follower minus the indexer's ``applied_at`` (one host, one clock),
+  at the follower minus the indexer's ``applied_at`` (one host, one clock;
+  over Redis the writing replica's apply, so the lag is end to end),
   with ``ingest_blocks_per_s`` the rate the indexer applied;
 - ``follower_bytes_per_block_instance``: the follower's RSS growth across
   its snapshot over the (block, instance) pairs it loaded;

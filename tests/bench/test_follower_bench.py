@@ -1,4 +1,5 @@
-"""``kvmesh bench follower --quick``: a real indexer child process, a follower in
+"""``kvmesh bench follower --quick``: a real indexer child process (memory; or two
+over one redis-server, the follower on one's copy of the shared index), a follower in
 this one, Dynamo's RadixTree in its own interpreter; every figure reported, the
 follower's answers equal to the indexer's, and Match without the network hop
 faster than the one over gRPC."""
@@ -9,13 +10,18 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from lab.bench import follower
 
 
-def test_quick_run_reports_every_figure_and_no_wrong_answer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_quick_run_reports_every_figure_and_no_wrong_answer(tmp_path: Path, backend: str) -> None:
     out = tmp_path / "follower.json"
-    assert follower.main(["--quick", "--json", str(out)]) == 0
-    figures = json.loads(out.read_text())["figures"]
+    assert follower.main(["--quick", "--backend", backend, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["params"]["backend"] == backend
+    figures = report["figures"]
     for n in follower.PROMPT_BLOCKS:
         for name in ("follower_match", "dynamo_inproc_match"):
             assert figures[f"{name}_{n}_p50_us"] > 0

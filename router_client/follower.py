@@ -76,6 +76,7 @@ from indexer.model import (
     Event,
     EventBatch,
     InstanceId,
+    InstanceMatch,
     Namespace,
 )
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
@@ -88,6 +89,10 @@ log = logging.getLogger(__name__)
 
 #: Entries of the follower's name and answer caches before they start over.
 _CACHE_CAP = 65536
+#: Whole answers the follower keeps made (IndexFollower._outcomes), at most.
+_OUTCOME_CAP = 4096
+#: One of them: the copy's hits, and the answer made of them.
+_Made = tuple[list[InstanceMatch], dict[str, WorkerMatch]]
 #: Lags kept for :attr:`IndexFollower.lag_s`.
 LAG_WINDOW = 4096
 #: Options of the channel a follower opens: any message size, for the replica
@@ -208,6 +213,10 @@ class IndexFollower:
         self._hybrid: dict[str, bool] = {}
         self._names: dict[InstanceId, str] = {}
         self._answers: dict[tuple[int, int, int, int, int], WorkerMatch] = {}
+        #: Whole answers by the identities of the copy's hits (which the copy
+        #: keeps made: a shared prefix asked again gives the same objects),
+        #: each with those hits, which keeps the identities from being reused.
+        self._outcomes: dict[tuple[int, ...], _Made] = {}
         #: The copy's bound in (block, instance) pairs (0: none). Past it, the
         #: model matched least recently is dropped and its Matches go remote.
         self.max_pairs = max_pairs
@@ -285,6 +294,12 @@ class IndexFollower:
 
     def _answer(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome:
         hits = self.index.match_sync(Namespace(model, lora_name), keys)
+        ident = tuple(map(id, hits))
+        made = self._outcomes.get(ident)
+        if made is not None:
+            # The same hits as an answer made before: a copy of it (the caller
+            # may change its dict).
+            return MatchOutcome(MatchStatus.OK, dict(made[1]))
         # Names and answers are immutable and repeat (64 holders of one prefix
         # share a depth): made once each, not per Match (a third of a 32-block
         # Match's cost with 64 holders was building them).
@@ -292,6 +307,8 @@ class IndexFollower:
         if len(names) > _CACHE_CAP or len(answers) > _CACHE_CAP:
             names.clear()
             answers.clear()
+        if len(self._outcomes) > _OUTCOME_CAP:
+            self._outcomes.clear()
         out: dict[str, WorkerMatch] = {}
         for h in hits:
             name = names.get(h.instance)
@@ -302,7 +319,8 @@ class IndexFollower:
             if answer is None:
                 answer = answers[key] = WorkerMatch(*key)
             out[name] = answer
-        return MatchOutcome(MatchStatus.OK, out)
+        self._outcomes[ident] = (hits, out)
+        return MatchOutcome(MatchStatus.OK, dict(out))
 
     def _is_hybrid(self, model: str) -> bool:
         got = self._hybrid.get(model)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from typing import Any
+
+import pytest
 
 from indexer.memory import MemoryIndex
 from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
@@ -185,3 +188,47 @@ async def test_blocks_several_instances_hold_leave_no_large_container_to_walk() 
     # every collection of the oldest generation walks all n of its entries.
     assert largest < n, f"a tracked container of {largest} entries"
     assert (await index.stats()).block_instances == n + 10
+
+
+class _KeepsAlikeAnswers(MemoryIndex):
+    """Broken on purpose: answers of runs held alike outlive a change of their instances."""
+
+    def _forget_hits(self, inst: Any) -> None:
+        kept = dict(self._alike_cache)
+        super()._forget_hits(inst)
+        self._alike_cache.update(kept)
+
+
+async def _alike(index: MemoryIndex) -> None:
+    """A and B hold both blocks on the GPU alone: Match answers them as a run held alike."""
+    for iid, address in ((A, "http://a:1"), (B, "http://b:1")):
+        await reg(index, iid, address)
+        await index.apply(EventBatch(iid, 0, (both_blocks(),)))
+    assert await hits(index) == {A: ("http://a:1", 2, False), B: ("http://b:1", 2, False)}
+
+
+@pytest.mark.parametrize("cls", [MemoryIndex, _KeepsAlikeAnswers])
+async def test_a_run_held_alike_is_answered_with_its_instances_as_they_are_now(
+    cls: type[MemoryIndex],
+) -> None:
+    index = cls()
+    await _alike(index)
+    await reg(index, A, "http://a:2")  # a new address
+    gap = EventBatch(B, 2, (BlockStored(block_hashes=(7,), token_ids=(1, 2, 3, 4), block_size=BS),))
+    await index.apply(gap)  # B misses batch 1: stale
+    got = await hits(index, include_stale=True)
+    want = {A: ("http://a:2", 2, False), B: ("http://b:1", 2, True)}
+    if cls is MemoryIndex:
+        assert got == want
+    else:
+        assert got != want  # the broken index answers from before the changes
+
+
+async def test_an_answer_of_a_run_held_alike_is_a_copy() -> None:
+    index = MemoryIndex()
+    await _alike(index)
+    first = index.match_sync(NS, KEYS)
+    first.clear()  # a caller that changes what it was given
+    assert len(index.match_sync(NS, KEYS)) == 2
+    await index.remove_instance(A)
+    assert [m.instance for m in index.match_sync(NS, KEYS)] == [B]

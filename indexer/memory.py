@@ -109,7 +109,7 @@ from indexer.model import (
     fenced_out,
 )
 from indexer.pacing import loop_pacer
-from indexer.watch import WatchHub
+from indexer.watch import WatchHub, keyed_stores
 from kvmesh.blockkeys import chain_keys, namespace_seed
 from kvmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
 
@@ -1043,35 +1043,14 @@ class MemoryIndex(Index):
                             run = runs.setdefault((ns.lora_name, tier), ([], []))
                             run[0].append(h)
                             run[1].append(key)
-            events: list[Event] = [
-                BlockStored(
-                    block_hashes=tuple(hs),
-                    parent_block_hash=None,
-                    token_ids=(),
-                    block_size=0,
-                    lora_name=lora,
-                    tier=tier,
-                    block_keys=tuple(ks),
-                )
-                for (lora, tier), (hs, ks) in runs.items()
-            ]
+            extra = []
             for k, n in copies:
                 h, tier = k >> 2, Tier((k & 3) + 1)
                 found = inst.engine_hashes.get(h)
-                if found is None:
-                    continue
-                ns = ns_list[found >> 64]
-                events.append(
-                    BlockStored(
-                        block_hashes=(h,) * n,
-                        parent_block_hash=None,
-                        token_ids=(),
-                        block_size=0,
-                        lora_name=ns.lora_name,
-                        tier=tier,
-                        block_keys=(found & _U64,) * n,
-                    )
-                )
+                if found is not None:
+                    lora = ns_list[found >> 64].lora_name
+                    extra.append((h, found & _U64, lora, tier, n))
+            events = keyed_stores(runs, extra)
             now = self._clock()
             state = self._state(inst, now)
             content = EventBatch(

@@ -33,11 +33,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.model import BlockRemoved, BlockStored, Event, EventBatch, InstanceId, Namespace
+from indexer.model import (
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    InstanceId,
+    Namespace,
+    Tier,
+)
 from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 #: Watchers one replica serves at most by default: each holds a buffer of up to
@@ -246,6 +254,42 @@ class WatchHub:
                 if w.wants(namespace):
                     w._offer(change)
         return self.position
+
+
+def keyed_stores(
+    runs: dict[tuple[str, Tier], tuple[list[int], list[int]]],
+    copies: Iterable[tuple[int, int, str, Tier, int]] = (),
+) -> list[Event]:
+    """A snapshot's content (what gives an empty instance its blocks): one store
+    of precomputed keys per (LoRA name, tier) run of ``(hashes, keys)``, then,
+    per ``(hash, key, LoRA name, tier, n)`` of ``copies``, a store of that
+    block ``n`` times (its copies beyond the first, for a batch that counts
+    copies)."""
+    out: list[Event] = [
+        BlockStored(
+            block_hashes=tuple(hs),
+            parent_block_hash=None,
+            token_ids=(),
+            block_size=0,
+            lora_name=lora,
+            tier=tier,
+            block_keys=tuple(ks),
+        )
+        for (lora, tier), (hs, ks) in runs.items()
+    ]
+    for h, key, lora, tier, n in copies:
+        out.append(
+            BlockStored(
+                block_hashes=(h,) * n,
+                parent_block_hash=None,
+                token_ids=(),
+                block_size=0,
+                lora_name=lora,
+                tier=tier,
+                block_keys=(key,) * n,
+            )
+        )
+    return out
 
 
 #: Wire bytes of one block of a snapshot's store, at most: a 10-byte varint

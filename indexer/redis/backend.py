@@ -90,7 +90,6 @@ from indexer.model import (
     BatchOutcome,
     BlockRemoved,
     BlockStored,
-    Event,
     EventBatch,
     IndexDump,
     IndexStats,
@@ -126,6 +125,7 @@ from indexer.redis.scripts import (
     load_scripts,
     traced_exec,
 )
+from indexer.watch import keyed_stores
 from kvmesh.blockkeys import chain_keys, namespace_seed
 from kvmesh.errors import (
     FailedPrecondition,
@@ -1565,39 +1565,14 @@ class RedisIndex(Index):
             status = res[0]
             if status == b"ok":
                 writes: Sequence[Any] = ()
+                # Cluster: retired ids as one list, then the data-node writes;
+                # standalone: the retired ids last, one by one.
                 if self.cluster:
-                    (
-                        _,
-                        gap,
-                        stale,
-                        exp,
-                        bits,
-                        stored,
-                        removed,
-                        orphaned,
-                        int_id,
-                        over,
-                        retired,
-                        writes,
-                        watching,
-                    ) = res
-                    self._watched = bool(watching)
+                    retired, writes, watching = res[10], res[11], res[12]
                 else:
-                    (
-                        _,
-                        gap,
-                        stale,
-                        exp,
-                        bits,
-                        stored,
-                        removed,
-                        orphaned,
-                        int_id,
-                        over,
-                        watching,
-                        *retired,
-                    ) = res
-                    self._watched = bool(watching)
+                    watching, retired = res[10], res[11:]
+                _, gap, stale, exp, bits, stored, removed, orphaned, int_id, over = res[:10]
+                self._watched = bool(watching)
                 if inst.exp <= now:
                     self._excl_dirty = True  # a lapsed lease was renewed
                 inst.exp = float(exp)
@@ -1717,56 +1692,33 @@ class RedisIndex(Index):
         for i in range(0, len(names), 2):
             nsname = bytes(names[i + 1])
             lora_of[bytes(names[i])] = nsname.partition(b"\0")[2].decode("utf-8")
-        runs: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        runs: dict[tuple[str, Tier], tuple[list[int], list[int]]] = {}
         entries = got[2]
+        keyed: dict[int, bytes] = {}
         for i in range(0, len(entries), 3):
             h = int.from_bytes(entries[i], "big")
-            suf = bytes(entries[i + 1])
+            suf = keyed[h] = bytes(entries[i + 1])
             mask = int(entries[i + 2])
             lora = lora_of.get(suf[:8], "")
             key = int.from_bytes(suf[8:], "big")
             for tier in Tier:
                 if mask & tier.bit:
-                    run = runs.setdefault((lora, tier.value), ([], []))
+                    run = runs.setdefault((lora, tier), ([], []))
                     run[0].append(h)
                     run[1].append(key)
-        events: list[Event] = [
-            BlockStored(
-                block_hashes=tuple(hs),
-                parent_block_hash=None,
-                token_ids=(),
-                block_size=0,
-                lora_name=lora,
-                tier=Tier(tier),
-                block_keys=tuple(ks),
-            )
-            for (lora, tier), (hs, ks) in runs.items()
-        ]
-        keyed = {
-            int.from_bytes(entries[i], "big"): bytes(entries[i + 1])
-            for i in range(0, len(entries), 3)
-        }
-        copies = got[3]
-        for i in range(0, len(copies), 2):
-            field = bytes(copies[i])
-            count = int(copies[i + 1])
+        copies = []
+        flat = got[3]
+        for i in range(0, len(flat), 2):
+            field = bytes(flat[i])
+            count = int(flat[i + 1])
             h = int.from_bytes(field[:8], "big")
             held = keyed.get(h)
-            if held is None or count <= 0:
-                continue
-            suf = held
-            tier = next(t for t in Tier if t.bit == int(field[8:]))
-            events.append(
-                BlockStored(
-                    block_hashes=(h,) * count,
-                    parent_block_hash=None,
-                    token_ids=(),
-                    block_size=0,
-                    lora_name=lora_of.get(suf[:8], ""),
-                    tier=tier,
-                    block_keys=(int.from_bytes(suf[8:], "big"),) * count,
+            if held is not None and count > 0:
+                tier = next(t for t in Tier if t.bit == int(field[8:]))
+                copies.append(
+                    (h, int.from_bytes(held[8:], "big"), lora_of.get(held[:8], ""), tier, count)
                 )
-            )
+        events = keyed_stores(runs, copies)
         state = inst.state(self._clock())
         content = EventBatch(inst.spec.instance, inst.seq or 0, tuple(events), counts_copies=True)
         return n, state, content

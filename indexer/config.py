@@ -534,6 +534,13 @@ class WatchSettings(StrictModel):
         description="Changes a follower may fall behind before it is told to resync and "
         "sent a new snapshot (bounds the replica's memory per follower).",
     )
+    redis_max_pairs: int = Field(
+        default=0,
+        ge=0,
+        description="Redis backend: the most (block, instance) pairs this replica's copy of the "
+        "index may hold (0: no bound; about 150 bytes each). Past it the copy is dropped and "
+        "WatchIndex answers RESOURCE_EXHAUSTED for a minute: followers go remote.",
+    )
     redis_backlog: int = Field(
         default=16384,
         ge=64,

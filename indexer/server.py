@@ -849,6 +849,7 @@ class IndexerServer:
                 buffer=config.watch.buffer,
                 backlog=config.watch.redis_backlog,
                 on_lag=self.metrics.redis_watch_lag.observe,
+                max_pairs=config.watch.redis_max_pairs,
             )
             self.metrics.watch_counters(self.servicer.watch_feed.counters)
         add_servicer(self.servicer, self._server, self.guard)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from indexer.model import InstanceId, InstanceSpec
 from indexer.redis.backend import RedisIndex
 from indexer.watch import WatchHub
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
-from kvmesh.errors import FailedPrecondition, KvmeshError, NotFound
+from kvmesh.errors import FailedPrecondition, KvmeshError, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ IDLE_DROP_S = 300.0
 #: Entries read per XREAD, and the longest wait of one (below any socket timeout).
 READ_COUNT = 1024
 READ_BLOCK_MS = 200
+#: How long a replica whose copy grew past ``max_pairs`` refuses followers
+#: before it tries again.
+REFUSE_S = 60.0
 #: Entries applied between two turns of the event loop.
 YIELD_EVERY = 16
 #: Pause after an error before the index is copied again.
@@ -78,6 +82,10 @@ LAG_WINDOW = 4096
 
 class _Resync(Exception):
     """The copy can not follow the stream any more: copy the index again."""
+
+
+class _TooLarge(Exception):
+    """The copy holds more pairs than its bound: drop it, refuse followers a while."""
 
 
 def _iid(name: bytes) -> InstanceId:
@@ -103,6 +111,7 @@ class RedisWatchFeed:
         settle_s: float = 0.0,
         idle_drop_s: float = IDLE_DROP_S,
         on_lag: Callable[[float], None] | None = None,
+        max_pairs: int = 0,
     ) -> None:
         self.index = index
         self._max_followers = max_followers
@@ -111,6 +120,11 @@ class RedisWatchFeed:
         self.settle_s = settle_s
         self.idle_drop_s = idle_drop_s
         self._on_lag = on_lag
+        #: The most (block, instance) pairs the copy may hold (0: no bound).
+        self.max_pairs = max_pairs
+        #: Copies dropped for the bound (each refused followers REFUSE_S).
+        self.refusals = 0
+        self._refused_until = -math.inf  # time.monotonic() until which followers are refused
         #: The copy followers are served from, once it holds the index (else None).
         self.mirror: MemoryIndex | None = None
         self._task: asyncio.Task[None] | None = None
@@ -141,8 +155,15 @@ class RedisWatchFeed:
 
     def demand(self) -> MemoryIndex | None:
         """The copy to serve a follower from, or None while it is being made
-        (the feed is started by the first demand)."""
+        (the feed is started by the first demand). ResourceExhausted naming
+        ``watch.redis_max_pairs`` for REFUSE_S after the copy outgrew it."""
         self._wanted_at = time.monotonic()
+        if self._wanted_at < self._refused_until:
+            raise ResourceExhausted(
+                f"{self.last_error}; followers are refused for {REFUSE_S:g} s from then: "
+                "ask the indexer (or raise watch.redis_max_pairs)",
+                field="watch.redis_max_pairs",
+            )
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="kvmesh-redis-watch")
         return self.mirror
@@ -176,6 +197,13 @@ class RedisWatchFeed:
                 return  # idle: dropped
             except asyncio.CancelledError:
                 raise
+            except _TooLarge as e:
+                self.last_error = str(e)
+                self.refusals += 1
+                self._refused_until = time.monotonic() + REFUSE_S
+                log.warning("redis watch: %s; dropping the copy", e)
+                self._drop()
+                return  # the stream's lease runs out unless a follower comes back later
             except _Resync as e:
                 self.last_error = str(e)
                 self.resyncs += 1
@@ -209,6 +237,7 @@ class RedisWatchFeed:
         self._skip = {}
         for name in await idx.watch_names():
             await self._load(mirror, name, publish=False)
+            self._bound(mirror)
         self.copies += 1
         self.last_error = ""
         checked = time.monotonic()
@@ -238,7 +267,18 @@ class RedisWatchFeed:
                     )
                     self._drop()
                     return
+                self._bound(mirror)
                 await self._check()
+
+    def _bound(self, mirror: MemoryIndex) -> None:
+        """_TooLarge once the copy holds more pairs than ``max_pairs``."""
+        if self.max_pairs:
+            pairs = sum(mirror.pairs_by_model().values())
+            if pairs > self.max_pairs:
+                raise _TooLarge(
+                    f"the copy of the index holds {pairs:,} (block, instance) pairs, "
+                    f"more than watch.redis_max_pairs ({self.max_pairs:,})"
+                )
 
     async def _check(self) -> None:
         """Renew the lease; the stream must still hold the next entry, or none yet."""
@@ -325,6 +365,7 @@ class RedisWatchFeed:
             "redis_watch_reloads": self.reloads,
             "redis_watch_entries_applied": self.entries_applied,
             "redis_watch_errors": self.errors,
+            "redis_watch_refusals": self.refusals,
         }
 
 

@@ -290,3 +290,39 @@ async def test_a_user_without_the_stream_rights_is_told_and_keeps_writing(
     finally:
         await close_harness(h)
         await idx.close()
+
+
+async def test_past_its_bound_the_copy_is_dropped_and_followers_are_refused(
+    redis_server: Any,
+) -> None:
+    """``watch.redis_max_pairs``: a copy that would hold more (block, instance)
+    pairs is dropped (the replica's memory is not the fleet's index), WatchIndex
+    answers RESOURCE_EXHAUSTED naming the setting, and writes go on."""
+    from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    idx = RedisIndex(redis_server.url, prefix=prefix)
+    h = await open_harness(make_config(watch={"redis_max_pairs": 10}), idx)
+    try:
+        w0 = InstanceId("w0", 0)
+        await idx.register(InstanceSpec(w0, "m", "http://w0", 60.0))
+        ev = BlockStored(block_hashes=tuple(range(1, 9)), block_keys=tuple(range(101, 109)))
+        await idx.apply(EventBatch(w0, 1, (ev,)))
+        f = IndexFollower(h.server.address)
+        await f.start()
+        assert await f.wait_synced(10)  # 8 pairs: within the bound
+        feed = h.server.servicer.watch_feed
+        assert feed is not None
+        ev = BlockStored(block_hashes=tuple(range(9, 13)), block_keys=tuple(range(109, 113)))
+        await idx.apply(EventBatch(w0, 2, (ev,)))  # 12 pairs: past it
+        await eventually(lambda: feed.mirror is None and feed.refusals >= 1, within=10)
+        await eventually(lambda: not f.synced, within=10)
+        await f.close()
+        call: Any = h.stub.WatchIndex(pb.WatchIndexRequest())
+        err = await expect_status(call.read(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "watch.redis_max_pairs" in (err.details() or "")
+        got = await idx.match(Namespace("m"), list(range(101, 113)))
+        assert [(m.instance, m.depth) for m in got] == [(w0, 12)]
+    finally:
+        await close_harness(h)
+        await idx.close()

@@ -92,6 +92,7 @@ while p <= #ARGV do
             local d = drop_entry(old, id)
             removed = removed + d
             n = n - d
+            copies_drop(id, eh, 7)
             redis.call('HSET', ek, eh, suf)
           end
         end
@@ -127,6 +128,7 @@ while p <= #ARGV do
         mask = uncopied(id, eh, rmask)
       end
       if suf and mask ~= 0 then
+        copies_drop(id, eh, mask)
         local bk = bpre .. suf
         local m = redis.call('HGET', bk, id)
         local old = m and tonumber(m) or 0

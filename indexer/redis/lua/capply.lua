@@ -324,6 +324,7 @@ while p <= #ARGV do
             local d = kdrop(old)
             removed = removed + d
             n = n - d
+            copies_drop(id, eh, 7)
             redis.call('HSET', ek, eh, suf)
           end
         end
@@ -369,6 +370,7 @@ while p <= #ARGV do
         mask = uncopied(id, eh, rmask)
       end
       if suf and mask ~= 0 then
+        copies_drop(id, eh, mask)
         local v = redis.call('HGET', kk, suf)
         local old = v and tonumber(sub(v, 1, 1)) or 0
         local new = old - bit.band(old, mask)

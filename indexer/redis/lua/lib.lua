@@ -80,8 +80,27 @@ end
 
 -- Batches that count copies ('T' / 'Q' ops): 'cp:<id>' field engine hash ..
 -- tier bit digit -> copies of that (block, tier) beyond the first.
+local cp_held = {} -- per id: whether 'cp:<id>' may exist (looked up once a script)
 local function copy_add(id, eh, tb)
   redis.call('HINCRBY', B .. 'cp:' .. id, eh .. tb, 1)
+  cp_held[id] = true
+end
+-- The copies of `eh` on the tiers of `mask` go (its block goes from those
+-- tiers, or the hash now names another block), as the memory backend drops them.
+local function copies_drop(id, eh, mask)
+  local ck = B .. 'cp:' .. id
+  local held = cp_held[id]
+  if held == nil then
+    held = redis.call('EXISTS', ck) == 1
+    cp_held[id] = held
+  end
+  if held then
+    for _, b in ipairs({1, 2, 4}) do
+      if bit.band(mask, b) ~= 0 then
+        redis.call('HDEL', ck, eh .. b)
+      end
+    end
+  end
 end
 -- The bits of `mask` whose last copy of `eh` goes; one copy of each other
 -- bit is taken.

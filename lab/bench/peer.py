@@ -738,7 +738,7 @@ def run_side(run: Run, kind: str, index: int, f: dict[str, float]) -> None:
                 side.probe_stream = p.probe_stream
             with side:
                 if pinned is not None:
-                    os.sched_setaffinity(0, pinned[1])
+                    pin_threads(pinned[1])
                     run.notes[f"cpus_{kind}"] = sorted(os.sched_getaffinity(side.child.pid or 0))
                 if isinstance(side, DynamoSide):
                     for r, m in rounds.items():
@@ -748,11 +748,35 @@ def run_side(run: Run, kind: str, index: int, f: dict[str, float]) -> None:
                 f["warmup_batches"] = warm_up(side, run.fleet, rounds, p.block_size)
                 side.prepare(rounds[quiet], run.queries)
                 _measure(run, side, store, quiet, probed, rounds, f)
+                if pinned is not None:
+                    run.notes[f"cpus_bench_{kind}"] = sorted(thread_cpus())
     finally:
         if pinned is not None:
-            os.sched_setaffinity(0, pinned[1])
+            pin_threads(pinned[1])
         for r in rounds:
             run.fleet.command("close", r)
+
+
+def thread_cpus() -> set[int]:
+    """The CPUs any thread of this process may run on."""
+    cpus: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            cpus |= os.sched_getaffinity(int(tid))
+    return cpus
+
+
+def pin_threads(cpus: set[int]) -> None:
+    """Every thread of this process to ``cpus``, not only the calling one.
+
+    ``sched_setaffinity`` moves one thread, and a thread takes its creator's
+    CPUs: grpc's own threads, started while the bench was on the indexer's
+    CPU to start it, would stay there, and the probing client's completions
+    would wait behind the indexer they measure.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def _measure(

@@ -61,6 +61,8 @@ def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     assert params["pin"] is True
     assert params["cpus_memory"] == params["cpus_dynamo"] == cpus[:1]
     assert params["cpus_publishers"] == cpus[1:]
+    # Every thread of the bench (grpc's own too) off the indexer's CPU.
+    assert params["cpus_bench_memory"] == params["cpus_bench_dynamo"] == cpus[1:]
 
 
 def test_stream_and_reference_model() -> None:

@@ -39,8 +39,16 @@ Shards: each namespace's tables are :data:`SHARDS` dicts, a key in the one
 its low bits name. A dict grows by copying itself whole, in one step no
 slice can cut: one table of the conversation trace at 16-token blocks grew
 from 2.8 M to 5.6 M keys in 290 ms, and every Match and health probe waited
-for it. A shard grows a sixty-fourth as far at a time. Its cost is a list
-index per key.
+for it. A shard grows a sixty-fourth as far at a time. But shards of equal
+share fill alike (keys are hashes), so all 64 crossed a growth point within
+a few thousand keys of each other: the same 290 ms, in one or two slices of
+an apply (17 to 47 ms each; Match p99 during a 16-token ingest 80 to 170
+ms, in plateaus of a few hundred ms). So the shards' shares are uneven: the
+low bits name one of :data:`SLOTS` slots, and shard ``i`` has slots in
+proportion to ``2 ** (i / 64)``. Their sizes then spread over a factor of
+two, and their growth points over the whole doubling of the table: one
+shard's copy at a time, at most about 2 % of the table. Its cost is a list
+index per key, as before.
 
 Garbage collection: a collection walks every container the collector
 tracks. With a tracked dict per block key and a tuple per engine hash, that
@@ -143,9 +151,40 @@ _POPCOUNT = (0, 1, 1, 2, 1, 2, 2, 3)
 _U64 = (1 << 64) - 1
 
 
-#: Dicts per namespace table (a power of two): see "Shards" above.
+#: Dicts per namespace table: see "Shards" above.
 SHARDS = 64
-_SHARD = SHARDS - 1
+#: Slots a key's low bits pick among (a power of two), each naming a shard.
+SLOTS = 4096
+_SLOT = SLOTS - 1
+
+
+def _slot_shards(shards: int, slots: int) -> tuple[int, ...]:
+    """The shard of each slot: slot ``i < shards`` is shard ``i``, and shard
+    ``i`` has slots in proportion to ``2 ** (i / shards)`` (largest
+    remainders), dealt round so that each shard's slots are spread out.
+
+    Uneven on purpose: with as many slots each, the shards fill alike and
+    cross a dict's growth point together (see "Shards" above).
+    """
+    weights = [2 ** (i / shards) for i in range(shards)]
+    total = sum(weights)
+    exact = [slots * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(shards), key=lambda i: exact[i] - counts[i], reverse=True)[
+        : slots - sum(counts)
+    ]:
+        counts[i] += 1
+    out = list(range(shards))
+    left = [c - 1 for c in counts]
+    while len(out) < slots:
+        for i in range(shards):
+            if left[i]:
+                out.append(i)
+                left[i] -= 1
+    return tuple(out)
+
+
+_SLOT_SHARD = _slot_shards(SHARDS, SLOTS)
 #: Answers of runs held alike kept made (MemoryIndex._alike_cache), at most.
 ALIKE_CACHE_SIZE = 4096
 #: Deeper hits one instance keeps made (_Instance.hits).
@@ -199,7 +238,7 @@ def _walk_alone(
     gpu_only = n << 3 | 1  # the usual entry: this instance alone, on the GPU
     gpu = 0
     for key in islice(keys, start, None):
-        h = tables[key & _SHARD].get(key)
+        h = tables[key & _SLOT].get(key)
         if h == gpu_only:
             gpu += 1
             continue
@@ -368,8 +407,9 @@ class MemoryIndex(Index):
         #: The same instances by number (holder entries name them so).
         self._by_no: dict[int, _Instance] = {}
         self._next_no = 1
-        #: Per namespace, its block table in :data:`SHARDS` dicts (a key in
-        #: shard ``key & _SHARD``).
+        #: Per namespace, its block table: :data:`SLOTS` references to its
+        #: :data:`SHARDS` dicts, the first SHARDS of them each dict once (a key
+        #: in the dict of slot ``key & _SLOT``).
         self._blocks: dict[Namespace, list[dict[int, Holders]]] = {}
         #: The holder sets of shared blocks, interned by signature (a shared
         #: block's table entry): ``{number: mask}``, one per distinct set
@@ -751,7 +791,8 @@ class MemoryIndex(Index):
         """The shards of ``ns``'s block table (made on first use)."""
         tables = self._blocks.get(ns)
         if tables is None:
-            tables = self._blocks[ns] = [{} for _ in range(SHARDS)]
+            shards = [{} for _ in range(SHARDS)]
+            tables = self._blocks[ns] = [shards[i] for i in _SLOT_SHARD]
         return tables
 
     def _moved(
@@ -835,7 +876,7 @@ class MemoryIndex(Index):
                 if prev is not None:
                     removed += self._remove_hash(inst, h, ALL_TIERS_MASK)
                 ehs[h] = entry
-            table = tables[key & _SHARD]
+            table = tables[key & _SLOT]
             cur = table.get(key)
             if cur is None:
                 table[key] = mine
@@ -882,7 +923,7 @@ class MemoryIndex(Index):
         tables = self._blocks.get(ns)
         old = new = 0
         if tables is not None:
-            table = tables[key & _SHARD]
+            table = tables[key & _SLOT]
             holders = table.get(key)
             if holders is not None:
                 old, new = self._drop(ns, table, key, holders, inst, mask)
@@ -957,7 +998,7 @@ class MemoryIndex(Index):
             if tables is None:
                 continue
             key = entry & _U64
-            table = tables[key & _SHARD]
+            table = tables[key & _SLOT]
             holders = table.get(key)
             if holders is None:
                 continue
@@ -1031,7 +1072,7 @@ class MemoryIndex(Index):
                     tables = self._blocks.get(ns)
                     if tables is None:
                         continue
-                    held = tables[key & _SHARD].get(key)
+                    held = tables[key & _SLOT].get(key)
                     if held is None:
                         continue
                     if held > 0:
@@ -1253,7 +1294,7 @@ class MemoryIndex(Index):
         tables = self._blocks.get(ns)
         if tables is None:
             return False
-        h = tables[key & _SHARD].get(key)
+        h = tables[key & _SLOT].get(key)
         if h is None:
             return False
         if h > 0:
@@ -1470,7 +1511,7 @@ class MemoryIndex(Index):
         if tables is None or not keys:
             return []
         k0 = keys[0]
-        first = tables[k0 & _SHARD].get(k0)
+        first = tables[k0 & _SLOT].get(k0)
         if first is None:
             return []
         sets = self._sets
@@ -1490,7 +1531,7 @@ class MemoryIndex(Index):
         # with C-level set operations, the rest walk on with tier counters.
         active: dict[int, list[int]] = {}
         k1 = keys[1] if len(keys) > 1 else 0
-        nxt = tables[k1 & _SHARD].get(k1) if len(keys) > 1 else None
+        nxt = tables[k1 & _SLOT].get(k1) if len(keys) > 1 else None
         all_gpu: dict[int, int] | None = None
         # The table entry (signature) of a block held exactly by the walkers,
         # each on the GPU alone, once one was seen (None: not known).
@@ -1506,7 +1547,7 @@ class MemoryIndex(Index):
                 # holds (or at the prompt's end), every answer is that depth.
                 alike = nxt
                 depth += self._run_alike(namespace, alike, keys, 2)
-                if depth == n_keys or keys[depth] not in tables[keys[depth] & _SHARD]:
+                if depth == n_keys or keys[depth] not in tables[keys[depth] & _SLOT]:
                     return self._alike_answers(cand, depth, alike)
                 active = {n: [depth, 0, 0] for n in cand}
             else:
@@ -1549,7 +1590,7 @@ class MemoryIndex(Index):
                     if depth == n_keys:
                         break
                 key = keys[depth]
-                h = tables[key & _SHARD].get(key)
+                h = tables[key & _SLOT].get(key)
                 if h is None:
                     break
                 if h > 0:
@@ -1694,7 +1735,7 @@ class MemoryIndex(Index):
             st.instances_live += inst.lease_expires_at > now
             st.instances_stale += inst.stale
         for ns, tables in sorted(self._blocks.items(), key=lambda kv: str(kv[0])):
-            n_blocks = sum(map(len, tables))
+            n_blocks = sum(map(len, tables[:SHARDS]))
             if not n_blocks:
                 continue
             pairs = self._ns_pairs.get(ns, 0)
@@ -1744,7 +1785,7 @@ class MemoryIndex(Index):
                         break  # the namespace emptied meanwhile
                     tables = now
                     ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
-                h = tables[key & _SHARD].get(key)
+                h = tables[key & _SLOT].get(key)
                 if h is None:
                     continue  # removed meanwhile
                 holders = _holders_dict(h, self._sets)
@@ -1762,11 +1803,11 @@ class MemoryIndex(Index):
         blocks = {
             ns: {
                 k: {ids[i]: m for i, m in _holders_dict(h, self._sets).items()}
-                for table in tables
+                for table in tables[:SHARDS]
                 for k, h in table.items()
             }
             for ns, tables in self._blocks.items()
-            if any(tables)
+            if any(tables[:SHARDS])
         }
         return IndexDump(
             blocks=blocks,

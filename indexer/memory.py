@@ -791,7 +791,7 @@ class MemoryIndex(Index):
         """The shards of ``ns``'s block table (made on first use)."""
         tables = self._blocks.get(ns)
         if tables is None:
-            shards = [{} for _ in range(SHARDS)]
+            shards: list[dict[int, Holders]] = [{} for _ in range(SHARDS)]
             tables = self._blocks[ns] = [shards[i] for i in _SLOT_SHARD]
         return tables
 

@@ -187,3 +187,26 @@ async def test_the_loop_runs_between_two_events() -> None:
     await ticker
     assert len(got.events) == n
     assert during >= n - 1, during  # decode_batch itself would give none
+
+
+async def test_a_long_event_gives_way_between_its_unpacking_and_its_reading() -> None:
+    """One event of 16-token blocks holds up to 256 k token ids: unpacking it
+    and reading it into an event are two steps, with a pace between them (a
+    short event is one step)."""
+    long_ids = list(range(decode.LONG_EVENT_BYTES))  # ids >= 128 take 2 bytes or more
+    short = [stored([1], [1] * 4), stored([3], [3] * 4)]
+    paces = 0
+
+    async def pace() -> None:
+        nonlocal paces
+        paces += 1
+        await asyncio.sleep(0)
+
+    payload = msgpack.packb({"ts": 1.0, "events": [short[0], stored([2], long_ids), short[1]]})
+    got = await decode_batch_paced(payload, pace)
+    assert got == decode_batch(payload)
+    assert paces == 3  # two between the events, one inside the long one
+    paces = 0
+    payload = msgpack.packb({"ts": 1.0, "events": [short[0], stored([2], [2] * 4), short[1]]})
+    assert (await decode_batch_paced(payload, pace)) == decode_batch(payload)
+    assert paces == 2

@@ -6,10 +6,11 @@ nothing. Work of that kind calls :meth:`Pacer.pace` between its pieces, and
 every piece of one event loop draws on one budget (:func:`loop_pacer`): the
 ZMQ subscribers (between batches, and between the events of one batch as it
 is decoded: indexer/kvevents/decode.py, ``decode_batch_paced``), the memory
-backend's apply of a long batch (indexer/memory.py), and the Matches of one
-MatchStream message that the memory backend answers inline
-(indexer/server.py). Once the budget is spent, that work waits one whole
-loop turn, in which gRPC calls and health probes run.
+backend's apply of a long batch (indexer/memory.py). Once the budget is
+spent, that work waits one whole loop turn, in which gRPC calls and health
+probes run. The Matches of one MatchStream message that the memory backend
+answers inline (indexer/server.py) pace the same way on a budget of their
+own (:func:`call_pacer`): calls give way to calls, and event work to them.
 """
 
 from __future__ import annotations
@@ -102,6 +103,20 @@ def _of_loop(
 def loop_pacer() -> Pacer:
     """The pacer every piece of event work on the running loop shares."""
     return _of_loop(_PACERS, Pacer)
+
+
+_CALL_PACERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def call_pacer() -> Pacer:
+    """The budget of call work that runs inline on the running loop (the
+    memory backend's Matches of a MatchStream message): its own, apart from
+    event work's, so that such Matches give way to other calls between two of
+    them but never wait at event work's gate (two loop turns each time it is
+    shut, and a turn of ingest lasts up to the longest piece of event work)."""
+    return _of_loop(_CALL_PACERS, Pacer)
 
 
 def loop_turns() -> asyncio.Lock:

@@ -64,7 +64,7 @@ from indexer.instrumented import (
 from indexer.logic import IndexerLogic, _check_name
 from indexer.memory import MemoryIndex
 from indexer.model import Namespace
-from indexer.pacing import loop_pacer
+from indexer.pacing import call_pacer
 from indexer.redis.backend import RedisIndex
 from indexer.redis.watchfeed import RedisWatchFeed
 from indexer.rpc import IndexerCalls
@@ -452,7 +452,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         """
         window = self.match_stream_window
         inline = self.match_stream_inline
-        pacer = loop_pacer()
+        pacer = call_pacer()
         run = self._traced_stream_match if self.calls.tracing else self._stream_match
         ready: list[bytes] = []  # replies.entries not yet written
         tasks: set[asyncio.Task[None]] = set()
@@ -496,10 +496,10 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                             for item in chunk:
                                 # Matches that do no I/O run one after the
                                 # other: between two, the loop gets its turn
-                                # when the budget every event work shares is
-                                # spent (indexer.pacing), else a message of 64
-                                # long Matches held health checks, other calls
-                                # and ingest for their whole run.
+                                # when the calls' budget is spent
+                                # (indexer.pacing.call_pacer), else a message
+                                # of 64 long Matches held health checks, other
+                                # calls and ingest for their whole run.
                                 await pacer.pace()
                                 put(await run(item, client))
                         else:

@@ -187,6 +187,52 @@ def _slot_shards(shards: int, slots: int) -> tuple[int, ...]:
 
 
 _SLOT_SHARD = _slot_shards(SHARDS, SLOTS)
+
+#: Dicts of one instance's engine-hash map, and the slots naming them (as
+#: the block tables', smaller: an instance holds a part of a namespace).
+HASH_SHARDS = 64
+HASH_SLOTS = 1024
+_HASH_SLOT = HASH_SLOTS - 1
+_HASH_SLOT_SHARD = _slot_shards(HASH_SHARDS, HASH_SLOTS)
+
+
+class _HashMap:
+    """One instance's engine hash -> ``namespace number << 64 | content key``,
+    in :data:`HASH_SHARDS` dicts of uneven share, like a namespace's block
+    table ("Shards" above): as one dict, an engine's map of 90 k hashes grew
+    in one step of up to 16 ms, about every 3 s of a 64-engine ingest. The
+    hot path indexes :attr:`slots` itself; the rest goes through the dict
+    methods it needs."""
+
+    __slots__ = ("shards", "slots")
+
+    def __init__(self) -> None:
+        self.shards: list[dict[int, int]] = [{} for _ in range(HASH_SHARDS)]
+        #: Shard of each slot (``h & _HASH_SLOT``).
+        self.slots: list[dict[int, int]] = [self.shards[i] for i in _HASH_SLOT_SHARD]
+
+    def get(self, h: int) -> int | None:
+        return self.slots[h & _HASH_SLOT].get(h)
+
+    def __setitem__(self, h: int, entry: int) -> None:
+        self.slots[h & _HASH_SLOT][h] = entry
+
+    def __delitem__(self, h: int) -> None:
+        del self.slots[h & _HASH_SLOT][h]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.shards))
+
+    def __bool__(self) -> bool:
+        return any(self.shards)
+
+    def values(self) -> Iterator[int]:
+        return chain.from_iterable(d.values() for d in self.shards)
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        return chain.from_iterable(d.items() for d in self.shards)
+
+
 #: Answers of runs held alike kept made (MemoryIndex._alike_cache), at most.
 ALIKE_CACHE_SIZE = 4096
 #: Deeper hits one instance keeps made (_Instance.hits).
@@ -293,7 +339,7 @@ class _Instance:
     applied_sequence: int | None = None
     bits: int = 0
     #: engine hash -> namespace number << 64 | content key.
-    engine_hashes: dict[int, int] = field(default_factory=dict)
+    engine_hashes: _HashMap = field(default_factory=_HashMap)
     #: The InstanceMatch of a depth-1 hit, by tier mask of block 0 (1..7): most
     #: holders of a shared first block go no deeper. Kept on the instance so
     #: that it goes with it (remove, reap) and is bounded by 7 per instance;
@@ -736,7 +782,7 @@ class MemoryIndex(Index):
                 if isinstance(piece, AllBlocksCleared):
                     if inst.predicted:
                         self._drop_predictions(inst)
-                    inst.engine_hashes.clear()
+                    inst.engine_hashes = _HashMap()
                     inst.copies.clear()
                     inst.bits = 0
                     cleared = True
@@ -849,14 +895,14 @@ class MemoryIndex(Index):
     ) -> tuple[int, int, int]:
         ns = Namespace(inst.spec.model, ev.lora_name)
         nid = self._ns_id(ns)
-        ehs = inst.engine_hashes
+        ehs = inst.engine_hashes.slots
         if ev.block_keys is not None:
             keys: Sequence[int] = ev.block_keys
         else:
             if ev.parent_block_hash is None:
                 parent = namespace_seed(ns.model, ns.lora_name)
             else:
-                mapped = ehs.get(ev.parent_block_hash)
+                mapped = ehs[ev.parent_block_hash & _HASH_SLOT].get(ev.parent_block_hash)
                 if mapped is None or mapped >> 64 != nid:
                     return 0, 0, len(ev.block_hashes)
                 parent = mapped & _U64
@@ -873,11 +919,12 @@ class MemoryIndex(Index):
         self._ns_pairs.setdefault(ns, 0)
         for h, key in zip(ev.block_hashes, keys, strict=False):
             entry = base | key if base else key
-            prev = ehs.get(h)
+            mine_hs = ehs[h & _HASH_SLOT]
+            prev = mine_hs.get(h)
             if prev != entry:
                 if prev is not None:
                     removed += self._remove_hash(inst, h, ALL_TIERS_MASK)
-                ehs[h] = entry
+                mine_hs[h] = entry
             table = tables[key & _SLOT]
             cur = table.get(key)
             if cur is None:
@@ -984,7 +1031,7 @@ class MemoryIndex(Index):
         removed = self._clear_entries(inst, inst.engine_hashes.values())
         if inst.predicted:
             self._drop_predictions(inst)
-        inst.engine_hashes.clear()
+        inst.engine_hashes = _HashMap()
         inst.copies.clear()
         inst.bits = 0
         return removed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import sys
 from collections import Counter
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -35,21 +36,31 @@ WINDOW = 1.10
 MAX_GROWN_IN_WINDOW = SHARDS // 4
 
 
-async def _growth_points() -> list[tuple[int, int]]:
-    """(keys stored, shard) each time a shard's dict grew, storing TOTAL random keys."""
+def _table_shards(index: MemoryIndex) -> Sequence[dict[int, int]]:
+    return index._blocks[NS][:SHARDS]
+
+
+def _hash_shards(index: MemoryIndex) -> Sequence[dict[int, int]]:
+    return index._instances[(A.worker_id, A.dp_rank)].engine_hashes.shards
+
+
+async def _growth_points(
+    shards_of: Callable[[MemoryIndex], Sequence[dict[int, int]]] = _table_shards, seed: int = 7
+) -> list[tuple[int, int]]:
+    """(keys stored, shard) each time a dict of ``shards_of`` the index grew,
+    storing TOTAL random keys (as engine hashes too) on one instance."""
     index = MemoryIndex()
     await index.register(InstanceSpec(A, "llama", "http://a:1", 600.0, "x"))
-    rng = random.Random(7)
+    rng = random.Random(seed)
     points: list[tuple[int, int]] = []
     sizes: list[int] | None = None
     for seq, start in enumerate(range(0, TOTAL, BATCH)):
         keys = tuple(rng.getrandbits(63) for _ in range(BATCH))
         stored = BlockStored(block_hashes=keys, block_keys=keys, token_ids=(), block_size=16)
         await index.apply(EventBatch(A, seq, (stored,)))
-        shards = index._blocks[NS][:SHARDS]
-        now = [sys.getsizeof(d) for d in shards]
+        now = [sys.getsizeof(d) for d in shards_of(index)]
         if sizes is not None:
-            points += [(start + BATCH, i) for i in range(SHARDS) if now[i] != sizes[i]]
+            points += [(start + BATCH, i) for i in range(len(now)) if now[i] != sizes[i]]
         sizes = now
     return points
 
@@ -91,29 +102,10 @@ async def test_shards_of_equal_share_grow_together(monkeypatch: pytest.MonkeyPat
     assert _most_in_a_window(await _growth_points()) > 3 * MAX_GROWN_IN_WINDOW
 
 
-async def _hash_growth_points() -> list[tuple[int, int]]:
-    """(hashes stored, shard) each time a shard of one instance's engine-hash map grew."""
-    index = MemoryIndex()
-    await index.register(InstanceSpec(A, "llama", "http://a:1", 600.0, "x"))
-    rng = random.Random(11)
-    points: list[tuple[int, int]] = []
-    sizes: list[int] | None = None
-    for seq, start in enumerate(range(0, TOTAL, BATCH)):
-        keys = tuple(rng.getrandbits(63) for _ in range(BATCH))
-        stored = BlockStored(block_hashes=keys, block_keys=keys, token_ids=(), block_size=16)
-        await index.apply(EventBatch(A, seq, (stored,)))
-        shards = index._instances[(A.worker_id, A.dp_rank)].engine_hashes.shards
-        now = [sys.getsizeof(d) for d in shards]
-        if sizes is not None:
-            points += [(start + BATCH, i) for i in range(len(now)) if now[i] != sizes[i]]
-        sizes = now
-    return points
-
-
 async def test_an_engines_hash_map_grows_one_shard_at_a_time() -> None:
     # An engine's map of its hashes was one dict: at 90 k hashes it grew in
     # one step of up to 16 ms of the loop, 165 times in one probed round of
     # the peer bench at 16-token blocks.
-    points = await _hash_growth_points()
+    points = await _growth_points(_hash_shards, seed=11)
     assert {i for n, i in points if n >= FROM} == set(range(memory.HASH_SHARDS))
     assert _most_in_a_window(points) <= memory.HASH_SHARDS // 4

@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol, TypeVar
@@ -421,12 +422,12 @@ class ChildProcess:
 
     def cpu_seconds(self) -> float | None:
         """CPU time (user + system, every thread) the child used so far; None off Linux."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return None
-        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        t = self.proc_times()
+        return None if t is None else t.user_s + t.system_s
+
+    def proc_times(self) -> ProcTimes | None:
+        """The child's CPU time, split, and its page faults so far; None off Linux."""
+        return proc_times(self.pid) if self.pid is not None else None
 
     def rss_mb(self) -> float | None:
         """Resident set size of the running child in MB (None when not running or off Linux)."""
@@ -439,6 +440,37 @@ class ChildProcess:
         except OSError:
             return None
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcTimes:
+    """What a process has used so far, every thread (``/proc/<pid>/stat``)."""
+
+    #: CPU seconds in the process's own code, and in the kernel on its behalf
+    #: (system calls, and page faults: the kernel zeroes every page a process
+    #: touches for the first time).
+    user_s: float
+    system_s: float
+    #: Page faults served without I/O: mostly first touches of memory.
+    minor_faults: int
+
+    def __sub__(self, before: ProcTimes) -> ProcTimes:
+        return ProcTimes(
+            self.user_s - before.user_s,
+            self.system_s - before.system_s,
+            self.minor_faults - before.minor_faults,
+        )
+
+
+def proc_times(pid: int) -> ProcTimes | None:
+    """:class:`ProcTimes` of process ``pid``; None when it is gone or off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    tick = os.sysconf("SC_CLK_TCK")
+    return ProcTimes(int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]))
 
 
 def group_members(pgid: int) -> list[int]:

@@ -121,6 +121,7 @@ from lab.bench.peer_procs import (
 )
 from lab.bench.rawwrite import raw_pipelined_write
 from lab.bench.report import fmt, table, write_report
+from lab.children import ProcTimes
 from lab.conformance import vllm_python
 from lab.engines.vllm_publishers import (
     SENTINEL_ID,
@@ -441,6 +442,25 @@ class Ingested:
     poll_errors: dict[str, int] = field(default_factory=dict)
     #: What the index's counters grew by in the round.
     counters: dict[str, float] = field(default_factory=dict)
+    #: The indexer process's CPU time, split, and page faults in the round.
+    times: ProcTimes | None = None
+
+    def kernel_figures(self, pairs: int, suffix: str = "") -> dict[str, float]:
+        """The indexer's share of its CPU time in the kernel and its page faults
+        per (block, instance): where first touches of memory are slow (a VM whose
+        host takes back freed memory), they are much of the ingest's cost."""
+        t = self.times
+        if t is None or t.user_s + t.system_s <= 0:
+            return {}
+        out = {
+            f"kernel_cpu_share{suffix}": t.system_s / (t.user_s + t.system_s),
+            f"page_faults_per_block_instance{suffix}": t.minor_faults / pairs,
+        }
+        if t.minor_faults:
+            # Kernel time over faults: about what a fault costs where faults are
+            # most of it (an ingest makes few system calls a block).
+            out[f"kernel_us_per_page_fault{suffix}"] = t.system_s / t.minor_faults * 1e6
+        return out
 
 
 def machine_busy_s() -> float | None:
@@ -452,6 +472,26 @@ def machine_busy_s() -> float | None:
     v = [int(x) for x in fields]
     busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)  # not idle, iowait
     return busy / os.sysconf("SC_CLK_TCK")
+
+
+def free_page_reporting() -> bool | None:
+    """Whether a virtio balloon of this machine reports free pages to its host
+    (feature bit 5, ``VIRTIO_BALLOON_F_REPORTING``); None where it cannot be read.
+
+    Where it does, the host takes back what the guest frees, and a page a
+    process then touches for the first time waits for the host to give memory
+    back: tens of µs a page instead of one or two. An indexer whose memory grows
+    while it ingests pays that in the kernel (``kernel_cpu_share``,
+    ``kernel_us_per_page_fault``), and how much depends on what the machine
+    freed before the run.
+    """
+    drv = Path("/sys/bus/virtio/drivers/virtio_balloon")
+    try:
+        devices = [d for d in drv.iterdir() if d.name.startswith("virtio")]
+        features = [(d / "features").read_text().strip() for d in devices]
+    except OSError:
+        return None if not drv.parent.exists() else False
+    return any(len(f) > 5 and f[5] == "1" for f in features)
 
 
 @dataclass(slots=True)
@@ -506,6 +546,7 @@ async def _ingest(
             gc.collect()
             gc.freeze()
         cpu0 = meter.read()
+        times0 = side.proc_times()
         t0 = time.perf_counter()
         fleet.go(r)
         probing = asyncio.create_task(probes.run(stop)) if probes is not None else None
@@ -522,13 +563,15 @@ async def _ingest(
             await wait_until(visible, params.ingest_timeout_s, f"{side.name} ingest round {r}")
             seconds = time.perf_counter() - t0
             cpu1 = meter.read()
+            times1 = side.proc_times()
         finally:
             stop.set()
             if probing is not None:
                 await probing
     finally:
         await side.aclose()
-    return Ingested(seconds, CpuMeter.spent(cpu0, cpu1), probes, poll_errors)
+    times = times1 - times0 if times0 is not None and times1 is not None else None
+    return Ingested(seconds, CpuMeter.spent(cpu0, cpu1), probes, poll_errors, times=times)
 
 
 def ingest(
@@ -806,6 +849,7 @@ def _measure(
     if cpu.get("indexer"):
         f["ingest_cpu_s"] = cpu["indexer"]
         f["ingest_blocks_per_cpu_s"] = s.pairs / cpu["indexer"]
+    f.update(done.kernel_figures(s.pairs))
     if "publishers" in cpu:
         f["publishers_cpu_s"] = cpu["publishers"]
     if "others" in cpu:
@@ -834,6 +878,7 @@ def _measure(
         probes = Probes(side, run.expected, p.probe_interval_s, 60.0)
         during = ingest(side, run.fleet, probed, rounds[probed], s, p, meter, probes)
         f["ingest_probed_blocks_per_s"] = s.pairs / during.seconds
+        f.update(during.kernel_figures(s.pairs, "_probed"))
         if during.cpu.get("indexer"):
             f["ingest_probed_blocks_per_cpu_s"] = s.pairs / during.cpu["indexer"]
         if "others" in during.cpu:
@@ -872,6 +917,9 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("apply errors (kvmesh: retried)", "apply_errors", ""),
     ("batches applied as duplicates", "apply_duplicates", ""),
     ("indexer CPU during ingest", "ingest_cpu_s", "s"),
+    ("  share in the kernel", "kernel_cpu_share", ""),
+    ("  page faults / (block, inst)", "page_faults_per_block_instance", ""),
+    ("  kernel time / page fault", "kernel_us_per_page_fault", "µs"),
     ("others' share of the CPUs", "others_cpu_share", ""),
     ("floor p50 (/health vs Ping)", "floor_p50_us", "µs"),
     ("floor p99", "floor_p99_us", "µs"),
@@ -884,6 +932,8 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("ingest while probed", "ingest_probed_blocks_per_s", "blocks/s"),
     ("  per indexer CPU-s", "ingest_probed_blocks_per_cpu_s", "blocks/s"),
     ("  others' share of the CPUs", "others_cpu_share_probed", ""),
+    ("  indexer CPU in the kernel", "kernel_cpu_share_probed", ""),
+    ("  kernel time / page fault", "kernel_us_per_page_fault_probed", "µs"),
     ("Match p50 during ingest", "match_during_ingest_p50_ms", "ms"),
     ("Match p99 during ingest", "match_during_ingest_p99_ms", "ms"),
     ("health p50 during ingest", "health_during_ingest_p50_ms", "ms"),
@@ -900,7 +950,16 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
 
 #: Figures that get a ``ratio_`` (kvmesh ÷ Dynamo): rates, latencies, memory.
 RATIO_FIGURES = tuple(
-    name for _, name, unit in _ROWS if unit and name not in ("ingest_s", "ingest_cpu_s")
+    name
+    for _, name, unit in _ROWS
+    if unit
+    and name
+    not in (
+        "ingest_s",
+        "ingest_cpu_s",
+        "kernel_us_per_page_fault",
+        "kernel_us_per_page_fault_probed",
+    )
 )
 
 
@@ -1005,6 +1064,7 @@ def run_bench(
         "in flight; probes: grpc.aio / aiohttp",
         "cpus": os.cpu_count(),
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "free_page_reporting": free_page_reporting(),
         "python": platform.python_version(),
         **run.notes,
     }
@@ -1141,6 +1201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{run_params['load_average_at_end'][0]}; {time.perf_counter() - t0:.0f} s"
     )
     print(format_table(figures, sides))
+    if run_params["free_page_reporting"]:
+        print(
+            "machine: a VM whose host takes back the memory it frees (virtio-balloon free "
+            "page reporting): a page touched for the first time may wait for the host"
+        )
     for note in _notes(run_params):
         print(note)
     if json_path:

@@ -43,7 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.blockkeys import block_keys
-from lab.children import ChildProcess, python_module, stop_all
+from lab.children import ChildProcess, ProcTimes, python_module, stop_all
 from lab.conformance import vllm_python
 from lab.engines.vllm_publishers import endpoints
 from lab.redisproc import free_port
@@ -283,6 +283,9 @@ class Side(Protocol):
     def cpu_seconds(self) -> float | None:
         """CPU seconds of the indexer process so far."""
 
+    def proc_times(self) -> ProcTimes | None:
+        """The indexer process's CPU time (user, kernel) and page faults so far."""
+
     def rss_bytes(self) -> float | None:
         """Resident set size of the indexer process."""
 
@@ -420,6 +423,9 @@ class KvmeshSide:
 
     def cpu_seconds(self) -> float | None:
         return self.child.cpu_seconds()
+
+    def proc_times(self) -> ProcTimes | None:
+        return self.child.proc_times()
 
     def rss_bytes(self) -> float | None:
         mb = self.child.rss_mb()
@@ -613,6 +619,9 @@ class DynamoSide:
 
     def cpu_seconds(self) -> float | None:
         return self.child.cpu_seconds()
+
+    def proc_times(self) -> ProcTimes | None:
+        return self.child.proc_times()
 
     def rss_bytes(self) -> float | None:
         mb = self.child.rss_mb()

@@ -54,6 +54,12 @@ def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
             assert figures[f"peer_{side}_{name}"] == 0, (side, name)
         assert figures[f"peer_{side}_answers_checked"] >= 300
     assert figures["ratio_memory_match_keys_p50_us"] > 0
+    for side in ("dynamo", "memory"):
+        for suffix in ("", "_probed"):
+            assert 0 <= figures[f"peer_{side}_kernel_cpu_share{suffix}"] <= 1, (side, suffix)
+        assert figures[f"peer_{side}_page_faults_per_block_instance"] >= 0
+    assert "share in the kernel" in printed
+    assert doc["params"]["free_page_reporting"] in (True, False, None)
     assert doc["params"]["block_size"] == 64 and doc["params"]["publishers"] == 4
     # --pin: each indexer under test alone on the first CPU, the publishers on the rest.
     cpus = sorted(os.sched_getaffinity(0))

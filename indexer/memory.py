@@ -33,7 +33,12 @@ memory of a shared block is its table entry.
 Memory: a dict per block cost about 230 of the 470 bytes a (block, instance)
 pair took at 16-token blocks; the single-holder int is 28. With holder sets
 interned, 64 holders of 20 k blocks take 62 bytes a pair (97 with a dict per
-shared block), 4 holders of 200 k blocks 77 (123).
+shared block), 4 holders of 200 k blocks 77 (123). An engine-hash entry names
+its namespace by its place among the instance's own (``_Instance.nids``), 0
+for the one it stored in first, where the entry is the content key itself,
+the int the block table already holds: with the index's number of the
+namespace instead, every model but the index's first paid a new int a pair,
+189 bytes a pair against 151 (tests/unit/test_memory_places.py).
 
 Shards: each namespace's tables are :data:`SHARDS` dicts, a key in the one
 its low bits name. A dict grows by copying itself whole, in one step no
@@ -57,8 +62,8 @@ tracks. With a tracked dict per block key and a tuple per engine hash, that
 paused the process (every Match and health check with it) for 20 to 100 ms
 at a time while the conversation trace was ingested. So none is tracked: the
 block tables and the engine-hash maps hold only ints (a dict of ints is not
-tracked), an engine-hash entry being ``namespace number << 64 | content
-key``. A dict among a table's values would make the table tracked, and each
+tracked), an engine-hash entry being ``place << 64 | content key`` (below).
+A dict among a table's values would make the table tracked, and each
 collection that reached it would walk every block (60 ms at 721 k blocks):
 that is why shared blocks' holders live apart. What is left to walk is the
 table of holder sets, one visit per distinct set (a table of holder dicts
@@ -197,7 +202,8 @@ _HASH_SLOT_SHARD = _slot_shards(HASH_SHARDS, HASH_SLOTS)
 
 
 class _HashMap:
-    """One instance's engine hash -> ``namespace number << 64 | content key``,
+    """One instance's engine hash -> ``place << 64 | content key`` (see
+    ``_Instance.nids``),
     in :data:`HASH_SHARDS` dicts of uneven share, like a namespace's block
     table ("Shards" above): as one dict, an engine's map of 90 k hashes grew
     in one step of up to 16 ms, about every 3 s of a 64-engine ingest. The
@@ -338,8 +344,17 @@ class _Instance:
     stale: bool = False
     applied_sequence: int | None = None
     bits: int = 0
-    #: engine hash -> namespace number << 64 | content key.
+    #: engine hash -> ``place << 64 | content key``: the namespace number is
+    #: ``nids[place]``. The namespace the instance stored in first has place 0,
+    #: so there an entry is the content key itself, the very int the block table
+    #: holds as its key: a new int a pair for any other place (36 bytes; 20 %
+    #: of a pair's memory), so that one place 0 for the whole index (numbers
+    #: are the index's) cost every model but the first 36 bytes a pair.
     engine_hashes: _HashMap = field(default_factory=_HashMap)
+    #: place -> namespace number, in the order the instance first stored in them.
+    nids: list[int] = field(default_factory=list)
+    #: namespace number -> place.
+    places: dict[int, int] = field(default_factory=dict)
     #: The InstanceMatch of a depth-1 hit, by tier mask of block 0 (1..7): most
     #: holders of a shared first block go no deeper. Kept on the instance so
     #: that it goes with it (remove, reap) and is bounded by 7 per instance;
@@ -783,6 +798,7 @@ class MemoryIndex(Index):
                     if inst.predicted:
                         self._drop_predictions(inst)
                     inst.engine_hashes = _HashMap()
+                    inst.nids, inst.places = [], {}
                     inst.copies.clear()
                     inst.bits = 0
                     cleared = True
@@ -895,6 +911,10 @@ class MemoryIndex(Index):
     ) -> tuple[int, int, int]:
         ns = Namespace(inst.spec.model, ev.lora_name)
         nid = self._ns_id(ns)
+        place = inst.places.get(nid)
+        if place is None:
+            place = inst.places[nid] = len(inst.nids)
+            inst.nids.append(nid)
         ehs = inst.engine_hashes.slots
         if ev.block_keys is not None:
             keys: Sequence[int] = ev.block_keys
@@ -903,14 +923,14 @@ class MemoryIndex(Index):
                 parent = namespace_seed(ns.model, ns.lora_name)
             else:
                 mapped = ehs[ev.parent_block_hash & _HASH_SLOT].get(ev.parent_block_hash)
-                if mapped is None or mapped >> 64 != nid:
+                if mapped is None or mapped >> 64 != place:
                     return 0, 0, len(ev.block_hashes)
                 parent = mapped & _U64
             keys = chain_keys(parent, ev.token_ids, ev.block_size, encoded_extras(ev.extras))
         tables = self._tables(ns)
         sets = self._sets
         bit = ev.tier.bit
-        base = nid << 64
+        base = place << 64
         no = inst.no
         sig = inst.sig
         mine = no << 3 | bit
@@ -961,14 +981,14 @@ class MemoryIndex(Index):
             self._ns_pairs[ns] += pairs
         inst.bits += stored
         if inst.predicted:
-            self._confirm(inst, base, keys[: len(ev.block_hashes)])
+            self._confirm(inst, nid << 64, keys[: len(ev.block_hashes)])
         return stored, removed, 0
 
     def _remove_hash(self, inst: _Instance, h: int, mask: int) -> int:
         entry = inst.engine_hashes.get(h)
         if entry is None:
             return 0
-        ns, key = self._ns_list[entry >> 64], entry & _U64
+        ns, key = self._ns_list[inst.nids[entry >> 64]], entry & _U64
         tables = self._blocks.get(ns)
         old = new = 0
         if tables is not None:
@@ -1032,6 +1052,7 @@ class MemoryIndex(Index):
         if inst.predicted:
             self._drop_predictions(inst)
         inst.engine_hashes = _HashMap()
+        inst.nids, inst.places = [], {}
         inst.copies.clear()
         inst.bits = 0
         return removed
@@ -1040,9 +1061,10 @@ class MemoryIndex(Index):
         """Drop ``inst``'s holder bits of the engine-hash ``entries`` (its maps stay)."""
         removed = 0
         ns_list = self._ns_list
+        nids = inst.nids
         blocks = self._blocks
         for entry in entries:
-            ns = ns_list[entry >> 64]
+            ns = ns_list[nids[entry >> 64]]
             tables = blocks.get(ns)
             if tables is None:
                 continue
@@ -1104,7 +1126,8 @@ class MemoryIndex(Index):
         inst.applying = gate
         resets = inst.resets
         try:
-            entries = list(inst.engine_hashes.items())
+            hashes = inst.engine_hashes
+            entries = list(hashes.items())
             copies = list(inst.copies.items())
             # (lora, tier) -> (hashes, keys)
             runs: dict[tuple[str, Tier], tuple[list[int], list[int]]] = {}
@@ -1113,10 +1136,14 @@ class MemoryIndex(Index):
             for lo in range(0, len(entries), DUMP_SLICE_BLOCKS):
                 if lo:
                     await asyncio.sleep(0)
-                    if self._instances.get(inst.key) is not inst or inst.resets != resets:
+                    if (
+                        self._instances.get(inst.key) is not inst
+                        or inst.resets != resets
+                        or inst.engine_hashes is not hashes  # cleared: its places went too
+                    ):
                         return None
                 for h, entry in entries[lo : lo + DUMP_SLICE_BLOCKS]:
-                    ns = ns_list[entry >> 64]
+                    ns = ns_list[inst.nids[entry >> 64]]
                     key = entry & _U64
                     tables = self._blocks.get(ns)
                     if tables is None:
@@ -1138,7 +1165,7 @@ class MemoryIndex(Index):
                 h, tier = k >> 2, Tier((k & 3) + 1)
                 found = inst.engine_hashes.get(h)
                 if found is not None:
-                    lora = ns_list[found >> 64].lora_name
+                    lora = ns_list[inst.nids[found >> 64]].lora_name
                     extra.append((h, found & _U64, lora, tier, n))
             events = keyed_stores(runs, extra)
             now = self._clock()
@@ -1862,7 +1889,8 @@ class MemoryIndex(Index):
             blocks=blocks,
             engine_hashes={
                 inst.spec.instance: {
-                    h: (ns_list[e >> 64], e & _U64) for h, e in inst.engine_hashes.items()
+                    h: (ns_list[inst.nids[e >> 64]], e & _U64)
+                    for h, e in inst.engine_hashes.items()
                 }
                 for inst in self._instances.values()
                 if inst.engine_hashes

@@ -933,6 +933,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("  per indexer CPU-s", "ingest_probed_blocks_per_cpu_s", "blocks/s"),
     ("  others' share of the CPUs", "others_cpu_share_probed", ""),
     ("  indexer CPU in the kernel", "kernel_cpu_share_probed", ""),
+    ("  page faults / (block, inst)", "page_faults_per_block_instance_probed", ""),
     ("  kernel time / page fault", "kernel_us_per_page_fault_probed", "µs"),
     ("Match p50 during ingest", "match_during_ingest_p50_ms", "ms"),
     ("Match p99 during ingest", "match_during_ingest_p99_ms", "ms"),

@@ -57,7 +57,8 @@ def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     for side in ("dynamo", "memory"):
         for suffix in ("", "_probed"):
             assert 0 <= figures[f"peer_{side}_kernel_cpu_share{suffix}"] <= 1, (side, suffix)
-        assert figures[f"peer_{side}_page_faults_per_block_instance"] >= 0
+        for suffix in ("", "_probed"):
+            assert figures[f"peer_{side}_page_faults_per_block_instance{suffix}"] >= 0
     assert "share in the kernel" in printed
     assert doc["params"]["free_page_reporting"] in (True, False, None)
     assert doc["params"]["block_size"] == 64 and doc["params"]["publishers"] == 4

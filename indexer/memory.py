@@ -202,10 +202,9 @@ _HASH_SLOT_SHARD = _slot_shards(HASH_SHARDS, HASH_SLOTS)
 
 
 class _HashMap:
-    """One instance's engine hash -> ``place << 64 | content key`` (see
-    ``_Instance.nids``),
-    in :data:`HASH_SHARDS` dicts of uneven share, like a namespace's block
-    table ("Shards" above): as one dict, an engine's map of 90 k hashes grew
+    """One instance's engine hash -> ``place << 64 | content key``
+    (``_Instance.nids``), in :data:`HASH_SHARDS` dicts of uneven share, like a
+    namespace's block table ("Shards" above): as one dict, an engine's map of 90 k hashes grew
     in one step of up to 16 ms, about every 3 s of a 64-engine ingest. The
     hot path indexes :attr:`slots` itself; the rest goes through the dict
     methods it needs."""
@@ -344,17 +343,13 @@ class _Instance:
     stale: bool = False
     applied_sequence: int | None = None
     bits: int = 0
-    #: engine hash -> ``place << 64 | content key``: the namespace number is
-    #: ``nids[place]``. The namespace the instance stored in first has place 0,
-    #: so there an entry is the content key itself, the very int the block table
-    #: holds as its key: a new int a pair for any other place (36 bytes; 20 %
-    #: of a pair's memory), so that one place 0 for the whole index (numbers
-    #: are the index's) cost every model but the first 36 bytes a pair.
+    #: engine hash -> ``place << 64 | content key``, the namespace's number
+    #: being ``nids[place]`` (see "Memory" above: at place 0 an entry is the
+    #: content key itself, no new int).
     engine_hashes: _HashMap = field(default_factory=_HashMap)
-    #: place -> namespace number, in the order the instance first stored in them.
+    #: Namespace numbers by place, in the order the instance first stored in
+    #: them (one for most instances, one more per LoRA adapter).
     nids: list[int] = field(default_factory=list)
-    #: namespace number -> place.
-    places: dict[int, int] = field(default_factory=dict)
     #: The InstanceMatch of a depth-1 hit, by tier mask of block 0 (1..7): most
     #: holders of a shared first block go no deeper. Kept on the instance so
     #: that it goes with it (remove, reap) and is bounded by 7 per instance;
@@ -798,7 +793,7 @@ class MemoryIndex(Index):
                     if inst.predicted:
                         self._drop_predictions(inst)
                     inst.engine_hashes = _HashMap()
-                    inst.nids, inst.places = [], {}
+                    inst.nids = []
                     inst.copies.clear()
                     inst.bits = 0
                     cleared = True
@@ -911,9 +906,10 @@ class MemoryIndex(Index):
     ) -> tuple[int, int, int]:
         ns = Namespace(inst.spec.model, ev.lora_name)
         nid = self._ns_id(ns)
-        place = inst.places.get(nid)
-        if place is None:
-            place = inst.places[nid] = len(inst.nids)
+        try:
+            place = inst.nids.index(nid)
+        except ValueError:
+            place = len(inst.nids)
             inst.nids.append(nid)
         ehs = inst.engine_hashes.slots
         if ev.block_keys is not None:
@@ -1052,7 +1048,7 @@ class MemoryIndex(Index):
         if inst.predicted:
             self._drop_predictions(inst)
         inst.engine_hashes = _HashMap()
-        inst.nids, inst.places = [], {}
+        inst.nids = []
         inst.copies.clear()
         inst.bits = 0
         return removed

@@ -117,6 +117,19 @@ log = logging.getLogger(__name__)
 #: Replay stream end marker: seq -1 as 8 signed big-endian bytes.
 REPLAY_END_SEQ = -1
 
+#: ZMQ sockets one endpoint's subscriber may hold at once: its SUB, the two
+#: PAIR sockets of the SUB's monitor, and a DEALER while it asks for a replay.
+#: A ZMQ context opens 1,023 sockets unless told otherwise: about 340
+#: endpoints (64 nodes of 8 data-parallel ranks are 512), and the next
+#: subscriber failed with "Too many open files", its engine never indexed.
+SOCKETS_PER_ENDPOINT = 4
+#: File descriptors of one endpoint: a signalling descriptor per socket, and
+#: the TCP connections of its SUB and DEALER, with room for a reconnect.
+FDS_PER_ENDPOINT = 8
+#: Descriptors the rest of the process needs (gRPC's listeners and clients,
+#: Redis connections, logs), besides the subscribers'.
+FDS_BESIDES = 256
+
 #: Backoff while the backend is unavailable: start, cap (seconds). Short
 #: enough that a restarted Redis is used again within a second; batches wait
 #: in the ZMQ receive queue meanwhile, and overflow is replayed.
@@ -788,6 +801,39 @@ class EndpointSubscriber:
             self.counters.batches_applied += 1
 
 
+def ensure_fd_limit(want: int, what: str) -> int:
+    """Raise this process's soft limit of open files to ``want`` where its hard
+    limit allows (a container's is often 1,024 soft over a far higher hard
+    one), saying so once; a warning naming both figures where it cannot. The
+    soft limit after."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return want
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return want if soft == resource.RLIM_INFINITY else soft
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, new, e)
+            new = soft
+        else:
+            log.info("open-file limit raised from %d to %d for %s", soft, new, what)
+    if new < want:
+        log.warning(
+            "%s need about %d open files, and this process may open %d (its hard limit): "
+            "some engines will not be indexed; raise the limit (ulimit -n, or the "
+            "container runtime's nofile)",
+            what,
+            want,
+            new,
+        )
+    return new
+
+
 class EngineEventSubscribers:
     """Every configured endpoint subscriber, started and stopped with their process
     (an indexer replica, or ``kvmesh bridge``)."""
@@ -800,6 +846,12 @@ class EngineEventSubscribers:
     ) -> None:
         self.settings = settings
         self._ctx = zmq.asyncio.Context()
+        n = len(settings.endpoints)
+        sockets = SOCKETS_PER_ENDPOINT * n + 64
+        if sockets > self._ctx.get(zmq.MAX_SOCKETS):
+            self._ctx.set(zmq.MAX_SOCKETS, min(sockets, self._ctx.get(zmq.SOCKET_LIMIT)))
+        if n:
+            ensure_fd_limit(FDS_PER_ENDPOINT * n + FDS_BESIDES, f"{n} engine endpoints")
         # The subscribers share the loop's budget (indexer.pacing.loop_pacer):
         # together, and with the memory backend's long applies, they give way to the loop.
         self.subscribers = [

@@ -23,10 +23,11 @@ share of all keys after the build.
 "Match during ingest" (memory backend; ``--no-zmq`` skips it, ``--zmq-only``
 runs only it): ``zmq_publishers`` real engine publishers (ZMQ PUB plus ROUTER
 replay, vLLM's msgpack wire) in a child process stream the trace at full speed
-into an indexer child subscribed to every one of them, once alone
-(``memory_zmq_ingest_blocks_per_s``) and once while a client sends a Match and
-a Ping every 10 ms and a health check every 50 ms, each on time whether or not
-the last was answered (``memory_ingest_during_probe_blocks_per_s``,
+into an indexer child subscribed to every one of them, six times over, the
+rounds alternately alone (``memory_zmq_ingest_blocks_per_s``, the three
+pooled) and while a client sends a Match and a Ping every 10 ms and a health
+check every 50 ms, each on time whether or not the last was answered
+(``memory_ingest_during_probe_blocks_per_s``,
 ``memory_match_during_ingest_p50_ms`` / ``_p99_ms``,
 ``memory_health_during_ingest_p99_ms``): what a router and a kubelet see while
 engines flood the replica.
@@ -99,6 +100,12 @@ _ROWS: tuple[_Row, ...] = (
     ("ingest, ZMQ engines", "memory_zmq_ingest_blocks_per_s", None, "blocks/s", ""),
     ("  same, while probed", "memory_ingest_during_probe_blocks_per_s", None, "blocks/s",
      ">= 0.9x unprobed"),
+    ("  server CPU per block", "memory_zmq_ingest_server_cpu_us_per_block", None, "µs", ""),
+    ("  same, probed rounds", "memory_ingest_during_probe_server_cpu_us_per_block", None, "µs",
+     ""),
+    ("    less the probes' own", "memory_ingest_during_probe_net_cpu_us_per_block", None, "µs",
+     ""),
+    ("  probes alone: server CPU", "memory_probe_server_cpu_share", None, "share", ""),
     ("Match p50 during ZMQ ingest", "memory_match_during_ingest_p50_ms", None, "ms", ""),
     ("Match p99 during ZMQ ingest", "memory_match_during_ingest_p99_ms", None, "ms", "<= 50"),
     ("health p99 during ZMQ ingest", "memory_health_during_ingest_p99_ms", None, "ms",

@@ -425,8 +425,17 @@ _ENGINE_SNDHWM = 100_000
 #: on average (2 %); each poll costs the server about 0.1 ms, so the polls
 #: take about 1 % of it, in both rounds alike.
 _DONE_POLL_S = 0.01
-#: Ingest rounds of one run: the first without probes, the second with them.
-ZMQ_ROUNDS = 2
+#: Ingest rounds of one run, alternately without probes and with them (even
+#: rounds quiet, odd rounds probed). A round takes about 0.4 s here, so the
+#: rate of one round swings by a tenth and more with what else the machine
+#: does in it (one quiet and one probed round gave a ratio of 0.96 in one run
+#: and 0.59 in another); each figure pools its kind's rounds.
+ZMQ_ROUNDS = 6
+
+
+def zmq_round_probed(r: int) -> bool:
+    """Whether ingest round ``r`` runs while a client probes (the odd ones)."""
+    return r % 2 == 1
 
 
 def zmq_round_model(r: int) -> str:
@@ -702,8 +711,10 @@ async def _zmq_rounds(
     plans: Sequence[PublishPlan],
     prompts: Sequence[Sequence[int]],
     params: BenchParams,
-) -> tuple[list[float], list[float | None], _Probes]:
-    """Both rounds: their seconds, the server's CPU seconds in each, the probes."""
+) -> tuple[list[float], list[float | None], _Probes, float | None]:
+    """Every round: their seconds, the server's CPU seconds in each, the probes
+    of the probed rounds together; then the server's CPU seconds a second of
+    probing costs without ingest (None where its CPU time cannot be read)."""
     async with grpc.aio.insecure_channel(srv.target) as channel:
         stub = pb_grpc.IndexerServiceStub(channel)
         want = len(engines.endpoints)
@@ -715,23 +726,47 @@ async def _zmq_rounds(
             await asyncio.sleep(_DONE_POLL_S)
         # The SUB sockets' subscriptions reach the publishers just after the connect.
         await asyncio.sleep(0.3)
-        cpu0 = srv.cpu_seconds()
-        quiet = await _ingest_round(stub, engines, 0, plans[0], params.zmq_timeout_s, None)
-        cpu1 = srv.cpu_seconds()
-        reqs = [match_request(k, model=zmq_round_model(1)) for k in prompts]
         probes = _Probes(
             stub,
             health_pb2_grpc.HealthStub(channel),
-            reqs,
+            [],
             params.probe_interval_s,
             params.zmq_timeout_s,
         )
-        probed = await _ingest_round(stub, engines, 1, plans[1], params.zmq_timeout_s, probes)
-        cpu2 = srv.cpu_seconds()
-        cpu: list[float | None] = [None, None]
-        if cpu0 is not None and cpu1 is not None and cpu2 is not None:
-            cpu = [cpu1 - cpu0, cpu2 - cpu1]
-        return [quiet, probed], cpu, probes
+        seconds: list[float] = []
+        cpu: list[float | None] = []
+        for r, plan in enumerate(plans):
+            probing = None
+            if zmq_round_probed(r):
+                # Probes ask for the namespace the round is filling.
+                probes.reqs = [match_request(k, model=zmq_round_model(r)) for k in prompts]
+                probing = probes
+            before = srv.cpu_seconds()
+            seconds.append(
+                await _ingest_round(stub, engines, r, plan, params.zmq_timeout_s, probing)
+            )
+            after = srv.cpu_seconds()
+            cpu.append(None if before is None or after is None else after - before)
+        # The probes alone, as long as a probed round: what serving them costs
+        # the server, which a probed round's ingest shares one interpreter with.
+        alone = _Probes(
+            stub,
+            health_pb2_grpc.HealthStub(channel),
+            probes.reqs,
+            params.probe_interval_s,
+            params.zmq_timeout_s,
+        )
+        span = sum(seconds[r] for r in range(len(plans)) if zmq_round_probed(r))
+        span /= max(1, sum(zmq_round_probed(r) for r in range(len(plans))))
+        stop = asyncio.Event()
+        before = srv.cpu_seconds()
+        probing = asyncio.create_task(alone.run(stop))
+        await asyncio.sleep(span)
+        stop.set()
+        await probing
+        after = srv.cpu_seconds()
+        probe_cpu = None if before is None or after is None else (after - before) / span
+        return seconds, cpu, probes, probe_cpu
 
 
 def bench_zmq_ingest(
@@ -745,11 +780,18 @@ def bench_zmq_ingest(
 
     ``params.zmq_publishers`` engines in a child process publish the trace
     (:func:`zmq_plan`) at full speed into an indexer child subscribed to all
-    of them; round 0 is timed alone, round 1 while a client probes
-    (:class:`_Probes`). Adds ``memory_zmq_ingest_blocks_per_s`` (round 0),
-    ``memory_ingest_during_probe_blocks_per_s`` (round 1), the server's CPU
-    time per block in each (``..._server_cpu_us_per_block``) and the probes'
-    ``memory_{match,ping,health}_during_ingest_p{50,99}_ms``.
+    of them, :data:`ZMQ_ROUNDS` times: the even rounds alone, the odd ones
+    while a client probes (:class:`_Probes`). Adds
+    ``memory_zmq_ingest_blocks_per_s`` (the quiet rounds' blocks over their
+    seconds), ``memory_ingest_during_probe_blocks_per_s`` (the probed
+    rounds'), the server's CPU time per block in each kind
+    (``..._server_cpu_us_per_block``), the probes'
+    ``memory_{match,ping,health}_during_ingest_p{50,99}_ms`` and, in the run's
+    params, each round's rate. A last round runs the probes alone:
+    ``memory_probe_server_cpu_share`` is the server's CPU share serving them
+    takes, and ``memory_ingest_during_probe_net_cpu_us_per_block`` the probed
+    rounds' CPU per block less it (the ingest's own, to set against the quiet
+    rounds': what giving way to calls costs the ingest).
     """
     progress.phase("memory: Match during ZMQ ingest")
     plans = [
@@ -771,17 +813,31 @@ def bench_zmq_ingest(
             for r, worker, endpoint, replay in engines.endpoints
         ]
         with ServerChild("memory", overrides={"engine_events": {"endpoints": endpoints}}) as srv:
-            seconds, cpu, probes = asyncio.run(_zmq_rounds(srv, engines, plans, prompts, params))
-    figures["memory_zmq_ingest_blocks_per_s"] = plans[0].blocks / seconds[0]
-    figures["memory_ingest_during_probe_blocks_per_s"] = plans[1].blocks / seconds[1]
-    for name, used, plan in (
-        ("zmq_ingest", cpu[0], plans[0]),
-        ("ingest_during_probe", cpu[1], plans[1]),
-    ):
-        if used:
+            seconds, cpu, probes, probe_cpu = asyncio.run(
+                _zmq_rounds(srv, engines, plans, prompts, params)
+            )
+    kinds = {"zmq_ingest": False, "ingest_during_probe": True}
+    for name, probed in kinds.items():
+        rounds = [r for r in range(len(plans)) if zmq_round_probed(r) == probed]
+        blocks = sum(plans[r].blocks for r in rounds)
+        figures[f"memory_{name}_blocks_per_s"] = blocks / sum(seconds[r] for r in rounds)
+        used = [cpu[r] for r in rounds]
+        if all(u is not None for u in used):
             # The server's CPU time per block: apart from the wall clock, which
             # other processes on the machine (the probing client among them) share.
-            figures[f"memory_{name}_server_cpu_us_per_block"] = used * 1e6 / plan.blocks
+            figures[f"memory_{name}_server_cpu_us_per_block"] = (
+                sum(u for u in used if u is not None) * 1e6 / blocks
+            )
+        extra[f"zmq_round_blocks_per_s_{'probed' if probed else 'quiet'}"] = [
+            round(plans[r].blocks / seconds[r]) for r in rounds
+        ]
+        if probed and probe_cpu is not None and all(u is not None for u in used):
+            # Less what serving the probes took: the ingest's own CPU per block
+            # while probed, against the quiet rounds' (pacing's own cost).
+            net = sum(u for u in used if u is not None)
+            net -= probe_cpu * sum(seconds[r] for r in rounds)
+            figures["memory_ingest_during_probe_net_cpu_us_per_block"] = net * 1e6 / blocks
+            figures["memory_probe_server_cpu_share"] = probe_cpu
     for name, lat in (
         ("match", probes.match_ms),
         ("ping", probes.ping_ms),

@@ -102,13 +102,23 @@ class RedisSettings(StrictModel):
         description="Talk to a Redis Cluster (url names any node). Block keys are tagged by "
         "their chain's anchor block so a Match stays one script on one node (KEYS.md).",
     )
-    cluster_anchor_depth: int = Field(
-        default=1,
+    cluster_anchor_depth: int | None = Field(
+        default=None,
         ge=0,
         le=255,
-        description="Cluster only: depth of the block whose hash tag places a chain; the "
-        "shallower blocks are copied on every master. 0 tags by the root block, which puts "
-        "every chain behind one shared system prompt on one shard.",
+        description="Cluster only: depth of the block whose hash tag places a chain, for every "
+        "model; the shallower blocks are copied on every master. 0 tags by the root block, "
+        "which puts every chain behind one shared system prompt on one shard. Unset: "
+        "cluster_anchor_tokens over each model's block size. Every replica must agree.",
+    )
+    cluster_anchor_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=1 << 20,
+        description="Cluster only, when cluster_anchor_depth is unset: a model's anchor is its "
+        "first block past this many tokens (depth ceil(tokens / block size), at most 255): "
+        "depth 1 at 512-token blocks, 32 at 16-token blocks, so a shared system prompt of up "
+        "to this length does not put every chain on one shard.",
     )
     username: str = Field(
         default="",
@@ -687,6 +697,15 @@ class IndexerConfig(StrictModel):
     def block_size_for(self, model: str) -> int:
         """Tokens per block for ``model`` (its override, else ``block_size``)."""
         return self.model_block_sizes.get(model, self.block_size)
+
+    def cluster_anchor_for(self, model: str) -> int:
+        """Depth of the anchor block of ``model``'s chains on a Redis Cluster
+        (``redis.cluster_anchor_depth``, else ``redis.cluster_anchor_tokens``
+        over the model's block size, rounded up, at most 255)."""
+        r = self.redis
+        if r.cluster_anchor_depth is not None:
+            return r.cluster_anchor_depth
+        return min(255, -(-r.cluster_anchor_tokens // self.block_size_for(model)))
 
 
 # -- loading ------------------------------------------------------------------

@@ -155,6 +155,13 @@ _APPLY_ATTEMPTS = 4
 #: so names a client invents in Matches never enter it.
 NS_CACHE_SIZE = 4096
 
+
+def _check_anchor(depth: int) -> int:
+    """``depth`` as an anchor depth (the scripts carry it in one byte)."""
+    if depth < 0 or depth > 255:
+        raise ValueError(f"anchor_depth must be in 0..255, got {depth}")
+    return depth
+
 #: Keys fetched per HGETALL pipeline in dump(): bounds client memory per step.
 _DUMP_BATCH = 1000
 
@@ -397,7 +404,9 @@ class RedisIndex(Index):
     the namespaces whose constants are kept (:data:`NS_CACHE_SIZE`).
     ``cluster`` talks to a Redis Cluster through ``url`` (any node);
     ``anchor_depth`` is then the depth of the block whose tag places a chain
-    (blocks above it are copied on every master; 0 tags chains by their root).
+    (blocks above it are copied on every master; 0 tags chains by their root),
+    for every model, or a function of the model (the config's
+    ``cluster_anchor_for``: a depth in tokens, whatever each model's block size).
 
     Credentials: ``username`` (else the URL's; none is Redis's default user)
     and a password from ``password_file`` (read at each new connection), else
@@ -422,7 +431,7 @@ class RedisIndex(Index):
         parent_cache_size: int = 200_000,
         ns_cache_size: int = NS_CACHE_SIZE,
         cluster: bool = False,
-        anchor_depth: int = 1,
+        anchor_depth: int | Callable[[str], int] = 1,
         username: str = "",
         password: str | None = None,
         password_file: str = "",
@@ -431,8 +440,8 @@ class RedisIndex(Index):
         tls_key_file: str = "",
         tls_check_hostname: bool = True,
     ) -> None:
-        if anchor_depth < 0 or anchor_depth > 255:
-            raise ValueError("anchor_depth must be in 0..255")
+        if isinstance(anchor_depth, int):
+            _check_anchor(anchor_depth)
         #: The URL as it may be shown (password redacted).
         self.where = redact_url(url)
         url, url_user, url_password = split_url_credentials(url)
@@ -460,7 +469,9 @@ class RedisIndex(Index):
         self._clock = clock
         self._prefix = prefix
         self.cluster = cluster
-        self._anchor = anchor_depth if cluster else 0
+        self._anchor_depth = anchor_depth
+        #: Anchor depth per model, as used (a function's answer is checked once).
+        self._anchors: dict[str, int] = {}
         # Control names: one slot in cluster mode. Block names keep the plain base.
         self._base = K.cluster_base(prefix) if cluster else K.base(prefix)
         self._ctl_prefix = self._base[:-1].decode("utf-8")
@@ -1086,6 +1097,19 @@ class RedisIndex(Index):
                 f"redis cluster client fault: {exc.__class__.__name__}: {exc}"
             ) from exc
 
+    def _anchor(self, model: str) -> int:
+        """Depth of the anchor of ``model``'s chains (cluster layout; 0 standalone)."""
+        if not self.cluster:
+            return 0
+        got = self._anchors.get(model)
+        if got is None:
+            a = self._anchor_depth
+            got = _check_anchor(a if isinstance(a, int) else a(model))
+            if len(self._anchors) >= self._ns_cap:
+                self._anchors.clear()  # bounded by models in use, like the namespace LRU
+            self._anchors[model] = got
+        return got
+
     def _ns(self, model: str, lora: str) -> tuple[bytes, bytes, bytes]:
         """(ns id, block name prefix, ns registry value) of a namespace being
         written (so Redis holds it), kept in the namespace LRU."""
@@ -1557,7 +1581,7 @@ class RedisIndex(Index):
                 inst.name,
                 batch.incarnation.encode(),
                 batch.address.encode(),
-                *((self._anchor,) if self.cluster else ()),
+                *((self._anchor(inst.spec.model),) if self.cluster else ()),
                 *quota_args,
                 *args,
                 *watched,
@@ -1783,7 +1807,8 @@ class RedisIndex(Index):
             refreshed, due = True, False
             excl = self._exclusions(now, include_stale)
         if self.cluster:
-            res = await self._match_cluster(ns[0], keys, blob, excl)
+            na = self._anchor(namespace.model)
+            res = await self._match_cluster(ns[0], na, keys, blob, excl)
             if res[0] != self._gen and due:
                 await self._refresh()
                 refreshed = True
@@ -1794,7 +1819,7 @@ class RedisIndex(Index):
                     # The answer left out what the old table excluded (an
                     # instance revived elsewhere): ask again with the new one.
                     excl = fresh
-                    res = await self._match_cluster(ns[0], keys, blob, excl)
+                    res = await self._match_cluster(ns[0], na, keys, blob, excl)
         else:
             check = (b"=" + self._gen,) if due and self._gen is not None else ()
             args = (self._base, self._gen_key, ns[1], ns[1], 0, blob)
@@ -1948,9 +1973,10 @@ class RedisIndex(Index):
         return out
 
     async def _match_cluster(
-        self, nid: bytes, keys: Sequence[int], blob: bytes, excl: Sequence[bytes]
+        self, nid: bytes, na: int, keys: Sequence[int], blob: bytes, excl: Sequence[bytes]
     ) -> Any:
-        """Cluster: the one EVALSHA of a Match, on the node of the chain's anchor.
+        """Cluster: the one EVALSHA of a Match, on the node of the chain's anchor
+        (the block at depth ``na``).
 
         A prompt no deeper than the anchor reads only copies (shallow and
         unplaced blocks), which every master holds: those Matches go round
@@ -1971,7 +1997,7 @@ class RedisIndex(Index):
             raise Unavailable("redis cluster: no copy tag is registered yet")
         for attempt in range(2):
             try:
-                res = await self._match_once(nid, keys, blob, excl)
+                res = await self._match_once(nid, na, keys, blob, excl)
             except Unavailable as exc:
                 if attempt or not _slot_moved(exc):
                     raise
@@ -1983,9 +2009,8 @@ class RedisIndex(Index):
         return [b"", []]
 
     async def _match_once(
-        self, nid: bytes, keys: Sequence[int], blob: bytes, excl: Sequence[bytes]
+        self, nid: bytes, na: int, keys: Sequence[int], blob: bytes, excl: Sequence[bytes]
     ) -> Any:
-        na = self._anchor
         if len(keys) > na:
             tag = K.anchor_tag(keys[na])
             dp = self._plain_block + b"{" + tag + b"}" + nid

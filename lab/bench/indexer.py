@@ -140,6 +140,11 @@ class ClusterClient:
         sizes = [int(node.dbsize()) for node in self._nodes]
         return max(sizes) / max(1, sum(sizes))
 
+    def memory_share_max(self) -> float:
+        """Largest master's share of the memory Redis uses (``used_memory``)."""
+        used = [int(node.info("memory")["used_memory"]) for node in self._nodes]
+        return max(used) / max(1, sum(used))
+
     def close(self) -> None:
         """Close every connection."""
         for node in self._nodes:

@@ -860,6 +860,10 @@ def _measure(
         f["rss_bytes_per_block_instance"] = (rss1 - rss0) / stored
     if store is not None:
         f["store_bytes_per_block_instance"] = (_store_figures(store)[0] - mem0) / stored
+        if isinstance(store, ClusterClient):
+            # How evenly the chains' anchors spread the index over the masters.
+            f["store_key_share_max"] = store.key_share_max()
+            f["store_memory_share_max"] = store.memory_share_max()
         if "store" in cpu:
             f["store_cpu_s"] = cpu["store"]
             if cpu.get("indexer"):
@@ -944,6 +948,8 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("indexer RSS after ingest", "rss_mb", "MB"),
     ("RSS growth / (block, inst)", "rss_bytes_per_block_instance", "B"),
     ("Redis bytes / (block, inst)", "store_bytes_per_block_instance", "B"),
+    ("largest master's key share", "store_key_share_max", ""),
+    ("  its memory share", "store_memory_share_max", ""),
     ("Redis raw pipelined HSETs", "raw_write_pairs_per_s", "pairs/s"),
     ("  ingest ÷ raw write", "ingest_vs_raw_write", ""),
     ("  raw write bytes / pair", "raw_write_bytes_per_pair", "B"),

@@ -162,6 +162,7 @@ def _check_anchor(depth: int) -> int:
         raise ValueError(f"anchor_depth must be in 0..255, got {depth}")
     return depth
 
+
 #: Keys fetched per HGETALL pipeline in dump(): bounds client memory per step.
 _DUMP_BATCH = 1000
 

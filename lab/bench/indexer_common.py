@@ -736,14 +736,14 @@ async def _zmq_rounds(
         seconds: list[float] = []
         cpu: list[float | None] = []
         for r, plan in enumerate(plans):
-            probing = None
+            probed = None
             if zmq_round_probed(r):
                 # Probes ask for the namespace the round is filling.
                 probes.reqs = [match_request(k, model=zmq_round_model(r)) for k in prompts]
-                probing = probes
+                probed = probes
             before = srv.cpu_seconds()
             seconds.append(
-                await _ingest_round(stub, engines, r, plan, params.zmq_timeout_s, probing)
+                await _ingest_round(stub, engines, r, plan, params.zmq_timeout_s, probed)
             )
             after = srv.cpu_seconds()
             cpu.append(None if before is None or after is None else after - before)

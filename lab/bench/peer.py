@@ -90,6 +90,7 @@ import json
 import math
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -492,6 +493,66 @@ def free_page_reporting() -> bool | None:
     except OSError:
         return None if not drv.parent.exists() else False
     return any(len(f) > 5 and f[5] == "1" for f in features)
+
+
+#: Iterations of :func:`cpu_calibration_ms`'s loop: about 130 ms of one CPU here.
+_CALIBRATION_LOOP = 3_000_000
+
+
+def cpu_calibration_ms(cpus: set[int] | None = None) -> float:
+    """Milliseconds a fixed pure-Python loop takes (best of 5), on ``cpus`` if
+    given (the indexer's, with ``--pin``).
+
+    The same code ingested 310 k blocks/s in one run and 250 k an hour later,
+    its rate per CPU-second falling with it, with no steal time reported and
+    page faults no dearer: a VM's host may give its vCPU less at one hour than
+    another, and the guest cannot see it. The loop, timed at the start and the
+    end of a run, says how fast the machine was then: compare runs whose
+    calibrations agree.
+    """
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            acc = 0
+            for i in range(_CALIBRATION_LOOP):
+                acc += i * i
+            best = min(best, time.perf_counter() - t0)
+        return best * 1000
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+#: Keys of :func:`memory_calibration_ms`'s table, and lookups timed a pass.
+_MEMORY_TABLE = 1_000_000
+_MEMORY_LOOKUPS = 500_000
+
+
+def memory_calibration_ms(cpus: set[int] | None = None) -> float:
+    """Milliseconds of 500 k random lookups in a dict of a million int keys
+    (best of 3; built untimed), on ``cpus`` if given: the index's own kind of
+    work, bound by the machine's memory latency, which a host's other guests
+    share and :func:`cpu_calibration_ms`'s loop does not touch."""
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        rnd = random.Random(20261205)
+        table = {rnd.getrandbits(63): i for i in range(_MEMORY_TABLE)}
+        probe = rnd.sample(list(table), _MEMORY_LOOKUPS)
+        get = table.get
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for k in probe:
+                get(k)
+            best = min(best, time.perf_counter() - t0)
+        return best * 1000
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @dataclass(slots=True)
@@ -1016,6 +1077,10 @@ def run_bench(
     expected = [expected_answer(stream.held, q, params.sub_blocks) for q in prompts]
     queries = [Query([int(t) for t in trace_tokens(q).reshape(-1)]) for q in prompts]
     figures: dict[str, float] = {}
+    # With --pin, the loop runs on the indexer's CPU (before the bench leaves it).
+    cal_cpus = (params.cpu_sets() or (None,))[0]
+    calibration = [cpu_calibration_ms(cal_cpus)]
+    mem_calibration = [memory_calibration_ms(cal_cpus)]
     with tempfile.TemporaryDirectory(prefix="kvpeer-") as tmp:
         work = Path(tmp)
         if log_dir is not None:
@@ -1056,6 +1121,8 @@ def run_bench(
                     run.notes[f"failed_{kind}"] = f"{type(e).__name__}: {e}"[:600]
                 figures.update({f"peer_{kind}_{k}": v for k, v in side_figures.items()})
     figures.update(ratios(figures, params.backends))
+    calibration.append(cpu_calibration_ms(cal_cpus))
+    mem_calibration.append(memory_calibration_ms(cal_cpus))
     run_params: dict[str, Any] = {
         **{k: v for k, v in asdict(params).items()},
         "trace": "mooncake_conversation_trace",
@@ -1072,6 +1139,8 @@ def run_bench(
         "cpus": os.cpu_count(),
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "free_page_reporting": free_page_reporting(),
+        "cpu_calibration_ms": [round(c, 1) for c in calibration],
+        "memory_calibration_ms": [round(c, 1) for c in mem_calibration],
         "python": platform.python_version(),
         **run.notes,
     }
@@ -1213,6 +1282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine: a VM whose host takes back the memory it frees (virtio-balloon free "
             "page reporting): a page touched for the first time may wait for the host"
         )
+    cal, mem = run_params["cpu_calibration_ms"], run_params["memory_calibration_ms"]
+    print(
+        f"machine: a fixed Python loop took {cal[0]} ms at the start and {cal[-1]} ms at the "
+        f"end, 500 k random dict lookups {mem[0]} and {mem[-1]} ms (cpu_calibration_ms, "
+        "memory_calibration_ms: compare runs whose figures agree)"
+    )
     for note in _notes(run_params):
         print(note)
     if json_path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.bench.peer import build_stream, expected_answer, main, ratios
+from lab.bench.peer import build_stream, cpu_calibration_ms, expected_answer, main, ratios
 from lab.engines.vllm_publishers import engine_hashes, trace_tokens
 from lab.traces import load_mooncake
 
@@ -61,6 +61,11 @@ def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
             assert figures[f"peer_{side}_page_faults_per_block_instance{suffix}"] >= 0
     assert "share in the kernel" in printed
     assert doc["params"]["free_page_reporting"] in (True, False, None)
+    cal = doc["params"]["cpu_calibration_ms"]
+    assert len(cal) == 2 and all(1 < c < 60_000 for c in cal), cal
+    assert f"a fixed Python loop took {cal[0]} ms at the start" in printed
+    mem = doc["params"]["memory_calibration_ms"]
+    assert len(mem) == 2 and all(1 < c < 60_000 for c in mem), mem
     assert doc["params"]["block_size"] == 64 and doc["params"]["publishers"] == 4
     # --pin: each indexer under test alone on the first CPU, the publishers on the rest.
     cpus = sorted(os.sched_getaffinity(0))
@@ -86,3 +91,14 @@ def test_stream_and_reference_model() -> None:
     assert len(set(engine_hashes(range(100), 32))) == 3200
     figures = {"peer_dynamo_floor_p50_us": 100.0, "peer_memory_floor_p50_us": 250.0}
     assert ratios(figures, ["memory"]) == {"ratio_memory_floor_p50_us": 2.5}
+
+
+def test_calibration_runs_where_asked_and_puts_the_affinity_back() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[0]})
+    try:
+        ms = cpu_calibration_ms({cpus[-1]})
+        assert os.sched_getaffinity(0) == {cpus[0]}
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    assert 1 < ms < 60_000

@@ -37,6 +37,11 @@ def build_index(config: IndexerConfig) -> Index:
             if r.cluster_anchor_depth is not None
             else config.cluster_anchor_for
         ),
+        anchor_rule=(
+            f"depth {r.cluster_anchor_depth}"
+            if r.cluster_anchor_depth is not None
+            else f"tokens {r.cluster_anchor_tokens}"
+        ),
         username=r.username,
         password=r.password.get_secret_value() if r.password is not None else None,
         password_file=r.password_file,

@@ -407,7 +407,10 @@ class RedisIndex(Index):
     ``anchor_depth`` is then the depth of the block whose tag places a chain
     (blocks above it are copied on every master; 0 tags chains by their root),
     for every model, or a function of the model (the config's
-    ``cluster_anchor_for``: a depth in tokens, whatever each model's block size).
+    ``cluster_anchor_for``: a depth in tokens, whatever each model's block size)
+    named by ``anchor_rule``. The first replica records its rule in the index
+    (``anchor_depth`` when no rule is named); a replica under another refuses
+    every call with FAILED_PRECONDITION.
 
     Credentials: ``username`` (else the URL's; none is Redis's default user)
     and a password from ``password_file`` (read at each new connection), else
@@ -433,6 +436,7 @@ class RedisIndex(Index):
         ns_cache_size: int = NS_CACHE_SIZE,
         cluster: bool = False,
         anchor_depth: int | Callable[[str], int] = 1,
+        anchor_rule: str = "",
         username: str = "",
         password: str | None = None,
         password_file: str = "",
@@ -471,6 +475,11 @@ class RedisIndex(Index):
         self._prefix = prefix
         self.cluster = cluster
         self._anchor_depth = anchor_depth
+        #: How this replica places chains, as recorded in the index (the first
+        #: replica's rule is kept; another refuses): ``anchor_rule``, else the depth.
+        if not anchor_rule and not isinstance(anchor_depth, int):
+            raise ValueError("an anchor given as a function needs an anchor_rule naming it")
+        self._anchor_rule = anchor_rule or f"depth {anchor_depth}"
         #: Anchor depth per model, as used (a function's answer is checked once).
         self._anchors: dict[str, int] = {}
         # Control names: one slot in cluster mode. Block names keep the plain base.
@@ -1170,6 +1179,21 @@ class RedisIndex(Index):
                 "on one index, or give this one its own prefix",
                 field="redis.prefix",
             )
+        if self.cluster:
+            # A Match looks for a chain's deep blocks under the tag its own
+            # anchor names: replicas under two rules answer each other's chains
+            # short, silently. The first replica's rule is the index's.
+            akey = K.anchor_key(self._ctl_prefix)
+            rule = self._anchor_rule.encode()
+            _, held = await self._pipe([("SET", akey, rule, "NX"), ("GET", akey)])
+            if held != rule:
+                raise FailedPrecondition(
+                    f"the index at this key prefix places chains by anchor rule "
+                    f"{held.decode(errors='replace')!r}, this replica by {self._anchor_rule!r} "
+                    "(redis.cluster_anchor_depth / redis.cluster_anchor_tokens; KEYS.md, "
+                    '"Redis Cluster"): give every replica the same, or this one its own prefix',
+                    field="redis.cluster_anchor_depth",
+                )
         self._schema_ok = True
 
     async def _refresh(self) -> None:

@@ -40,6 +40,7 @@ NAMESPACES = b"ns"  # hash: ns id (8 bytes) -> model \0 lora_name
 NS_BLOCKS = b"nsb"  # hash: ns id -> number of block keys with at least one holder
 NS_PAIRS = b"nsbi"  # hash: ns id -> number of (block key, instance) entries
 SCHEMA = b"schema"  # string: SCHEMA_VERSION
+ANCHOR = b"anchor"  # string: the Cluster layout's anchor rule (KEYS.md, "Redis Cluster")
 INSTANCE = b"i:"  # + instance name -> hash of instance metadata
 EMAP = b"e:"  # + decimal int id -> hash engine hash (8 bytes) -> ns id + block key
 KMAP = b"k:"  # cluster: + decimal int id -> hash ns id + block key -> mask digit + location
@@ -120,6 +121,11 @@ def key(prefix: str, suffix: bytes) -> bytes:
 def schema_key(prefix: str) -> bytes:
     """Name of the schema-version string."""
     return base(prefix) + SCHEMA
+
+
+def anchor_key(prefix: str) -> bytes:
+    """Name of the Cluster layout's anchor rule (a replica under another refuses)."""
+    return base(prefix) + ANCHOR
 
 
 # -- Redis Cluster ---------------------------------------------------------------

@@ -506,9 +506,9 @@ def cpu_calibration_ms(cpus: set[int] | None = None) -> float:
     The same code ingested 310 k blocks/s in one run and 250 k an hour later,
     its rate per CPU-second falling with it, with no steal time reported and
     page faults no dearer: what a VM's host gives its vCPU (CPU share, memory
-    bandwidth) may change with the hour, and the guest cannot see it. The loop, timed at the start and the
-    end of a run, says how fast the machine was then: compare runs whose
-    calibrations agree.
+    bandwidth) may change with the hour, and the guest cannot see it. The
+    loop, timed at the start and the end of a run, says how fast the machine
+    was then: compare runs whose calibrations agree.
     """
     before = os.sched_getaffinity(0)
     if cpus:

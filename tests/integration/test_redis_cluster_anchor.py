@@ -23,6 +23,7 @@ from indexer.config import IndexerConfig
 from indexer.factory import build_index
 from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace, Tier
 from indexer.redis.backend import RedisIndex
+from kvmesh.errors import FailedPrecondition
 
 MODEL = "m16"
 #: Blocks every chain starts with: a 512-token system prompt at 16-token blocks.
@@ -111,3 +112,32 @@ async def test_chains_behind_a_shared_prompt_spread_over_the_masters(
     finally:
         await idx.close()
         await other.close()
+
+
+async def test_a_replica_under_another_anchor_rule_refuses_the_index(redis_cluster: Any) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    first = build_index(config(redis_cluster.url, prefix))
+    same = build_index(config(redis_cluster.url, prefix))
+    other = build_index(config(redis_cluster.url, prefix, cluster_anchor_depth=1))
+    w = InstanceId("w0")
+    try:
+        await first.register(InstanceSpec(w, MODEL, "http://w0", 600.0))
+        keys = chain(0)
+        stored = BlockStored(tuple(range(len(keys))), None, (), 0, "", Tier.GPU, tuple(keys))
+        await first.apply(EventBatch(w, 1, (stored,)))
+        assert [h.depth for h in await same.match(Namespace(MODEL), keys)] == [len(keys)]
+        # Depth 1 would look for this chain's deep blocks under another tag.
+        with pytest.raises(FailedPrecondition) as e:
+            await other.match(Namespace(MODEL), keys)
+        assert e.value.field == "redis.cluster_anchor_depth"
+        assert "'tokens 512'" in str(e.value) and "'depth 1'" in str(e.value)
+        # The index is as it was for the replicas that agree.
+        assert [h.depth for h in await first.match(Namespace(MODEL), keys)] == [len(keys)]
+    finally:
+        for index in (first, same, other):
+            await index.close()
+
+
+def test_an_anchor_function_needs_a_rule_naming_it() -> None:
+    with pytest.raises(ValueError, match="anchor_rule"):
+        RedisIndex("redis://127.0.0.1:1", cluster=True, anchor_depth=lambda model: 2)

@@ -12,6 +12,7 @@ kvmesh's, ``service.name`` ours unless the ``OTEL_*`` variables name one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -79,12 +80,24 @@ async def served(spans: InMemorySpanExporter) -> AsyncIterator[Harness]:
         await close_harness(h)
 
 
-def _server_spans(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+def _finished_server_spans(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
     return [
         s
         for s in exporter.get_finished_spans()
         if s.name == name and s.kind == trace.SpanKind.SERVER
     ]
+
+
+async def _server_spans(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    """The finished server spans named ``name``, waiting up to 5 s for one: the
+    server ends a call's span after the status is sent, so a caller that has
+    its answer may look before the span ended."""
+    for _ in range(500):
+        got = _finished_server_spans(exporter, name)
+        if got:
+            return got
+        await asyncio.sleep(0.01)
+    return _finished_server_spans(exporter, name)
 
 
 def _attrs(span: ReadableSpan) -> dict[str, Any]:
@@ -96,7 +109,7 @@ async def test_server_span_of_a_call_that_succeeds(
 ) -> None:
     await register(served.stub, "w0")
     await served.stub.Match(pb.MatchRequest(model=MODEL, token_ids=list(range(2 * BLOCK))))
-    [span] = _server_spans(spans, MATCH)
+    [span] = await _server_spans(spans, MATCH)
     attrs = _attrs(span)
     assert {k: attrs[k] for k in ("rpc.system.name", "rpc.method", "rpc.response.status_code")} == {
         "rpc.system.name": "grpc",
@@ -114,7 +127,7 @@ async def test_server_span_of_a_call_that_succeeds(
     }
     assert not set(OLD_ATTRIBUTES) & set(attrs)
     assert span.status.status_code == trace.StatusCode.UNSET
-    [registered] = _server_spans(spans, f"{SERVICE}/RegisterInstance")
+    [registered] = await _server_spans(spans, f"{SERVICE}/RegisterInstance")
     assert _attrs(registered)["rpc.method"] == f"{SERVICE}/RegisterInstance"
 
 
@@ -130,7 +143,7 @@ async def test_a_status_the_caller_caused_leaves_the_server_span_unset(
     served: Harness, spans: InMemorySpanExporter, method: str, request_: Any, code: str
 ) -> None:
     await expect_status(getattr(served.stub, method)(request_), getattr(grpc.StatusCode, code))
-    [span] = _server_spans(spans, f"{SERVICE}/{method}")
+    [span] = await _server_spans(spans, f"{SERVICE}/{method}")
     attrs = _attrs(span)
     assert attrs["rpc.response.status_code"] == code
     assert "error.type" not in attrs
@@ -147,7 +160,7 @@ async def test_a_server_failure_fails_the_server_span(spans: InMemorySpanExporte
         )
     finally:
         await close_harness(h)
-    [span] = _server_spans(spans, MATCH)
+    [span] = await _server_spans(spans, MATCH)
     attrs = _attrs(span)
     assert attrs["rpc.response.status_code"] == "UNAVAILABLE"
     assert attrs["error.type"] == "UNAVAILABLE"
@@ -186,7 +199,7 @@ async def test_client_span_names_the_server_it_called(
     }
     assert span.status.status_code == trace.StatusCode.UNSET
     # The server span of the same call is its child, over the wire.
-    [server_span] = _server_spans(spans, MATCH)
+    [server_span] = await _server_spans(spans, MATCH)
     assert server_span.parent is not None and server_span.parent.is_remote
     assert server_span.parent.span_id == span.context.span_id
 
@@ -208,7 +221,7 @@ async def test_a_status_the_caller_caused_fails_only_the_client_span(
     assert _attrs(client_span)["rpc.response.status_code"] == "INVALID_ARGUMENT"
     assert _attrs(client_span)["error.type"] == "INVALID_ARGUMENT"
     assert client_span.status.status_code == trace.StatusCode.ERROR
-    [server_span] = _server_spans(spans, MATCH)
+    [server_span] = await _server_spans(spans, MATCH)
     assert _attrs(server_span)["rpc.response.status_code"] == "INVALID_ARGUMENT"
     assert "error.type" not in _attrs(server_span)
     assert server_span.status.status_code == trace.StatusCode.UNSET
@@ -236,14 +249,14 @@ async def test_each_match_of_a_stream_is_a_server_span(
     await call.done_writing()
     assert await call.code() == grpc.StatusCode.OK
     assert replies[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    per_match = _server_spans(spans, f"{SERVICE}/MatchStream.Match")
+    per_match = await _server_spans(spans, f"{SERVICE}/MatchStream.Match")
     by_code = {_attrs(s)["rpc.response.status_code"]: s for s in per_match}
     assert set(by_code) == {"OK", "INVALID_ARGUMENT"}
     for span in per_match:
         assert _attrs(span)["rpc.system.name"] == "grpc"
         assert _attrs(span)["rpc.method"] == f"{SERVICE}/MatchStream.Match"
         assert span.status.status_code == trace.StatusCode.UNSET  # neither failed the server
-    [stream] = _server_spans(spans, f"{SERVICE}/MatchStream")
+    [stream] = await _server_spans(spans, f"{SERVICE}/MatchStream")
     assert _attrs(stream)["rpc.response.status_code"] == "OK"
     assert all(
         s.parent is not None and s.parent.span_id == stream.context.span_id for s in per_match

@@ -707,6 +707,14 @@ class IndexerConfig(StrictModel):
             return r.cluster_anchor_depth
         return min(255, -(-r.cluster_anchor_tokens // self.block_size_for(model)))
 
+    @property
+    def cluster_anchor_rule(self) -> str:
+        """How :meth:`cluster_anchor_for` places chains, as the index records it."""
+        r = self.redis
+        if r.cluster_anchor_depth is not None:
+            return f"depth {r.cluster_anchor_depth}"
+        return f"tokens {r.cluster_anchor_tokens}"
+
 
 # -- loading ------------------------------------------------------------------
 

@@ -32,16 +32,8 @@ def build_index(config: IndexerConfig) -> Index:
         instance_cache_ttl_s=r.instance_cache_ttl_s,
         parent_cache_size=r.parent_cache_size,
         cluster=r.cluster,
-        anchor_depth=(
-            r.cluster_anchor_depth
-            if r.cluster_anchor_depth is not None
-            else config.cluster_anchor_for
-        ),
-        anchor_rule=(
-            f"depth {r.cluster_anchor_depth}"
-            if r.cluster_anchor_depth is not None
-            else f"tokens {r.cluster_anchor_tokens}"
-        ),
+        anchor_depth=config.cluster_anchor_for,
+        anchor_rule=config.cluster_anchor_rule,
         username=r.username,
         password=r.password.get_secret_value() if r.password is not None else None,
         password_file=r.password_file,

@@ -495,6 +495,18 @@ def free_page_reporting() -> bool | None:
     return any(len(f) > 5 and f[5] == "1" for f in features)
 
 
+@contextlib.contextmanager
+def _on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """This thread on ``cpus`` (if given) for the block, then back where it was."""
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 #: Iterations of :func:`cpu_calibration_ms`'s loop: about 130 ms of one CPU here.
 _CALIBRATION_LOOP = 3_000_000
 
@@ -510,10 +522,7 @@ def cpu_calibration_ms(cpus: set[int] | None = None) -> float:
     loop, timed at the start and the end of a run, says how fast the machine
     was then: compare runs whose calibrations agree.
     """
-    before = os.sched_getaffinity(0)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
+    with _on_cpus(cpus):
         best = math.inf
         for _ in range(5):
             t0 = time.perf_counter()
@@ -522,8 +531,6 @@ def cpu_calibration_ms(cpus: set[int] | None = None) -> float:
                 acc += i * i
             best = min(best, time.perf_counter() - t0)
         return best * 1000
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 #: Keys of :func:`memory_calibration_ms`'s table, and lookups timed a pass.
@@ -536,10 +543,7 @@ def memory_calibration_ms(cpus: set[int] | None = None) -> float:
     (best of 3; built untimed), on ``cpus`` if given: the index's own kind of
     work, bound by the machine's memory latency, which a host's other guests
     share and :func:`cpu_calibration_ms`'s loop does not touch."""
-    before = os.sched_getaffinity(0)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
+    with _on_cpus(cpus):
         rnd = random.Random(20261205)
         table = {rnd.getrandbits(63): i for i in range(_MEMORY_TABLE)}
         probe = rnd.sample(list(table), _MEMORY_LOOKUPS)
@@ -551,8 +555,6 @@ def memory_calibration_ms(cpus: set[int] | None = None) -> float:
                 get(k)
             best = min(best, time.perf_counter() - t0)
         return best * 1000
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 @dataclass(slots=True)

@@ -481,6 +481,14 @@ class EngineEventSettings(StrictModel):
         description="How long to wait for each reply frame of a replay request before giving "
         "the gap up as unrecoverable.",
     )
+    vllm_hash_seeds: list[str] = Field(
+        default_factory=list,
+        description="PYTHONHASHSEED values of vLLM engines that set it. A hybrid model's "
+        "prompt tail that ends two or more hash units into a block is found by vLLM's own "
+        "hash of the prompt (indexer/enginehash.py); without PYTHONHASHSEED vLLM seeds it "
+        "with a fixed default, tried first. A seed is used only once it reproduced a hash "
+        "the engine published.",
+    )
     receive_hwm: int = Field(
         default=100_000,
         ge=0,

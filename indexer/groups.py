@@ -35,8 +35,15 @@ key ``k_j`` of the whole blocks before it, chained unit by unit over the rest
 keys of its tokens): a Match derives it from the prompt's tokens, the
 tracker from an entry's parent. An entry whose parent is a unit no event
 keyed (a tail two or three units into a block: vLLM publishes the tokens of
-the units before it in no event) cannot be keyed and is skipped, counted as
-``partial_unplaced``: the hit is cut to what is known (under, never over).
+the units before it in no event) cannot be keyed; it is counted as
+``partial_unplaced`` and kept by its engine hash instead. A Match reaches it
+through vLLM's own hash of the prompt (indexer/enginehash.py): the tracker
+computes the prompt's engine hashes once it has seen one of them reproduce a
+hash the instance published for the same prompt's first block (which
+algorithm and ``NONE_HASH`` seed the engine hashes with is learned that way,
+never assumed). Until then, and for prompts it cannot compute (a LoRA: the
+adapter's path is in vLLM's hash, not in a Match), the hit is cut to what is
+known (under, never over).
 
 :class:`GroupTracker` keeps, per instance fed through this replica, the
 content keys every non-full group holds and the partial-block entries of the
@@ -60,10 +67,11 @@ as skipped and left out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from indexer.enginehash import EngineHasher, candidates, unit_extras
 from indexer.model import (
     AllBlocksCleared,
     BlockRemoved,
@@ -108,6 +116,13 @@ class _Instance:
     keys: dict[int, int] = field(default_factory=dict)
     #: The engine's hash unit in tokens, from its partial-block entries (0: none seen).
     unit: int = 0
+    #: Any group: group index -> engine hash -> copies of partial-block entries
+    #: whose parent no event keyed (found by the prompt's engine hashes).
+    loose: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: How the engine hashes, once one of its hashes was reproduced (None: not yet).
+    hasher: EngineHasher | None = None
+    #: The instance's model (the namespace its groups are of).
+    model: str = ""
 
 
 @dataclass(slots=True)
@@ -132,7 +147,18 @@ class Prompt:
     token); default ``len(keys) x block_size``.
     """
 
-    __slots__ = ("_units", "block_size", "cache_salt", "keys", "limit", "media", "seed", "tokens")
+    __slots__ = (
+        "_engine",
+        "_units",
+        "block_size",
+        "cache_salt",
+        "keys",
+        "limit",
+        "lora_name",
+        "media",
+        "seed",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -144,6 +170,7 @@ class Prompt:
         cache_salt: str = "",
         media: Sequence[tuple[str, int, int]] = (),
         limit: int | None = None,
+        lora_name: str = "",
     ) -> None:
         self.keys = keys
         self.block_size = block_size
@@ -152,6 +179,9 @@ class Prompt:
         self.cache_salt = cache_salt
         self.media = media
         self.limit = len(keys) * block_size if limit is None else limit
+        self.lora_name = lora_name
+        # (hasher, unit) -> (low 64 bits of each unit's engine hash, the last's full hash)
+        self._engine: dict[tuple[EngineHasher, int], tuple[list[int], bytes]] = {}
         # unit -> (extras of every unit, or None; block index -> its unit keys)
         self._units: dict[int, tuple[list[bytes] | None, dict[int, list[int]]]] = {}
 
@@ -186,11 +216,32 @@ class Prompt:
         i = (k - 1) % per
         return keys[i] if i < len(keys) else None
 
+    def engine_hashes(self, hasher: EngineHasher, unit: int, count: int) -> list[int] | None:
+        """The low 64 bits of vLLM's hashes of the prompt's first ``count`` units (fewer
+        if the prompt is shorter), as ``hasher`` computes them; None without token ids
+        or for a LoRA prompt (vLLM hashes the adapter's path, which a Match lacks)."""
+        if self.tokens is None or self.lora_name:
+            return None
+        count = min(count, self.n_units(unit))
+        got = self._engine.get((hasher, unit))
+        if got is not None and len(got[0]) >= count:
+            return got[0]
+        extras = unit_extras(count, unit, self.cache_salt, self.media)
+        start = (len(got[0]), got[1]) if got is not None and got[0] else None
+        low, full = hasher.units(self.tokens, unit, count, extras, start)
+        if got is not None:
+            low = got[0] + low
+        if full:
+            self._engine[(hasher, unit)] = (low, full[-1])
+        return low
+
 
 class GroupTracker:
     """Group presence of the instances this replica ingests (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seeds: Sequence[str] = ()) -> None:
+        #: The ways an engine may hash, tried in order (indexer/enginehash.py).
+        self._hashers = candidates(seeds)
         self._by: dict[InstanceId, _Instance] = {}
         self._hybrids = 0  # instances with a non-full group
         # How to undo what the last filter() changed, newest last.
@@ -226,7 +277,7 @@ class GroupTracker:
         self._undo = []
         st = self._by.get(instance)
         if st is None:
-            st = self._by[instance] = _Instance()
+            st = self._by[instance] = _Instance(model=model)
             self._undo.append(lambda: self._drop(instance))
         # Groups announced anywhere in the batch first: the full-attention
         # events before them must teach their keys already.
@@ -244,11 +295,11 @@ class GroupTracker:
         skipped: dict[str, int] = {}
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
-                old = (st.held, st.units, st.keys)
-                st.held, st.units, st.keys = {}, {}, {}
+                old = (st.held, st.units, st.keys, st.loose)
+                st.held, st.units, st.keys, st.loose = {}, {}, {}, {}
 
-                def restore(st: _Instance = st, old: tuple[Any, Any, Any] = old) -> None:
-                    st.held, st.units, st.keys = old
+                def restore(st: _Instance = st, old: tuple[Any, Any, Any, Any] = old) -> None:
+                    st.held, st.units, st.keys, st.loose = old
 
                 self._undo.append(restore)
                 out.append(ev)
@@ -292,15 +343,18 @@ class GroupTracker:
         if keys is None:
             reason = "partial_unplaced" if partial else "group_unplaced"
             skipped[reason] = skipped.get(reason, 0) + n
+            if partial:
+                # Kept by engine hash: a Match finds it by the prompt's (see above).
+                self._set_unit(st, ev.block_size)
+                loose = st.loose.get(ev.group)
+                if loose is None:
+                    loose = {}
+                    self._put(st.loose, ev.group, loose)
+                for h in ev.block_hashes:
+                    self._put(loose, h, loose.get(h, 0) + 1)
             return None
-        if partial and st.unit != ev.block_size:
-            old_unit = st.unit
-
-            def undo_unit(st: _Instance = st, old: int = old_unit) -> None:
-                st.unit = old
-
-            st.unit = ev.block_size
-            self._undo.append(undo_unit)
+        if partial:
+            self._set_unit(st, ev.block_size)
         for key in keys:
             where = st.units if key & _UNIT else st.held
             held = where.get(ev.group)
@@ -310,6 +364,16 @@ class GroupTracker:
             k = key & KEY_MASK
             self._put(held, k, held.get(k, 0) + 1)
         return None
+
+    def _set_unit(self, st: _Instance, unit: int) -> None:
+        if st.unit != unit:
+            old_unit = st.unit
+
+            def undo_unit(st: _Instance = st, old: int = old_unit) -> None:
+                st.unit = old
+
+            st.unit = unit
+            self._undo.append(undo_unit)
 
     def _learn_keys(
         self, st: _Instance, model: str, ev: BlockStored, block_size: int
@@ -348,10 +412,17 @@ class GroupTracker:
 
     def _removed(self, st: _Instance, ev: BlockRemoved) -> BlockRemoved | None:
         full = ev.group not in st.specs
-        if full and ev.group not in st.units:
+        loose = st.loose.get(ev.group)
+        if full and ev.group not in st.units and not loose:
             return ev  # a full-attention block: the index's
         kept: list[int] = []
         for h in ev.block_hashes:
+            if loose and h in loose:
+                # One copy of the hash's presence in the group, kept by hash or
+                # by key (keyed once its parent was): the loose one goes first.
+                n = loose[h] - 1
+                self._put(loose, h, n if n > 0 else None)
+                continue
             key = st.keys.get(h)
             if key is not None and key & _UNIT:
                 held = st.units.get(ev.group)
@@ -400,6 +471,24 @@ class GroupTracker:
         for step in reversed(undo):
             step()
 
+    def inside_first_block(
+        self, model: str, prompt: Prompt, listed: Container[InstanceId]
+    ) -> list[tuple[InstanceId, int]]:
+        """Hybrid instances of ``model``, other than ``listed``, whose hit ends inside
+        the prompt's first block: ``(instance, tokens)``. The index lists only
+        instances whose full attention holds a whole block of the prompt; one that
+        holds partial-block entries of its first block alone is found here."""
+        out: list[tuple[InstanceId, int]] = []
+        for iid, st in self._by.items():
+            if st.model != model or not st.specs or iid in listed:
+                continue
+            if not any(st.units.values()) and not any(st.loose.values()):
+                continue
+            t = self.hit(iid, prompt, 0)
+            if t:
+                out.append((iid, t))
+        return out
+
     def cut(self, instance: InstanceId, keys: Sequence[int], depth: int, block_size: int) -> int:
         """The hit, in whole blocks, of a prompt of block ``keys`` (of ``block_size``
         tokens) whose full-attention prefix is ``depth`` blocks."""
@@ -426,25 +515,68 @@ class GroupTracker:
         if not fine:
             return self._cut_blocks(st, prompt.keys, d, bs) * bs
         hit = d * bs
+        per = bs // unit
+        top = min(d * per + per - 1, prompt.limit // unit, prompt.n_units(unit))
+        # Entries kept by engine hash (see "Hash units" above): the prompt's own
+        # engine hashes find them, once the instance's way of hashing is known.
+        engine = self._engine_hashes(st, prompt, unit, top) if st.loose else None
         # Full attention, past its whole blocks: the last unit of the next block
         # it holds a partial-block entry for.
         fa = [held for g, held in st.units.items() if g not in st.specs and held]
-        if fa:
-            per = bs // unit
-            top = min(d * per + per - 1, prompt.limit // unit, prompt.n_units(unit))
+        fa_loose = (
+            [held for g, held in st.loose.items() if g not in st.specs and held] if engine else []
+        )
+        if fa or fa_loose:
             for k in range(top, d * per, -1):
-                key = prompt.unit_key(k, unit)
-                if key is not None and any(key in held for held in fa):
+                key = prompt.unit_key(k, unit) if fa else None
+                if (key is not None and any(key in held for held in fa)) or (
+                    engine is not None
+                    and k <= len(engine)
+                    and any(engine[k - 1] in held for held in fa_loose)
+                ):
                     hit = k * unit
                     break
         while True:
             start = hit
             for g in st.specs:
-                hit = _rightmost_unit(st.held.get(g, {}), st.units.get(g, {}), prompt, hit, unit)
+                hit = _rightmost_unit(
+                    st.held.get(g, {}),
+                    st.units.get(g, {}),
+                    prompt,
+                    hit,
+                    unit,
+                    st.loose.get(g) if engine else None,
+                    engine,
+                )
                 if hit == 0:
                     return 0
             if hit == start:
                 return hit
+
+    def _engine_hashes(
+        self, st: _Instance, prompt: Prompt, unit: int, count: int
+    ) -> list[int] | None:
+        """The prompt's engine hashes (low 64 bits) of its first ``count`` units as the
+        instance hashes, or None while that is unknown.
+
+        The instance's hasher is learned here: the first candidate that gives one
+        of the prompt's first-block units a hash the instance published (a block's
+        or an entry's). Equal 64-bit digests of the same content are the proof;
+        only the first block is hashed per candidate, so an engine hashing in a way
+        not tried (xxhash's random seed) costs a Match that much.
+        """
+        if st.hasher is None:
+            per = prompt.block_size // unit
+            for cand in self._hashers:
+                got = prompt.engine_hashes(cand, unit, per)
+                if got is None:
+                    return None
+                if any(h in st.keys or any(h in x for x in st.loose.values()) for h in got):
+                    st.hasher = cand
+                    break
+            else:
+                return None
+        return prompt.engine_hashes(st.hasher, unit, count)
 
     @staticmethod
     def _cut_blocks(st: _Instance, keys: Sequence[int], depth: int, block_size: int) -> int:
@@ -478,10 +610,17 @@ def _rightmost(held: dict[int, int], keys: Sequence[int], d: int) -> int:
 
 
 def _rightmost_unit(
-    held: dict[int, int], units: dict[int, int], prompt: Prompt, hit: int, unit: int
+    held: dict[int, int],
+    units: dict[int, int],
+    prompt: Prompt,
+    hit: int,
+    unit: int,
+    loose: dict[int, int] | None = None,
+    engine: Sequence[int] | None = None,
 ) -> int:
     """A Mamba group's rightmost state at or before ``hit`` tokens, at unit granularity:
-    a block end it holds as a block (or as a unit entry), or a unit inside a block."""
+    a block end it holds as a block (or as a unit entry), or a unit inside a block
+    (keyed, or kept by the engine hash that ``engine`` gives the prompt's unit)."""
     per = prompt.block_size // unit
     keys = prompt.keys
     for k in range(min(hit // unit, prompt.n_units(unit)), 0, -1):
@@ -491,6 +630,8 @@ def _rightmost_unit(
             key = prompt.unit_key(k, unit)
             if key is not None and key in units:
                 return k * unit
+        if loose and engine is not None and k <= len(engine) and engine[k - 1] in loose:
+            return k * unit
     return 0
 
 

@@ -109,7 +109,8 @@ SKIP_REASONS: dict[str, str] = {
     "this replica has not seen (after a restart): their group presence is unknown",
     "partial_unplaced": "a partial-block entry (a hash unit finer than the block) whose "
     "parent is a unit no event keyed (vLLM publishes a tail two or three units into a block "
-    "without the units before it): its prefix cannot be keyed from tokens",
+    "without the units before it): its prefix cannot be keyed from tokens; it is kept by "
+    "its engine hash, which a Match by token ids computes (indexer/enginehash.py)",
     "invalid": "an event the engine sent that does not validate (named in the log)",
     "quota": "stores past a quota of the instance or of its identity (quotas.*: blocks per "
     "instance or identity, namespaces per identity): the index holds what fitted",
@@ -258,7 +259,7 @@ class IndexerLogic:
         # for a disagreement.
         self._disputed: dict[InstanceId, tuple[float, int | None]] = {}
         #: KV-cache groups of the instances this replica ingests (indexer/groups.py).
-        self.groups = GroupTracker()
+        self.groups = GroupTracker(config.engine_events.vllm_hash_seeds)
         # instance -> last sequence whose events the group tracker counted.
         self._counted: dict[InstanceId, int] = {}
         # (instance, reason) pairs already logged as skipped: warn once each.
@@ -931,6 +932,8 @@ class IndexerLogic:
                 hits = await self._cut_hybrid(query, keys, bs, hits)
         else:
             hits = []
+        if bs and self.groups.hybrid_any():
+            hits = await self._inside_first_block(query, keys, bs, hits)
         self.counters.matches += 1
         if hits:
             self.counters.matched_blocks += hits[0].depth
@@ -1045,6 +1048,35 @@ class IndexerLogic:
         )
         return out
 
+    async def _inside_first_block(
+        self, query: MatchQuery, keys: list[int], bs: int, hits: list[InstanceMatch]
+    ) -> list[InstanceMatch]:
+        """``hits`` and the hybrid instances this replica ingests whose hit ends inside
+        the prompt's first block (indexer/groups.py, ``inside_first_block``): listed
+        with ``depth`` 0 and ``tokens``, if their lease is live (and not stale, unless
+        the query includes stale instances)."""
+        model = query.namespace.model
+        prompt = self._prompt(query, keys, bs, bs)
+        found = self.groups.inside_first_block(model, prompt, {h.instance for h in hits})
+        if not found:
+            return hits
+        states = {s.spec.instance: s for s in await self.index.list_instances(model)}
+        out = list(hits)
+        for iid, t in found:
+            s = states.get(iid)
+            if s is None or not s.live or (s.stale and not query.include_stale):
+                continue
+            out.append(InstanceMatch(iid, s.spec.address, 0, stale=s.stale, tokens=t))
+        out.sort(
+            key=lambda m: (
+                -(m.tokens or m.depth * bs),
+                -m.predicted_depth,
+                m.instance.worker_id,
+                m.instance.dp_rank,
+            )
+        )
+        return out
+
     @staticmethod
     def _prompt(query: MatchQuery, keys: list[int], block: int, bs: int) -> Prompt:
         """The query as the hybrid hit rule reads it (``bs`` 0: it gave block keys)."""
@@ -1061,6 +1093,7 @@ class IndexerLogic:
             cache_salt=query.cache_salt,
             media=query.media,
             limit=len(tokens) - 1 if whole else len(keys) * bs,
+            lora_name=ns.lora_name,
         )
 
     # -- admin ---------------------------------------------------------------

@@ -52,15 +52,7 @@ MIN_EXACT = 0.995
 #: Row -> why it fails today (both backends measure the same), with the
 #: figures measured at REQUESTS and, in brackets, by ``kvmesh bench
 #: conformance`` at 2,000 requests.
-FAILING: dict[str, str] = {
-    "mamba": "95.3% exact, 15 under, 0 over (2,000: 95.8%, 87 under, 0 over): with a 16-token "
-    "hash unit under 64-token blocks vLLM reuses up to the last 16-token unit whose Mamba state "
-    "it holds; the indexer answers such hits (InstanceMatch.tokens) wherever the events let it "
-    "key the unit, but a prompt tail two or three units into a block is published with the "
-    "previous unit's hash as parent and no event carries the tokens of the units before it in "
-    "that block, so it cannot be keyed from token ids (skipped as partial_unplaced; e.g. vLLM "
-    "416 tokens, kvmesh 0)",
-}
+FAILING: dict[str, str] = {}
 XFAIL: dict[tuple[str, str], str] = {
     (row, backend): reason for row, reason in FAILING.items() for backend in BACKENDS
 }

@@ -21,6 +21,7 @@ import msgpack  # type: ignore[import-untyped]
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer.enginehash import EngineHasher
 from indexer.groups import GroupTracker, Prompt
 from indexer.kvevents.decode import decode_batch
 from indexer.logic import IndexerLogic
@@ -141,6 +142,96 @@ async def test_a_unit_whose_parent_was_never_published_is_skipped_not_guessed() 
     logic = await _logic_with(events)
     assert await _hit(logic, (*a, 1, 2, 3)) == (10, 640)  # vLLM: 672
     assert logic.counters.events_skipped == {"partial_unplaced": 2}
+
+
+def _vllm_events(
+    a: tuple[int, ...], hasher: EngineHasher | None = None
+) -> tuple[tuple[BlockStored, ...], list[int]]:
+    """vLLM's events, with its real (sha256) hashes, for a prompt ``a`` whose tail is
+    unit 42, two units into block 11; and the hash of each unit (index = unit - 1)."""
+    hs, _ = (hasher or EngineHasher()).units(a, U, 42)
+    events = (
+        BlockStored(
+            tuple(hs[4 * j - 1] for j in range(1, 11)), None, a[:640], B, group=0, group_kind=FULL
+        ),
+        BlockStored((hs[41],), hs[40], a[656:672], U, group=0, group_kind=FULL),
+        BlockStored((hs[39],), hs[35], a[576:640], B, group=1, group_kind=MAMBA),
+        BlockStored((hs[41],), hs[40], a[656:672], U, group=1, group_kind=MAMBA),
+    )
+    return events, hs
+
+
+async def test_a_unit_whose_parent_was_never_published_is_found_by_vllms_hash() -> None:
+    """The same tail with vLLM's real hashes: the prompt's own engine hashes reach the
+    entry whose parent no event keyed, so the hit is vLLM's, inside block 11."""
+    a = PROMPT_A + tuple(range(5000, 5045))
+    events, hs = _vllm_events(a)
+    logic = await _logic_with(events)
+    assert await _hit(logic, (*a, 1, 2, 3)) == (10, 672)  # vLLM: 672
+    # Still unkeyable from tokens: counted as such, kept by hash.
+    assert logic.counters.events_skipped == {"partial_unplaced": 2}
+    # A prompt that differs inside unit 41 (the unit no event carried) is not it.
+    other = (*a[:650], 9, *a[651:], 1, 2, 3)
+    assert await _hit(logic, other) == (10, 640)
+    # Ends before the unit: vLLM looks at 671 tokens at most.
+    assert await _hit(logic, a[:672]) == (10, 640)
+    # The entries' removal (both groups) takes the hit back to block 10.
+    await logic.publish(
+        EventBatch(
+            W,
+            1,
+            (BlockRemoved((hs[41],), group=0), BlockRemoved((hs[41],), group=1)),
+        )
+    )
+    assert await _hit(logic, (*a, 1, 2, 3)) == (10, 640)
+
+
+async def test_only_the_way_the_engine_hashes_finds_its_entries() -> None:
+    """An engine with PYTHONHASHSEED hashes from another NONE_HASH: without its seed
+    in the config nothing is found (under, never over); with it, the hit is vLLM's.
+    A LoRA prompt (vLLM hashes the adapter's path) is never computed."""
+    a = PROMPT_A + tuple(range(5000, 5045))
+    events, _ = _vllm_events(a, EngineHasher("sha256", "123"))
+    logic = await _logic_with(events)
+    assert await _hit(logic, (*a, 1, 2, 3)) == (10, 640)
+    seeded = IndexerLogic(
+        MemoryIndex(), config(block_size=B, engine_events={"vllm_hash_seeds": ["123"]})
+    )
+    await seeded.register(InstanceSpec(W, "m", "http://w", 30.0, "x"))
+    await seeded.publish(EventBatch(W, 0, events))
+    assert await _hit(seeded, (*a, 1, 2, 3)) == (10, 672)
+
+    tracker = GroupTracker()
+    plain, _ = _vllm_events(a)
+    tracker.filter(W, "m", plain, B)
+    keys = block_keys((*a, 1, 2, 3), B, "m")
+    prompt = Prompt(keys, B, tokens=(*a, 1, 2, 3), seed=namespace_seed("m", ""), limit=677)
+    assert tracker.hit(W, prompt, 10) == 672
+    lora = Prompt(
+        keys, B, tokens=(*a, 1, 2, 3), seed=namespace_seed("m", ""), limit=677, lora_name="x"
+    )
+    assert tracker.hit(W, lora, 10) == 640
+
+
+async def test_a_hit_inside_the_first_block_of_an_instance_holding_no_whole_block() -> None:
+    """A short prompt's tail at unit 3 (parent unit 2, never published) is all the
+    instance holds: the index lists it for no prompt, so the tracker adds it, found
+    by vLLM's hash, with depth 0 (conformance run: vLLM 48 tokens, kvmesh 0)."""
+    short = PROMPT_A[:50]
+    hs, _ = EngineHasher().units(short, U, 3)
+    events = (
+        BlockStored((hs[2],), hs[1], short[32:48], U, group=0, group_kind=FULL),
+        BlockStored((hs[2],), hs[1], short[32:48], U, group=1, group_kind=MAMBA),
+    )
+    logic = await _logic_with(events)
+    assert await _hit(logic, (*short[:48], *range(5000, 5032))) == (0, 48)
+    assert await _hit(logic, (*short[:48], 1, 2)) == (0, 48)  # shorter than a block
+    assert await _hit(logic, (*short[:47], 1, 2, 3)) == (0, 0)  # differs in unit 3
+    assert await _hit(logic, (9, *short[1:48], 1, 2)) == (0, 0)  # differs in unit 1
+    assert await _hit(logic, short[:48]) == (0, 0)  # vLLM looks at 47 tokens at most
+    # Gone from the fleet: not listed.
+    await logic.remove_instance(W)
+    assert await _hit(logic, (*short[:48], 1, 2)) == (0, 0)
 
 
 async def test_the_ack_counts_the_blocks_the_group_tracker_left_out() -> None:

@@ -55,7 +55,10 @@ partial-block entry never reach the index (they are not matchable by
 themselves) and feed the hit rule, :meth:`GroupTracker.hit`, applied to
 Match depths. Their content keys are chained here from the events' tokens
 (the full-attention group's events teach the parent keys), only for
-instances that announced a non-full group.
+instances that announced a non-full group. An engine hash's key is kept
+while some group holds a copy of it, then among the instance's newest
+:data:`RECENT_KEYS` others (a later tail may name it as parent), so the
+tracker's memory follows what the engine holds, not all it ever stored.
 
 Limits: the state is this replica's. Another replica answering Match for a
 hybrid instance it does not ingest has no group presence, so it leaves the
@@ -89,6 +92,9 @@ FULL_KINDS = frozenset({"", "full_attention", "mla_attention", "sink_full_attent
 SLIDING_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 MAMBA_KINDS = frozenset({"mamba"})
 
+#: Keys of hashes no group holds any more that one instance keeps, at most.
+RECENT_KEYS = 4096
+
 #: Marks a remembered content key chained at the hash unit (a prefix that ends
 #: inside a block), as opposed to a block key: bit 64, above every key.
 _UNIT = 1 << 64
@@ -114,6 +120,13 @@ class _Instance:
     #: Engine hash -> content key (| _UNIT when chained at the hash unit),
     #: learned from stored events of a hybrid instance.
     keys: dict[int, int] = field(default_factory=dict)
+    #: Engine hash -> stores of it not yet removed, over every group and copy:
+    #: its ``keys`` entry goes with the last, into ``recent``.
+    refs: dict[int, int] = field(default_factory=dict)
+    #: Keys of hashes no group holds any more, the newest :data:`RECENT_KEYS`: a
+    #: partial-block entry may still name one as its parent (a unit published by
+    #: an earlier request's tail and evicted since).
+    recent: dict[int, int] = field(default_factory=dict)
     #: The engine's hash unit in tokens, from its partial-block entries (0: none seen).
     unit: int = 0
     #: Any group: group index -> engine hash -> copies of partial-block entries
@@ -257,6 +270,12 @@ class GroupTracker:
         """Whether any instance announced a group other than full attention."""
         return self._hybrids > 0
 
+    def remembered(self, instance: InstanceId) -> tuple[int, int]:
+        """Engine hashes whose content keys the tracker keeps for the instance: those
+        some group holds, and the recent others (at most :data:`RECENT_KEYS`)."""
+        st = self._by.get(instance)
+        return (0, 0) if st is None else (len(st.keys), len(st.recent))
+
     def hybrid(self, instance: InstanceId) -> bool:
         """Whether the instance announced a group other than full attention."""
         st = self._by.get(instance)
@@ -295,11 +314,13 @@ class GroupTracker:
         skipped: dict[str, int] = {}
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
-                old = (st.held, st.units, st.keys, st.loose)
-                st.held, st.units, st.keys, st.loose = {}, {}, {}, {}
+                old = (st.held, st.units, st.keys, st.loose, st.refs, st.recent)
+                st.held, st.units, st.keys, st.loose, st.refs, st.recent = {}, {}, {}, {}, {}, {}
 
-                def restore(st: _Instance = st, old: tuple[Any, Any, Any, Any] = old) -> None:
-                    st.held, st.units, st.keys, st.loose = old
+                def restore(
+                    st: _Instance = st, old: tuple[Any, Any, Any, Any, Any, Any] = old
+                ) -> None:
+                    st.held, st.units, st.keys, st.loose, st.refs, st.recent = old
 
                 self._undo.append(restore)
                 out.append(ev)
@@ -327,8 +348,8 @@ class GroupTracker:
         n = len(ev.block_hashes)
         partial = 0 < ev.block_size < block_size
         if full and not partial:
-            if st.specs:
-                self._learn_keys(st, model, ev, block_size)
+            if st.specs and self._learn_keys(st, model, ev, block_size) is not None:
+                self._hold(st, ev.block_hashes)
             return ev
         if not full and kind not in SLIDING_KINDS and kind not in MAMBA_KINDS:
             skipped["group_kind"] = skipped.get("group_kind", 0) + n
@@ -355,6 +376,7 @@ class GroupTracker:
             return None
         if partial:
             self._set_unit(st, ev.block_size)
+        self._hold(st, ev.block_hashes)
         for key in keys:
             where = st.units if key & _UNIT else st.held
             held = where.get(ev.group)
@@ -398,6 +420,8 @@ class GroupTracker:
             else:
                 got = st.keys.get(ev.parent_block_hash)
                 if got is None:
+                    got = st.recent.get(ev.parent_block_hash)
+                if got is None:
                     return None
                 parent = got & KEY_MASK
             size = ev.block_size or block_size
@@ -414,6 +438,8 @@ class GroupTracker:
         full = ev.group not in st.specs
         loose = st.loose.get(ev.group)
         if full and ev.group not in st.units and not loose:
+            for h in ev.block_hashes:
+                self._release(st, h)
             return ev  # a full-attention block: the index's
         kept: list[int] = []
         for h in ev.block_hashes:
@@ -424,6 +450,7 @@ class GroupTracker:
                 self._put(loose, h, n if n > 0 else None)
                 continue
             key = st.keys.get(h)
+            self._release(st, h)
             if key is not None and key & _UNIT:
                 held = st.units.get(ev.group)
             elif full:
@@ -439,6 +466,33 @@ class GroupTracker:
         if not full or not kept:
             return None
         return ev if len(kept) == len(ev.block_hashes) else replace(ev, block_hashes=tuple(kept))
+
+    def _hold(self, st: _Instance, hashes: Sequence[int]) -> None:
+        """One more store of each of ``hashes`` (their keys are known)."""
+        refs = st.refs
+        for h in hashes:
+            self._put(refs, h, refs.get(h, 0) + 1)
+
+    def _release(self, st: _Instance, h: int) -> None:
+        """One store of ``h`` removed: with the last, its key is forgotten (a removal
+        of a store the tracker did not count, e.g. from before a restart, is none)."""
+        n = st.refs.get(h)
+        if n is None:
+            return
+        if n > 1:
+            self._put(st.refs, h, n - 1)
+            return
+        self._put(st.refs, h, None)
+        key = st.keys.get(h)
+        if key is None:
+            return
+        self._put(st.keys, h, None)
+        recent = st.recent
+        if h in recent:
+            self._put(recent, h, None)  # to the newest end
+        self._put(recent, h, key)
+        if len(recent) > RECENT_KEYS:
+            self._put(recent, next(iter(recent)), None)
 
     def _put(self, d: dict[Any, Any], k: object, v: object) -> None:
         """``d[k] = v`` (None: delete), journaled for :meth:`rollback`."""

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer import groups
 from indexer.groups import GroupTracker
 from indexer.logic import IndexerLogic
 from indexer.memory import MemoryIndex
@@ -229,3 +230,67 @@ async def test_media_out_of_prompt_order_or_outside_the_prompt_name_the_item() -
         with pytest.raises(InvalidArgument) as e:
             await logic.match(MatchQuery(Namespace("m"), token_ids=tokens, media=media))
         assert e.value.field == field
+
+
+# -- what the tracker remembers --------------------------------------------------
+
+
+def _chain(first: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Hashes and tokens of ``n`` blocks of a chain of its own (hashes from ``first``)."""
+    return tuple(range(first, first + n)), tuple(range(first * BS, (first + n) * BS))
+
+
+def test_what_every_group_removed_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid engine stores and evicts for days: the engine hashes the tracker keeps
+    (to key the other groups' events) go with the last group and copy holding them,
+    so its memory follows what the engine holds, not what it ever stored."""
+    monkeypatch.setattr(groups, "RECENT_KEYS", 100)
+    tracker = GroupTracker()
+    for cycle in range(50):
+        hashes, tokens = _chain(1000 * (cycle + 1), 8)
+        tracker.filter(
+            W,
+            "m",
+            [
+                BlockStored(hashes, None, tokens, BS, group=0, group_kind="full_attention"),
+                BlockStored(hashes[-1:], hashes[-2], tokens[-BS:], BS, group=1, group_kind="mamba"),
+            ],
+            BS,
+        )
+        tracker.filter(
+            W,
+            "m",
+            [BlockRemoved(hashes[-1:], group=1), BlockRemoved(hashes, group=0)],
+            BS,
+        )
+    # Held: none. Recent (a later tail may name one as its parent): the newest 100.
+    assert tracker.remembered(W) == (0, 100)
+
+
+def test_a_hash_another_group_or_copy_holds_stays_known() -> None:
+    """Removed from full attention once of two copies: the remaining copy still keys a
+    state the Mamba group stores later; the hashes go with the last copy and group."""
+    tracker = GroupTracker()
+    hashes, tokens = _chain(1, 4)
+    full = BlockStored(hashes, None, tokens, BS, group=0, group_kind="full_attention")
+    state = BlockStored(
+        hashes[1:2], hashes[0], tokens[BS : 2 * BS], BS, group=1, group_kind="mamba"
+    )
+    tracker.filter(W, "m", [full, full, state], BS)  # two physical copies (n > 1 samples)
+    tracker.filter(W, "m", [BlockRemoved(hashes, group=0)], BS)
+    assert tracker.remembered(W)[0] == 4
+    child = BlockStored(
+        (9,), hashes[-1], tuple(range(90, 90 + BS)), BS, group=1, group_kind="mamba"
+    )
+    f = tracker.filter(W, "m", [child], BS)
+    assert f.skipped == {}  # keyed through its parent's remaining copy
+    assert tracker.remembered(W)[0] == 5
+    tracker.filter(W, "m", [BlockRemoved(hashes, group=0)], BS)
+    assert tracker.remembered(W)[0] == 2  # the two Mamba states
+    tracker.filter(W, "m", [BlockRemoved((hashes[1], 9), group=1)], BS)
+    assert tracker.remembered(W)[0] == 0
+    # A rolled-back batch gives back what it counted.
+    f = tracker.filter(W, "m", [full], BS)
+    assert tracker.remembered(W)[0] == 4
+    tracker.rollback(f)
+    assert tracker.remembered(W)[0] == 0

@@ -573,7 +573,7 @@ class GroupTracker:
         top = min(d * per + per - 1, prompt.limit // unit, prompt.n_units(unit))
         # Entries kept by engine hash (see "Hash units" above): the prompt's own
         # engine hashes find them, once the instance's way of hashing is known.
-        engine = self._engine_hashes(st, prompt, unit, top) if st.loose else None
+        engine = self._engine_hashes(st, prompt, unit, top) if any(st.loose.values()) else None
         # Full attention, past its whole blocks: the last unit of the next block
         # it holds a partial-block entry for.
         fa = [held for g, held in st.units.items() if g not in st.specs and held]

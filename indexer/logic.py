@@ -679,13 +679,16 @@ class IndexerLogic:
             # Once per instance and reason, at WARNING: what a client sends
             # never makes the server log errors (a client could flood them).
             log.warning(
-                "%s: %d block(s) of its events skipped (%s)%s; the index does not hold them, "
-                "so Match under-reports this instance (counted in "
+                "%s: %d block(s) of its events skipped (%s)%s; %s (counted in "
                 "kvmesh_indexer_events_skipped_total)",
                 instance,
                 blocks,
                 SKIP_REASONS.get(reason, reason),
                 f": {detail}" if detail else "",
+                "a Match by token ids finds them by the engine's hash of the prompt where it "
+                "can compute it, else under-reports this instance"
+                if reason == "partial_unplaced"
+                else "the index does not hold them, so Match under-reports this instance",
             )
 
     async def _validate_batch(

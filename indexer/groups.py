@@ -193,8 +193,8 @@ class Prompt:
         self.media = media
         self.limit = len(keys) * block_size if limit is None else limit
         self.lora_name = lora_name
-        # (hasher, unit) -> (low 64 bits of each unit's engine hash, the last's full hash)
-        self._engine: dict[tuple[EngineHasher, int], tuple[list[int], bytes]] = {}
+        # (hasher, unit) -> the prompt's engine hashes as that hasher gives them
+        self._engine: dict[tuple[EngineHasher, int], EngineUnits] = {}
         # unit -> (extras of every unit, or None; block index -> its unit keys)
         self._units: dict[int, tuple[list[bytes] | None, dict[int, list[int]]]] = {}
 
@@ -229,24 +229,89 @@ class Prompt:
         i = (k - 1) % per
         return keys[i] if i < len(keys) else None
 
-    def engine_hashes(self, hasher: EngineHasher, unit: int, count: int) -> list[int] | None:
-        """The low 64 bits of vLLM's hashes of the prompt's first ``count`` units (fewer
-        if the prompt is shorter), as ``hasher`` computes them; None without token ids
-        or for a LoRA prompt (vLLM hashes the adapter's path, which a Match lacks)."""
+    def engine_hashes(
+        self, hasher: EngineHasher, unit: int, ends: dict[int, bytes] | None = None
+    ) -> EngineUnits | None:
+        """vLLM's hashes of the prompt's units as ``hasher`` computes them (low 64 bits,
+        by unit index, computed as asked: :class:`EngineUnits`); None without token ids
+        or for a LoRA prompt (vLLM hashes the adapter's path, which a Match lacks).
+        ``ends``: full hashes at the ends of whole blocks other Matches computed, by
+        the block's content key (read and added to)."""
         if self.tokens is None or self.lora_name:
             return None
-        count = min(count, self.n_units(unit))
         got = self._engine.get((hasher, unit))
-        if got is not None and len(got[0]) >= count:
-            return got[0]
-        extras = unit_extras(count, unit, self.cache_salt, self.media)
-        start = (len(got[0]), got[1]) if got is not None and got[0] else None
-        low, full = hasher.units(self.tokens, unit, count, extras, start)
-        if got is not None:
-            low = got[0] + low
-        if full:
-            self._engine[(hasher, unit)] = (low, full[-1])
-        return low
+        if got is None:
+            got = self._engine[(hasher, unit)] = EngineUnits(
+                self, hasher, unit, {} if ends is None else ends
+            )
+        return got
+
+
+#: Block ends (full engine hashes by content key) a tracker remembers per way of
+#: hashing, at most: what makes a Match of a known prefix hash one block, not all.
+ENDS_CACHE = 65536
+
+
+class EngineUnits:
+    """A prompt's vLLM hashes (low 64 bits) by hash-unit index, computed a block at a
+    time when asked, each block on from the nearest block end known: this prompt's,
+    or one an earlier Match left in ``ends`` under the block's content key (the key
+    names the block's whole prefix, salt and media included, as the hash does)."""
+
+    __slots__ = ("_blocks", "_ends", "_extras", "_full", "_hasher", "_n", "_per", "_prompt")
+
+    def __init__(
+        self, prompt: Prompt, hasher: EngineHasher, unit: int, ends: dict[int, bytes]
+    ) -> None:
+        self._prompt = prompt
+        self._hasher = hasher
+        self._per = prompt.block_size // unit
+        self._n = prompt.n_units(unit)
+        self._ends = ends
+        self._extras = unit_extras(self._n, unit, prompt.cache_salt, prompt.media)
+        # block -> its units' hashes; block -> the full hash at its end
+        self._blocks: dict[int, list[int]] = {}
+        self._full: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        j = i // self._per
+        got = self._blocks.get(j)
+        if got is None:
+            got = self._block(j)
+        return got[i - j * self._per]
+
+    def _block(self, j: int) -> list[int]:
+        keys = self._prompt.keys
+        b = j - 1
+        start = self._hasher.none_hash
+        while b >= 0:
+            known = self._full.get(b)
+            if known is None and b < len(keys):
+                known = self._ends.get(keys[b])
+            if known is not None:
+                start = known
+                break
+            b -= 1
+        per = self._per
+        unit = self._prompt.block_size // per
+        tokens = self._prompt.tokens
+        assert tokens is not None
+        for c in range(b + 1, j + 1):
+            first, last = c * per, min((c + 1) * per, self._n)
+            low, full = self._hasher.units(tokens, unit, last, self._extras, (first, start))
+            self._blocks[c] = low
+            if last == (c + 1) * per:
+                start = self._full[c] = full[-1]
+                if c < len(keys) and keys[c] not in self._ends:
+                    if len(self._ends) >= ENDS_CACHE:
+                        del self._ends[next(iter(self._ends))]  # the oldest
+                    self._ends[keys[c]] = start
+        return self._blocks[j]
 
 
 class GroupTracker:
@@ -255,6 +320,8 @@ class GroupTracker:
     def __init__(self, seeds: Sequence[str] = ()) -> None:
         #: The ways an engine may hash, tried in order (indexer/enginehash.py).
         self._hashers = candidates(seeds)
+        # (hasher, unit) -> full engine hashes at block ends, by content key (EngineUnits)
+        self._ends: dict[tuple[EngineHasher, int], dict[int, bytes]] = {}
         self._by: dict[InstanceId, _Instance] = {}
         self._hybrids = 0  # instances with a non-full group
         # How to undo what the last filter() changed, newest last.
@@ -573,7 +640,7 @@ class GroupTracker:
         top = min(d * per + per - 1, prompt.limit // unit, prompt.n_units(unit))
         # Entries kept by engine hash (see "Hash units" above): the prompt's own
         # engine hashes find them, once the instance's way of hashing is known.
-        engine = self._engine_hashes(st, prompt, unit, top) if any(st.loose.values()) else None
+        engine = self._engine_hashes(st, prompt, unit) if any(st.loose.values()) else None
         # Full attention, past its whole blocks: the last unit of the next block
         # it holds a partial-block entry for.
         fa = [held for g, held in st.units.items() if g not in st.specs and held]
@@ -607,11 +674,9 @@ class GroupTracker:
             if hit == start:
                 return hit
 
-    def _engine_hashes(
-        self, st: _Instance, prompt: Prompt, unit: int, count: int
-    ) -> list[int] | None:
-        """The prompt's engine hashes (low 64 bits) of its first ``count`` units as the
-        instance hashes, or None while that is unknown.
+    def _engine_hashes(self, st: _Instance, prompt: Prompt, unit: int) -> EngineUnits | None:
+        """The prompt's engine hashes (low 64 bits, by unit index) as the instance hashes,
+        or None while that is unknown.
 
         The instance's hasher is learned here: the first candidate that gives one
         of the prompt's first-block units a hash the instance published (a block's
@@ -622,15 +687,16 @@ class GroupTracker:
         if st.hasher is None:
             per = prompt.block_size // unit
             for cand in self._hashers:
-                got = prompt.engine_hashes(cand, unit, per)
+                got = prompt.engine_hashes(cand, unit, self._ends.setdefault((cand, unit), {}))
                 if got is None:
                     return None
-                if any(h in st.keys or any(h in x for x in st.loose.values()) for h in got):
+                first = [got[i] for i in range(min(per, len(got)))]
+                if any(h in st.keys or any(h in x for x in st.loose.values()) for h in first):
                     st.hasher = cand
                     break
             else:
                 return None
-        return prompt.engine_hashes(st.hasher, unit, count)
+        return prompt.engine_hashes(st.hasher, unit, self._ends.setdefault((st.hasher, unit), {}))
 
     @staticmethod
     def _cut_blocks(st: _Instance, keys: Sequence[int], depth: int, block_size: int) -> int:
@@ -670,7 +736,7 @@ def _rightmost_unit(
     hit: int,
     unit: int,
     loose: dict[int, int] | None = None,
-    engine: Sequence[int] | None = None,
+    engine: EngineUnits | None = None,
 ) -> int:
     """A Mamba group's rightmost state at or before ``hit`` tokens, at unit granularity:
     a block end it holds as a block (or as a unit entry), or a unit inside a block

@@ -16,12 +16,14 @@ hash-unit granularity, the coordinator's fixed point) on random presence.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.enginehash import EngineHasher
+from indexer.enginehash import EngineHasher, unit_extras
 from indexer.groups import GroupTracker, Prompt
 from indexer.kvevents.decode import decode_batch
 from indexer.logic import IndexerLogic
@@ -535,3 +537,44 @@ def test_units_it_cannot_key_only_ever_lower_the_hit(
     )
     assert got <= want
     assert got % PU == 0
+
+
+def test_engine_hashes_are_computed_a_block_at_a_time_from_the_nearest_known_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prompt's engine hashes, asked in any order, are vLLM's chain; a second prompt
+    with the same first blocks starts from the block ends the first one left."""
+    hasher = EngineHasher()
+    salt, media = "tenant", [("img", 70, 40)]
+    a = tuple(range(100, 100 + 10 * B + 20))
+    want, _ = hasher.units(a, U, len(a) // U, unit_extras(len(a) // U, U, salt, media))
+    b = (*a[: 9 * B], *range(7000, 7100))  # the same first nine blocks
+    want_b, _ = hasher.units(b, U, 38, unit_extras(38, U, salt, media))
+    counted: list[int] = []
+    real = EngineHasher.units
+
+    def counting(self: EngineHasher, tokens: Any, unit: int, count: int, *args: Any) -> Any:
+        start = args[1] if len(args) > 1 and args[1] is not None else (0, b"")
+        counted.append(count - start[0])
+        return real(self, tokens, unit, count, *args)
+
+    monkeypatch.setattr(EngineHasher, "units", counting)
+    ends: dict[int, bytes] = {}
+
+    def prompt(tokens: tuple[int, ...]) -> Prompt:
+        keys = block_keys(tokens, B, "m", cache_salt=salt, media=media)
+        return Prompt(
+            keys, B, tokens=tokens, seed=namespace_seed("m"), cache_salt=salt, media=media
+        )
+
+    first = prompt(a).engine_hashes(hasher, U, ends)
+    assert first is not None and len(first) == len(want)
+    order = [37, 3, 40, 0, 12, 39]
+    assert [first[i] for i in order] == [want[i] for i in order]
+    assert [first[i] for i in range(len(want))] == want
+    assert sum(counted) == len(want)  # each unit hashed once
+    counted.clear()
+    second = prompt(b).engine_hashes(hasher, U, ends)
+    assert second is not None
+    assert second[9 * 4 + 1] == want_b[37]
+    assert sum(counted) == 4  # block 9 alone, on from the end of block 8

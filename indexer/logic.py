@@ -1041,14 +1041,7 @@ class IndexerLogic:
                 for m in again
                 if m.instance in wanted and m.depth == d
             ]
-        out.sort(
-            key=lambda m: (
-                -(m.tokens or m.depth * block),
-                -m.predicted_depth,
-                m.instance.worker_id,
-                m.instance.dp_rank,
-            )
-        )
+        _by_reach(out, block)
         return out
 
     async def _inside_first_block(
@@ -1070,14 +1063,7 @@ class IndexerLogic:
             if s is None or not s.live or (s.stale and not query.include_stale):
                 continue
             out.append(InstanceMatch(iid, s.spec.address, 0, stale=s.stale, tokens=t))
-        out.sort(
-            key=lambda m: (
-                -(m.tokens or m.depth * bs),
-                -m.predicted_depth,
-                m.instance.worker_id,
-                m.instance.dp_rank,
-            )
-        )
+        _by_reach(out, bs)
         return out
 
     @staticmethod
@@ -1123,6 +1109,19 @@ class IndexerLogic:
             self._note_error(e)
             raise
         return ServiceStats(idx, replace(self.counters))
+
+
+def _by_reach(hits: list[InstanceMatch], block: int) -> None:
+    """Sort a hybrid Match's hits as every Match answers: the most tokens reused first
+    (``tokens``, or ``depth`` whole blocks), then the longest prediction, then by name."""
+    hits.sort(
+        key=lambda m: (
+            -(m.tokens or m.depth * block),
+            -m.predicted_depth,
+            m.instance.worker_id,
+            m.instance.dp_rank,
+        )
+    )
 
 
 #: The marker a hybrid instance's batches store (HYBRID_LORA).

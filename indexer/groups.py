@@ -39,7 +39,7 @@ the units before it in no event) cannot be keyed; it is counted as
 ``partial_unplaced`` and kept by its engine hash instead. A Match reaches it
 through vLLM's own hash of the prompt (indexer/enginehash.py): the tracker
 computes the prompt's engine hashes once it has seen one of them reproduce a
-hash the instance published for the same prompt's first block (which
+hash the instance published for a unit of the same prompt's first block (which
 algorithm and ``NONE_HASH`` seed the engine hashes with is learned that way,
 never assumed). Until then, and for prompts it cannot compute (a LoRA: the
 adapter's path is in vLLM's hash, not in a Match), the hit is cut to what is

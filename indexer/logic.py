@@ -900,6 +900,9 @@ class IndexerLogic:
         predicted_depth).
         """
         keys, bs = self.keys_for(query)
+        # The query as the hybrid hit rule reads it, made once for both passes
+        # below (lazy: it keys and hashes only what the rule asks of it).
+        prompt: Prompt | None = None
         if keys:
             try:
                 if query.include_predicted:
@@ -932,11 +935,13 @@ class IndexerLogic:
                         if h.instance not in hybrids or self.groups.hybrid(h.instance)
                     ]
             if self.groups.hybrid_any():
-                hits = await self._cut_hybrid(query, keys, bs, hits)
+                prompt = self._prompt(query, keys, bs)
+                hits = await self._cut_hybrid(query, keys, prompt, hits)
         else:
             hits = []
         if bs and self.groups.hybrid_any():
-            hits = await self._inside_first_block(query, keys, bs, hits)
+            prompt = prompt or self._prompt(query, keys, bs)
+            hits = await self._inside_first_block(query, prompt, hits)
         self.counters.matches += 1
         if hits:
             self.counters.matched_blocks += hits[0].depth
@@ -1002,7 +1007,7 @@ class IndexerLogic:
         return found
 
     async def _cut_hybrid(
-        self, query: MatchQuery, keys: list[int], bs: int, hits: list[InstanceMatch]
+        self, query: MatchQuery, keys: list[int], prompt: Prompt, hits: list[InstanceMatch]
     ) -> list[InstanceMatch]:
         """Hits of hybrid instances cut back by their other groups (indexer/groups.py).
 
@@ -1014,8 +1019,7 @@ class IndexerLogic:
         for its shorter prefix, so that its per-tier counts are those of the
         whole blocks reused.
         """
-        block = bs or self.config.block_size_for(query.namespace.model)
-        prompt: Prompt | None = None
+        block = prompt.block_size
         out: list[InstanceMatch] = []
         cut: dict[int, dict[InstanceId, tuple[int, int]]] = {}
         for h in hits:
@@ -1023,8 +1027,6 @@ class IndexerLogic:
                 # Not hybrid, or held by prediction only (nothing confirmed to cut).
                 out.append(h)
                 continue
-            if prompt is None:
-                prompt = self._prompt(query, keys, block, bs)
             t = self.groups.hit(h.instance, prompt, h.depth)
             d, inside = divmod(t, block)
             tokens = t if inside else 0
@@ -1045,14 +1047,13 @@ class IndexerLogic:
         return out
 
     async def _inside_first_block(
-        self, query: MatchQuery, keys: list[int], bs: int, hits: list[InstanceMatch]
+        self, query: MatchQuery, prompt: Prompt, hits: list[InstanceMatch]
     ) -> list[InstanceMatch]:
         """``hits`` and the hybrid instances this replica ingests whose hit ends inside
         the prompt's first block (indexer/groups.py, ``inside_first_block``): listed
         with ``depth`` 0 and ``tokens``, if their lease is live (and not stale, unless
         the query includes stale instances)."""
         model = query.namespace.model
-        prompt = self._prompt(query, keys, bs, bs)
         found = self.groups.inside_first_block(model, prompt, {h.instance for h in hits})
         if not found:
             return hits
@@ -1063,15 +1064,14 @@ class IndexerLogic:
             if s is None or not s.live or (s.stale and not query.include_stale):
                 continue
             out.append(InstanceMatch(iid, s.spec.address, 0, stale=s.stale, tokens=t))
-        _by_reach(out, bs)
+        _by_reach(out, prompt.block_size)
         return out
 
-    @staticmethod
-    def _prompt(query: MatchQuery, keys: list[int], block: int, bs: int) -> Prompt:
+    def _prompt(self, query: MatchQuery, keys: list[int], bs: int) -> Prompt:
         """The query as the hybrid hit rule reads it (``bs`` 0: it gave block keys)."""
         tokens = query.token_ids
         if not bs or not tokens:
-            return Prompt(keys, block)
+            return Prompt(keys, bs or self.config.block_size_for(query.namespace.model))
         ns = query.namespace
         whole = len(keys) == len(tokens) // bs  # not truncated by max_blocks
         return Prompt(

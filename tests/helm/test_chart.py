@@ -1376,3 +1376,19 @@ def test_the_indexer_env_loads_at_every_model_block_size(block_size: int) -> Non
     docs = manifests(render({"indexer": {"maxMatchBlocks": 1000}}))
     (c,) = containers(by_kind(docs, "Deployment")["rel-kvmesh-indexer"])
     assert load_config(environ=env_for_loader(c)).limits.max_match_blocks == 1000
+
+
+def test_the_bundled_redis_users_rights_are_the_indexers_least_rule() -> None:
+    """The chart's default ACL rights and SECURITY.md's rule are the commands
+    the indexer sends (indexer.redis.connection.acl_rule): a right missing from
+    either refuses a feature on that install (the chart's once lacked the TTLs
+    of route-time predictions, so PredictPlacement failed there)."""
+    from indexer.redis.connection import acl_rule
+
+    want = {r for r in acl_rule().split() if r.startswith(("+", "-"))}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    rules = values["redis"]["internal"]["auth"]["aclRules"].split()
+    assert {r for r in rules if r.startswith(("+", "-"))} == want
+    security = (ROOT / "SECURITY.md").read_text()
+    line = next(x for x in security.splitlines() if x.startswith("ACL SETUSER kvmesh"))
+    assert {r for r in line.split() if r.startswith(("+", "-"))} == want

@@ -289,6 +289,9 @@ def instance_match_to_pb(m: InstanceMatch) -> pb.InstanceMatch:
 _TAG_MATCHES = b"\x0a"  # MatchResponse.matches = 1, length-delimited
 _TAG_TOTAL_BLOCKS = b"\x10"  # MatchResponse.total_blocks = 2, varint
 _TAG_BLOCK_SIZE = b"\x18"  # MatchResponse.block_size = 3, varint
+_TAG_PENDING = b"\x22"  # MatchResponse.pending = 4, length-delimited
+_PENDING_REPORTED = b"\x28\x01"  # MatchResponse.pending_reported = 5, true
+_TAG_PENDING_BLOCKS = b"\x10"  # PendingPrefill.predicted_blocks = 2, varint
 _TAG_INSTANCE = b"\x0a"  # InstanceMatch.instance = 1, length-delimited
 _TAG_ADDRESS = b"\x12"  # InstanceMatch.address = 2, length-delimited
 _TAG_DEPTH = b"\x18"  # InstanceMatch.depth = 3, varint
@@ -351,6 +354,15 @@ class MatchResponseEncoder:
             append(_TAG_TOTAL_BLOCKS + _varint(result.total_blocks))
         if result.block_size:
             append(_TAG_BLOCK_SIZE + _varint(result.block_size))
+        if result.pending is not None:
+            varint = _varint
+            for iid, n in result.pending.items():
+                # PendingPrefill.instance = 1 is InstanceMatch's tag 1 too.
+                body = self._prefix(iid, "")
+                if n:
+                    body += _TAG_PENDING_BLOCKS + varint(n)
+                append(_TAG_PENDING + varint(len(body)) + body)
+            append(_PENDING_REPORTED)
         return b"".join(parts)
 
     def _entry(self, m: InstanceMatch) -> bytes:
@@ -375,10 +387,16 @@ class MatchResponseEncoder:
 
 def match_result_to_pb(result: MatchResult) -> pb.MatchResponse:
     """MatchResult -> MatchResponse."""
+    pending = result.pending
     return pb.MatchResponse(
         matches=[instance_match_to_pb(m) for m in result.matches],
         total_blocks=result.total_blocks,
         block_size=result.block_size,
+        pending=[
+            pb.PendingPrefill(instance=instance_to_pb(iid), predicted_blocks=n)
+            for iid, n in (pending or {}).items()
+        ],
+        pending_reported=pending is not None,
     )
 
 

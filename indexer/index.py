@@ -64,6 +64,15 @@ Predictions (``predict``; Match with ``include_predicted``)
   predicted); a clear, a reset, removal or reap drops every prediction of
   the instance. Without ``include_predicted`` nothing of this shows.
 
+Pending prefill (``pending_predicted``)
+  Per live (not stale) instance of a model, how many (namespace, key)
+  predictions it has unexpired: the uncached prefill every router sent it
+  that its engine's events have not confirmed yet, in blocks (a key two
+  requests predicted counts once). Instances with none are left out. It is
+  the load every router's dispatches put on an instance, seen by every
+  router at its next Match, where each router alone sees only its own. None:
+  the backend does not count it.
+
 Quotas (``InstanceSpec.quota``, ``EventBatch.quota``; None: none)
   An instance created with a quota naming an identity counts under it (its
   *owner*) until it is removed or reaped; registering it again, by anyone,
@@ -176,6 +185,11 @@ class Index(abc.ABC):
         raise FailedPrecondition(
             f"PredictPlacement is not supported by the {self.name} backend", field="instance"
         )
+
+    async def pending_predicted(self, model: str) -> dict[InstanceId, int] | None:
+        """Unconfirmed predicted blocks per live instance of ``model`` (see
+        "Pending prefill" above); this default: None, not counted."""
+        return None
 
     @abc.abstractmethod
     async def reap_expired(self) -> list[InstanceId]:

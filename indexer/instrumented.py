@@ -186,6 +186,7 @@ class InstrumentedIndex(Index):
                 "apply",
                 "match",
                 "predict",
+                "pending_predicted",
                 "reap_expired",
                 "stats",
                 "dump",
@@ -256,6 +257,11 @@ class InstrumentedIndex(Index):
                     namespace, keys, include_stale=include_stale, include_predicted=True
                 )
             return await self.inner.match(namespace, keys, include_stale=include_stale)
+
+    async def pending_predicted(self, model: str) -> dict[InstanceId, int] | None:
+        """See :meth:`Index.pending_predicted`."""
+        with self._observe("pending_predicted", span=False):
+            return await self.inner.pending_predicted(model)
 
     async def predict(
         self,

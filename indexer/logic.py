@@ -953,7 +953,14 @@ class IndexerLogic:
                 hits = sorted(kept, key=_answer_order)
         if query.max_instances and len(hits) > query.max_instances:
             hits = hits[: query.max_instances]
-        return MatchResult(hits, len(keys), bs)
+        pending = None
+        if query.include_predicted:
+            try:
+                pending = await self.index.pending_predicted(query.namespace.model)
+            except Unavailable as e:
+                self._note_error(e)
+                raise
+        return MatchResult(hits, len(keys), bs, pending)
 
     async def predict(self, prediction: Prediction) -> tuple[int, int]:
         """Validate and record a route-time prediction (indexer/index.py,

@@ -511,6 +511,9 @@ class MemoryIndex(Index):
         self._pred_heap: list[tuple[float, int, int]] = []
         #: Predictions held (expired ones not purged yet included).
         self._pred_count = 0
+        #: Instances that have held predictions, by number (pending_predicted):
+        #: those that hold none any more, or are gone, leave at its next call.
+        self._predicting: dict[int, _Instance] = {}
         #: Answers of runs held alike, by (the set's signature, depth): see
         #: _alike_answers (a prompt's shared prefix, asked again and again).
         self._alike_cache: dict[tuple[int, int], list[InstanceMatch]] = {}
@@ -1461,6 +1464,7 @@ class MemoryIndex(Index):
         predicted = inst.predicted
         if predicted is None:
             predicted = inst.predicted = {}
+            self._predicting[inst.no] = inst
         no = inst.no
         recorded = 0
         heap = self._pred_heap
@@ -1484,6 +1488,31 @@ class MemoryIndex(Index):
         if not table and namespace in self._pred:
             del self._pred[namespace]
         return recorded
+
+    async def pending_predicted(self, model: str) -> dict[InstanceId, int]:
+        """See :meth:`Index.pending_predicted`."""
+        return self.pending_predicted_sync(model)
+
+    def pending_predicted_sync(self, model: str) -> dict[InstanceId, int]:
+        """Synchronous :meth:`pending_predicted`, on the index's clock: a purge's
+        share, then a look at each instance holding predictions (a store of a
+        key drops its prediction, so what is left is unconfirmed). O(instances
+        with predictions); a prediction that expired but is not purged yet
+        still counts (the purge drains them soonest first, a budget a call)."""
+        now = self._clock()
+        self._purge_predictions(now)
+        out: dict[InstanceId, int] = {}
+        by_no = self._by_no
+        gone: list[int] = []
+        for no, inst in self._predicting.items():
+            predicted = inst.predicted
+            if not predicted or by_no.get(no) is not inst:
+                gone.append(no)
+            elif inst.spec.model == model and inst.lease_expires_at > now and not inst.stale:
+                out[inst.spec.instance] = len(predicted)
+        for no in gone:
+            del self._predicting[no]
+        return out
 
     def _match_predicted(
         self, namespace: Namespace, keys: Sequence[int], include_stale: bool

@@ -376,6 +376,10 @@ class MatchResult:
     matches: list[InstanceMatch]
     total_blocks: int
     block_size: int
+    #: With ``include_predicted``: unconfirmed predicted blocks per live
+    #: instance of the model (indexer/index.py, "Pending prefill"); None: not
+    #: asked, or the backend does not count them.
+    pending: dict[InstanceId, int] | None = None
 
 
 @dataclass(slots=True)

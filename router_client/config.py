@@ -234,6 +234,13 @@ class RouterConfig(StrictModel):
         "the request's queue wait, its prefill and the event lag: the replay at load 0.9 "
         "with 5 s event lag recovered nothing at 2 s and all the lost hits at 10 s.",
     )
+    shared_pending: bool = Field(
+        default=True,
+        description="With predictions on: a worker's pending prefill is the larger of this "
+        "router's view (engine report plus its own requests since) and the blocks every "
+        "router predicted for it that its engine has not confirmed (MatchResponse.pending), "
+        "so routers see each other's dispatches at their next Match and do not herd.",
+    )
     predicted_weight: float = Field(
         default=DEFAULT_PREDICTED_WEIGHT,
         ge=0.0,

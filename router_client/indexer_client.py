@@ -397,6 +397,10 @@ class MatchOutcome:
 
     status: MatchStatus
     matches: dict[str, WorkerMatch] = field(default_factory=dict)
+    #: With predictions asked for, on a backend that counts them: each worker's
+    #: route-time predicted blocks its engine has not confirmed (every router's;
+    #: absent: none). None: not reported.
+    pending: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -427,6 +431,12 @@ def outcome_from_response(resp: pb.MatchResponse) -> MatchOutcome:
             )
             for m in resp.matches
         },
+        {
+            instance_name(p.instance.worker_id, p.instance.dp_rank): p.predicted_blocks
+            for p in resp.pending
+        }
+        if resp.pending_reported
+        else None,
     )
 
 

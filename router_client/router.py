@@ -48,6 +48,17 @@ decision the chosen worker's blocks are recorded as predicted
 on; beyond ``Router.max_pending_predictions`` pending (:data:`PREDICTION_SHARE`
 of the indexer client's ``max_in_flight``), a prediction is skipped and
 counted. Admission and the load bookkeeping keep to confirmed blocks.
+
+**Pending prefill shared through the indexer** (``shared_pending``, on with
+predictions): a router knows its own requests at once and the others' only
+from engine reports, which are as old as their period; routers that see only
+their own work herd onto the same idle-looking worker. A Match with
+predictions also answers each worker's predicted blocks its engine has not
+confirmed (``MatchOutcome.pending``): the uncached prefill *every* router
+sent it and its engine has not finished. The cost then takes, per worker,
+the larger of that and this router's own pending prefill
+(:meth:`Router.seen_load`); the larger, because this router's own requests
+are in both. Admission still reads the engine's report only.
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
 
@@ -496,6 +507,7 @@ class Router:
         prefill = stage == "prefill"
         matches = outcome.matches if outcome is not None and prefill else {}
         weight = cfg.predicted_weight if cfg.predictions else None
+        pending = self._pending(outcome) if prefill else None
         load = self.load
         reusable = costmod.reusable_blocks(req.input_tokens, n_blocks, bs)
         # Under the "ttft" cost, workers predicted equal (often: no queue anywhere)
@@ -518,7 +530,7 @@ class Router:
                 if weight is not None and match is not None:
                     counted = costmod.cached_blocks_with_prediction(match, reusable, bs, weight)
                 cached_of[w] = (confirmed, counted)
-                wl = load.load(w)
+                wl = load.load(w) if pending is None else self.seen_load(w, pending)
                 c = self._cost(stage, wl, req, n_blocks, counted)
                 key = (c, costmod.load_blocks(wl, bs) if tie_on_load else 0.0)
                 if not best or key < best_key:
@@ -542,6 +554,22 @@ class Router:
             most = max(c for c, _ in cached_of.values())
             return Choice(stage, worker, reason, dom.id, 1, confirmed, most, counted, best_cost)
         return None
+
+    def _pending(self, outcome: MatchOutcome | None) -> dict[str, int] | None:
+        """The shared pending prefill of ``outcome`` when the router counts it."""
+        if outcome is None or outcome.pending is None:
+            return None
+        cfg = self.config
+        return outcome.pending if cfg.predictions and cfg.shared_pending else None
+
+    def seen_load(self, worker: str, pending: dict[str, int]) -> WorkerLoad:
+        """``worker``'s load as this router sees it, its pending prefill at least
+        the unconfirmed predicted blocks every router sent it (``pending``)."""
+        wl = self.load.load(worker)
+        shared = pending.get(worker, 0) * self.block_size
+        if shared > wl.pending_prefill_tokens:
+            return replace(wl, pending_prefill_tokens=shared)
+        return wl
 
     def _cost(
         self, stage: Stage, wl: WorkerLoad, req: RouteRequest, n_blocks: int, cached: float
@@ -575,7 +603,14 @@ class Router:
                 seen.setdefault(w, dom.id)
         pool = list(seen)
         picks = self.rng.sample(pool, 2) if len(pool) >= 2 else pool
-        loads = [costmod.load_blocks(self.load.load(w), self.block_size) for w in picks]
+        pending = self._pending(outcome) if stage == "prefill" else None
+        loads = [
+            costmod.load_blocks(
+                self.load.load(w) if pending is None else self.seen_load(w, pending),
+                self.block_size,
+            )
+            for w in picks
+        ]
         if len(picks) == 2 and loads[1] < loads[0]:
             worker = picks[1]
         elif len(picks) == 2 and loads[1] == loads[0]:

@@ -66,8 +66,9 @@ ACL_COMMANDS = (
     # inside scripts (indexer/redis/lua/)
     "del", "exists", "get", "hdel", "hget", "hincrby", "hlen", "hscan", "hset", "hsetnx",
     "incr", "sadd", "set", "srem", "time", "unlink", "zadd", "zrange", "zrem",
-    # route-time predictions only (predict.lua): their names' TTLs
-    "pexpire", "pttl",
+    # route-time predictions only: their names' TTLs (predict.lua), and the
+    # pending prefill a Match with predictions answers (direct)
+    "pexpire", "pttl", "zcount",
     # WatchIndex served over Redis only (KEYS.md, "Watching"): the change stream
     "xadd", "xread", "xrevrange",
 )  # fmt: skip

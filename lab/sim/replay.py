@@ -210,6 +210,9 @@ class ReplaySettings:
     #: ``predicted_weight``) until the engine's events confirm them.
     predict: bool = False
     prediction_ttl_s: float = 10.0
+    #: With predictions: routers count every router's unconfirmed predictions
+    #: on an engine as its pending prefill (router_client's ``shared_pending``).
+    shared_pending: bool = True
 
 
 #: Wall seconds the replay waits for the follower: to apply what the indexer
@@ -589,6 +592,7 @@ async def run_policy(
         prefill_tokens_per_s=settings.service.prefill_tokens_per_s,
         predictions=settings.predict,
         prediction_ttl_ms=max(1, round(settings.prediction_ttl_s * 1000)),
+        shared_pending=settings.shared_pending,
     )
     routers = [
         Router(
@@ -959,7 +963,14 @@ def _chooser(
             )
             for m in found
         }
-        outcome = MatchOutcome(MatchStatus.OK, matches)
+        pending = None
+        if predict:
+            # What a Match with include_predicted answers besides (MatchResponse.pending).
+            pending = {
+                instance_name(i.worker_id, i.dp_rank): n
+                for i, n in index.pending_predicted_sync(REPLAY_MODEL).items()
+            }
+        outcome = MatchOutcome(MatchStatus.OK, matches, pending)
         choice = router.decide(req, outcome, n_blocks=len(keys), decode=False).prefill
         if predict and keys:
             # What router_client's route() sends PredictPlacement for, in process.
@@ -1192,7 +1203,9 @@ def cost_label(s: ReplaySettings) -> str:
     """The router cost of a replay's header: ``cost ttft`` or ``cost blocks, balance B``,
     and ``predictions`` when on."""
     out = f"cost {s.cost_model}" + (f", balance {s.balance}" if s.cost_model == "blocks" else "")
-    return out + (", predictions" if s.predict else "")
+    if s.predict:
+        out += ", predictions" + ("" if s.shared_pending else " (own load only)")
+    return out
 
 
 def format_table(result: ReplayResult) -> str:
@@ -1414,6 +1427,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(--balance)",
     )
     p.add_argument(
+        "--own-load-only",
+        action="store_true",
+        help="with --predict: routers do not count the other routers' unconfirmed "
+        "predictions as an engine's pending prefill (router_client's shared_pending off)",
+    )
+    p.add_argument(
         "--predict",
         action="store_true",
         help="route-time predictions: each decision marks the chosen engine as about to hold "
@@ -1627,6 +1646,7 @@ def settings_of(args: argparse.Namespace) -> ReplaySettings:
         cost_model=args.cost,
         predict=args.predict,
         prediction_ttl_s=args.prediction_ttl_ms / 1000.0,
+        shared_pending=not args.own_load_only,
     )
 
 

@@ -130,6 +130,31 @@ async def test_engine_events_confirm_and_drop_predictions(stub: Any) -> None:
     assert await pmatch(stub) == []
 
 
+async def test_match_with_predictions_answers_the_pending_prefill(stub: Any) -> None:
+    """MatchResponse.pending: every router's unconfirmed predictions per instance."""
+    await register(stub, "w0")
+    await register(stub, "w1")
+    plain = await stub.Match(pb.MatchRequest(model=MODEL, block_keys=KEYS))
+    assert not plain.pending_reported and not plain.pending
+    resp = await stub.Match(pb.MatchRequest(model=MODEL, block_keys=KEYS, include_predicted=True))
+    assert resp.pending_reported and not resp.pending  # reported: nothing pending
+    await stub.PredictPlacement(predict_req("w0", KEYS))
+    await stub.PredictPlacement(predict_req("w1", KEYS[:1]))
+
+    async def pending() -> dict[str, int]:
+        # Any prompt: the figure is the instances', not the prompt's.
+        r = await stub.Match(
+            pb.MatchRequest(model=MODEL, block_keys=[7, 8], include_predicted=True)
+        )
+        assert r.pending_reported
+        return {p.instance.worker_id: p.predicted_blocks for p in r.pending}
+
+    assert await pending() == {"w0": 4, "w1": 1}
+    # w0's engine finishes the prefill of two blocks: two are left pending.
+    await publish(stub, batch(1, stored([1, 2], TOKENS[: 2 * BLOCK]), worker="w0"))
+    assert await pending() == {"w0": 2, "w1": 1}
+
+
 async def test_refusals_name_the_field(stub: Any) -> None:
     await register(stub, "w0")
     await expect_status(
@@ -191,7 +216,9 @@ async def test_router_client_predicts_and_matches(harness: Harness) -> None:
         got = await client.match(KEYS, include_predicted=True)
         assert got.ok and got.matches["w1/dp2"].predicted_depth == 4
         assert got.matches["w1/dp2"].depth == 0
-        assert (await client.match(KEYS)).matches == {}
+        assert got.pending == {"w1/dp2": 4}
+        plain = await client.match(KEYS)
+        assert plain.matches == {} and plain.pending is None
     finally:
         await client.close()
     assert client.predict_calls[MatchStatus.OK] == 1

@@ -121,6 +121,34 @@ async def test_engine_events_and_instance_changes_drop_predictions(
     assert view(await b.match(NS, KEYS, include_predicted=True)) == []
 
 
+async def test_pending_prefill_is_every_routers_unconfirmed_predictions(
+    pair: tuple[RedisIndex, RedisIndex], clock: FakeClock
+) -> None:
+    a, b = pair
+    await a.apply(EventBatch(W0, 1, (BlockStored(block_hashes=(1,), block_keys=(101,)),)))
+    assert await b.pending_predicted(NS.model) == {}
+    assert await a.predict(NS, W0, KEYS, 20.0, 100) == 3  # 101 is held
+    assert await b.predict(NS, W1, KEYS[:2], 10.0, 100) == 2
+    assert await a.predict(NS, W1, KEYS[:2], 10.0, 100) == 2  # the same blocks: counted once
+    assert await b.pending_predicted(NS.model) == {W0: 3, W1: 2}
+    assert await a.pending_predicted("another-model") == {}
+    # The engine stores two of them: confirmed, so no longer pending; the
+    # Match is what it was (a held block counts, predicted or not).
+    stored = BlockStored(block_hashes=(2, 3), parent_block_hash=1, block_keys=(102, 103))
+    await a.apply(EventBatch(W0, 2, (stored,)))
+    assert await b.pending_predicted(NS.model) == {W0: 1, W1: 2}
+    assert view(await b.match(NS, KEYS, include_predicted=True)) == [(W0, 3, 4), (W1, 0, 2)]
+    clock.advance(10.0)  # W1's run out
+    assert await b.pending_predicted(NS.model) == {W0: 1}
+    clock.advance(10.0)
+    assert await a.pending_predicted(NS.model) == {}
+    # A stale instance is left out, like a dead one.
+    await a.predict(NS, W1, KEYS, 10.0, 100)
+    await a.apply(EventBatch(W1, 1, (BlockRemoved(block_hashes=(9,)),)))
+    await a.apply(EventBatch(W1, 3, (BlockRemoved(block_hashes=(9,)),)))  # a gap: stale
+    assert await a.pending_predicted(NS.model) == {}
+
+
 async def test_cap_refusals_and_expired_lease(
     pair: tuple[RedisIndex, RedisIndex], clock: FakeClock
 ) -> None:
@@ -217,14 +245,16 @@ async def test_an_older_acl_rule_refuses_only_predictions(
     redis_server: Any, clock: FakeClock
 ) -> None:
     """A user made by the rule of before predictions (no pexpire, pttl): PredictPlacement
-    is UNAVAILABLE, the rest works (Match with predictions and the purge included)."""
-    idx = _acl_index(redis_server, clock, drop=("pexpire", "pttl"))
+    is UNAVAILABLE, the rest works (Match with predictions and the purge included), and
+    without +zcount the pending prefill is not reported (None), never an error."""
+    idx = _acl_index(redis_server, clock, drop=("pexpire", "pttl", "zcount"))
     try:
         await idx.register(InstanceSpec(W0, NS.model, "http://w0", 60.0))
         await idx.apply(EventBatch(W0, 1, (BlockStored(block_hashes=(1,), block_keys=(101,)),)))
         with pytest.raises(Unavailable):
             await idx.predict(NS, W0, KEYS, 1.0, 10)
         assert view(await idx.match(NS, KEYS, include_predicted=True)) == [(W0, 1, 1)]
+        assert await idx.pending_predicted(NS.model) is None
         await idx.apply(EventBatch(W0, 2, (AllBlocksCleared(),)))
         assert view(await idx.match(NS, KEYS)) == []
     finally:
@@ -242,6 +272,7 @@ async def test_predictions_need_only_the_least_acl_rule(
         assert await idx.predict(NS, W0, KEYS, 10.0, 2) == 4
         assert view(await idx.match(NS, KEYS, include_predicted=True)) == []  # cap 2: 101 went
         assert view(await idx.match(NS, KEYS[2:], include_predicted=True)) == [(W0, 0, 2)]
+        assert await idx.pending_predicted(NS.model) == {W0: 2}
         await idx.apply(EventBatch(W0, 1, (AllBlocksCleared(),)))
         assert view(await idx.match(NS, KEYS[2:], include_predicted=True)) == []
     finally:

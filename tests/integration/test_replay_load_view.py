@@ -58,3 +58,21 @@ def test_cli_herding_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixtur
         assert f"herding_R{n}_local_load_report_age_p95_ms" not in figures
     assert kvmesh_main([*argv, "--herding", "x"]) == 2
     assert kvmesh_main([*argv, "--load-report-ms", "-1"]) == 2
+
+
+async def test_pending_prefill_shared_through_the_index_stops_the_herd() -> None:
+    """Routers that see only their own work herd (local view); with predictions,
+    each Match also tells every router the prefill the others sent each engine
+    (MatchResponse.pending), and the tail comes back to that of routers fed
+    every engine's load at every change. With that figure left out (own load
+    only) the predictions alone do not."""
+    trace = load_mooncake(limit=1000)
+    at = replace(SETTINGS, speed=1.0, load=None)
+    fresh = await run_replay(trace, replace(at, predict=True), ["cache_shared"])
+    settings = replace(at, load_view="local", predict=True)
+    shared = await run_replay(trace, settings, ["cache_shared"])
+    own = await run_replay(trace, replace(settings, shared_pending=False), ["cache_shared"])
+    f, s, o = (r.results[0] for r in (fresh, shared, own))
+    assert o.ttft_p95_ms > 1.5 * s.ttft_p95_ms
+    assert s.ttft_p95_ms < 1.25 * f.ttft_p95_ms
+    assert s.goodput > o.goodput

@@ -27,6 +27,12 @@ result_st = st.builds(
     matches=st.lists(match_st, max_size=20),
     total_blocks=counts,
     block_size=st.integers(0, 2**32 - 1),
+    pending=st.none()
+    | st.dictionaries(
+        st.builds(InstanceId, st.text(min_size=1, max_size=20), st.integers(0, 2**32 - 1)),
+        counts,
+        max_size=8,
+    ),
 )
 
 

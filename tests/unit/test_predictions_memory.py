@@ -93,6 +93,11 @@ class Reference:
         self.held[w] = set()
         self.pred[w] = {}
 
+    def pending(self, now: float) -> dict[InstanceId, int]:
+        """Unexpired predictions per instance (none: left out)."""
+        out = {w: sum(e > now for e in self.pred[w].values()) for w in WORKERS}
+        return {w: n for w, n in out.items() if n}
+
     def predicted(self, keys: Sequence[int], now: float) -> dict[InstanceId, int]:
         out = {}
         for w in WORKERS:
@@ -181,6 +186,12 @@ class PredictionMachine(RuleBasedStateMachine):
         order = [(-m.depth, -m.predicted_depth, m.instance) for m in got]
         assert order == sorted(order)
 
+    @rule()
+    def pending(self) -> None:
+        # The prefill every router sent and no engine confirmed (MatchResponse.pending).
+        assert self.index.pending_predicted_sync(NS.model) == self.ref.pending(self.now)
+        assert self.index.pending_predicted_sync("another-model") == {}
+
     @invariant()
     def bounded(self) -> None:
         for inst in self.index._instances.values():
@@ -225,7 +236,16 @@ class _KeepsThroughClear(MemoryIndex):
         return None
 
 
-@pytest.mark.parametrize("broken", [_IgnoresExpiry, _KeepsThroughClear])
+class _StoreKeepsPredictions(MemoryIndex):
+    """Broken: a store leaves the instance's predictions of what it stored
+    (every Match stays right: a held block counts, predicted or not; only the
+    pending prefill counts work the engine has finished)."""
+
+    def _confirm(self, inst: _Instance, base: int, keys: Sequence[int]) -> None:
+        return None
+
+
+@pytest.mark.parametrize("broken", [_IgnoresExpiry, _KeepsThroughClear, _StoreKeepsPredictions])
 def test_broken_variants_fail(broken: type[MemoryIndex]) -> None:
     machine = type(f"Broken{broken.__name__}", (PredictionMachine,), {"index_class": broken})
     # A wrong answer, or (predictions of a removed instance kept) a look-up of it.

@@ -132,6 +132,36 @@ def test_a_predicted_prefix_wins_only_with_predictions_on(cost: str) -> None:
     assert off.prefill.worker == "a" and off.prefill.counted_blocks == 7
 
 
+@pytest.mark.parametrize("cost", ["blocks", "ttft"])
+def test_other_routers_pending_prefill_steers_the_choice(cost: str) -> None:
+    """MatchOutcome.pending: a worker other routers just sent prefill to looks
+    busy to this router too, though it sent that worker nothing itself."""
+    # No hit anywhere; the index says a has 400 blocks of prefill pending, c 1.
+    outcome = MatchOutcome(MatchStatus.OK, {}, {"a": 400, "c": 1})
+    chosen = set()
+    for seed in range(20):
+        r = make_router({"predictions": True, "cost": cost, "balance": 0.5})
+        r.rng.seed(seed)
+        chosen.add(r.decide(req(seed), outcome, decode=False).prefill.worker)
+    assert chosen == {"b"}
+    # Its own view counted alone (shared_pending off, or no predictions): a
+    # worker with nothing started by this router and no report is idle.
+    for config in ({"predictions": True, "shared_pending": False}, {}):
+        chosen = set()
+        for seed in range(20):
+            r = make_router({**config, "cost": cost, "balance": 0.5})
+            r.rng.seed(seed)
+            chosen.add(r.decide(req(seed), outcome, decode=False).prefill.worker)
+        assert "a" in chosen
+    # The larger of the two views: this router's own pending prefill on b
+    # (a request it started) outweighs the index's smaller figure for it.
+    r = make_router({"predictions": True, "cost": cost, "balance": 0.5})
+    r.started(RouteRequest("mine", 2000 * BS), r.decide(req(0), outcome, decode=False).prefill)
+    assert r.seen_load("b", {"b": 3}).pending_prefill_tokens == 2000 * BS
+    assert r.seen_load("a", {"a": 400}).pending_prefill_tokens == 400 * BS
+    assert r.decide(req(1), outcome, decode=False).prefill.worker == "c"
+
+
 def test_a_low_weight_leaves_the_confirmed_hit_ahead() -> None:
     r = make_router({"predictions": True, "predicted_weight": 0.5})
     assert r.decide(req(), OUTCOME, decode=False).prefill.worker == "a"

@@ -45,15 +45,17 @@ for i = 1, #blob / 8 do
     local name = ppre .. k
     redis.call('HSET', name, id, expiry)
     keep(name)
-    -- Scored by the time recorded: a key predicted again moves to the newest.
-    redis.call('ZADD', order, now, nid .. k)
+    -- Scored by its expiry: a key predicted again moves to the newest, and
+    -- ZCOUNT from now on counts the unexpired (pending_predicted).
+    redis.call('ZADD', order, expiry, nid .. k)
     recorded = recorded + 1
   end
 end
 local dropped = 0
 if recorded > 0 then
   keep(order)
-  -- Past the cap the oldest go first: every member but the newest cap.
+  -- Past the cap the soonest to expire go first: every member but the
+  -- newest cap (the oldest, when every prediction has the same ttl).
   local over = redis.call('ZRANGE', order, 0, -(cap + 1))
   for _, e in ipairs(over) do
     redis.call('HDEL', B .. 'pr:' .. e, id)

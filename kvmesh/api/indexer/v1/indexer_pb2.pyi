@@ -324,14 +324,26 @@ class InstanceMatch(_message.Message):
     def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., address: _Optional[str] = ..., depth: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., stale: _Optional[bool] = ..., tokens: _Optional[int] = ..., predicted_depth: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("matches", "total_blocks", "block_size")
+    __slots__ = ("matches", "total_blocks", "block_size", "pending", "pending_reported")
     MATCHES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_REPORTED_FIELD_NUMBER: _ClassVar[int]
     matches: _containers.RepeatedCompositeFieldContainer[InstanceMatch]
     total_blocks: int
     block_size: int
-    def __init__(self, matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    pending: _containers.RepeatedCompositeFieldContainer[PendingPrefill]
+    pending_reported: bool
+    def __init__(self, matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., pending: _Optional[_Iterable[_Union[PendingPrefill, _Mapping]]] = ..., pending_reported: _Optional[bool] = ...) -> None: ...
+
+class PendingPrefill(_message.Message):
+    __slots__ = ("instance", "predicted_blocks")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    predicted_blocks: int
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., predicted_blocks: _Optional[int] = ...) -> None: ...
 
 class MatchStreamRequest(_message.Message):
     __slots__ = ("matches",)

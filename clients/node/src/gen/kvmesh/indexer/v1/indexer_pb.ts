@@ -17,7 +17,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/indexer/v1/indexer.proto.
  */
 export const file_kvmesh_indexer_v1_indexer: GenFile = /*@__PURE__*/
-  fileDesc("Ch9rdm1lc2gvaW5kZXhlci92MS9pbmRleGVyLnByb3RvEhFrdm1lc2guaW5kZXhlci52MSIxCgtJbnN0YW5jZVJlZhIRCgl3b3JrZXJfaWQYASABKAkSDwoHZHBfcmFuaxgCIAEoDSLEAgoLQmxvY2tTdG9yZWQSFAoMYmxvY2tfaGFzaGVzGAEgAygEEh4KEXBhcmVudF9ibG9ja19oYXNoGAIgASgESACIAQESEQoJdG9rZW5faWRzGAMgAygDEhIKCmJsb2NrX3NpemUYBCABKA0SEQoJbG9yYV9uYW1lGAUgASgJEiUKBHRpZXIYBiABKA4yFy5rdm1lc2guaW5kZXhlci52MS5UaWVyEhIKCmJsb2NrX2tleXMYByADKAYSNQoKZXh0cmFfa2V5cxgIIAMoCzIhLmt2bWVzaC5pbmRleGVyLnYxLkJsb2NrRXh0cmFLZXlzEhEKCWdyb3VwX2lkeBgJIAEoDRISCgpncm91cF9raW5kGAogASgJEhYKDnNsaWRpbmdfd2luZG93GAsgASgNQhQKEl9wYXJlbnRfYmxvY2tfaGFzaCJUCg5CbG9ja0V4dHJhS2V5cxISCgpjYWNoZV9zYWx0GAEgASgJEi4KBW1lZGlhGAIgAygLMh8ua3ZtZXNoLmluZGV4ZXIudjEuTWVkaWFJbkJsb2NrIjIKDE1lZGlhSW5CbG9jaxISCgppZGVudGlmaWVyGAEgASgJEg4KBm9mZnNldBgCIAEoAyJeCgxCbG9ja1JlbW92ZWQSFAoMYmxvY2tfaGFzaGVzGAEgAygEEiUKBHRpZXIYAiABKA4yFy5rdm1lc2guaW5kZXhlci52MS5UaWVyEhEKCWdyb3VwX2lkeBgDIAEoDSISChBBbGxCbG9ja3NDbGVhcmVkIq0BCgVFdmVudBIwCgZzdG9yZWQYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5CbG9ja1N0b3JlZEgAEjIKB3JlbW92ZWQYAiABKAsyHy5rdm1lc2guaW5kZXhlci52MS5CbG9ja1JlbW92ZWRIABI2CgdjbGVhcmVkGAMgASgLMiMua3ZtZXNoLmluZGV4ZXIudjEuQWxsQmxvY2tzQ2xlYXJlZEgAQgYKBGtpbmQiuQEKCkV2ZW50QmF0Y2gSMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZhIQCghzZXF1ZW5jZRgCIAEoBBIRCgl0aW1lc3RhbXAYAyABKAESKAoGZXZlbnRzGAQgAygLMhgua3ZtZXNoLmluZGV4ZXIudjEuRXZlbnQSFQoNY291bnRzX2NvcGllcxgFIAEoCBITCgtpbmNhcm5hdGlvbhgGIAEoCSI6CgpCYXRjaEVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRINCgVmaWVsZBgDIAEoCSK3AgoIQmF0Y2hBY2sSMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZhIQCghzZXF1ZW5jZRgCIAEoBBIwCgdvdXRjb21lGAMgASgOMh8ua3ZtZXNoLmluZGV4ZXIudjEuQmF0Y2hPdXRjb21lEhgKEGFwcGxpZWRfc2VxdWVuY2UYBCABKAQSFQoNYmxvY2tzX3N0b3JlZBgFIAEoDRIWCg5ibG9ja3NfcmVtb3ZlZBgGIAEoDRIXCg9ibG9ja3Nfb3JwaGFuZWQYByABKA0SDQoFc3RhbGUYCCABKAgSLAoFZXJyb3IYCSABKAsyHS5rdm1lc2guaW5kZXhlci52MS5CYXRjaEVycm9yEhYKDmJsb2Nrc19za2lwcGVkGAogASgNIpsBChdSZWdpc3Rlckluc3RhbmNlUmVxdWVzdBIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEg0KBW1vZGVsGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSGQoRbGVhc2VfdHRsX3NlY29uZHMYBCABKAESEwoLaW5jYXJuYXRpb24YBSABKAkijwIKDEluc3RhbmNlSW5mbxIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEg0KBW1vZGVsGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSEwoLaW5jYXJuYXRpb24YBCABKAkSGQoRbGVhc2VfdHRsX3NlY29uZHMYBSABKAESGAoQbGVhc2VfZXhwaXJlc19hdBgGIAEoARIMCgRsaXZlGAcgASgIEg0KBXN0YWxlGAggASgIEhgKEGFwcGxpZWRfc2VxdWVuY2UYCSABKAQSHAoUaGFzX2FwcGxpZWRfc2VxdWVuY2UYCiABKAgSDgoGYmxvY2tzGAsgASgEIlgKGFJlZ2lzdGVySW5zdGFuY2VSZXNwb25zZRItCgRpbmZvGAEgASgLMh8ua3ZtZXNoLmluZGV4ZXIudjEuSW5zdGFuY2VJbmZvEg0KBXJlc2V0GAIgASgIIkQKEEhlYXJ0YmVhdFJlcXVlc3QSMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZiI8ChFIZWFydGJlYXRSZXNwb25zZRIYChBsZWFzZV9leHBpcmVzX2F0GAEgASgBEg0KBXN0YWxlGAIgASgIIkkKFVJlbW92ZUluc3RhbmNlUmVxdWVzdBIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmIjAKFlJlbW92ZUluc3RhbmNlUmVzcG9uc2USFgoOYmxvY2tzX3JlbW92ZWQYASABKAQiJQoUTGlzdEluc3RhbmNlc1JlcXVlc3QSDQoFbW9kZWwYASABKAkiSwoVTGlzdEluc3RhbmNlc1Jlc3BvbnNlEjIKCWluc3RhbmNlcxgBIAMoCzIfLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlSW5mbyJEChRQdWJsaXNoRXZlbnRzUmVxdWVzdBIsCgViYXRjaBgBIAEoCzIdLmt2bWVzaC5pbmRleGVyLnYxLkV2ZW50QmF0Y2giQQoVUHVibGlzaEV2ZW50c1Jlc3BvbnNlEigKA2FjaxgBIAEoCzIbLmt2bWVzaC5pbmRleGVyLnYxLkJhdGNoQWNrIkoKGlB1Ymxpc2hFdmVudHNTdHJlYW1SZXF1ZXN0EiwKBWJhdGNoGAEgASgLMh0ua3ZtZXNoLmluZGV4ZXIudjEuRXZlbnRCYXRjaCJHChtQdWJsaXNoRXZlbnRzU3RyZWFtUmVzcG9uc2USKAoDYWNrGAEgASgLMhsua3ZtZXNoLmluZGV4ZXIudjEuQmF0Y2hBY2sikAIKDE1hdGNoUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIRCglsb3JhX25hbWUYAiABKAkSEQoJdG9rZW5faWRzGAMgAygDEhIKCmJsb2NrX2tleXMYBCADKAYSEgoKbWF4X2Jsb2NrcxgFIAEoDRIVCg1pbmNsdWRlX3N0YWxlGAYgASgIEhUKDW1heF9pbnN0YW5jZXMYByABKA0SEgoKY2FjaGVfc2FsdBgIIAEoCRIsCgVtZWRpYRgJIAMoCzIdLmt2bWVzaC5pbmRleGVyLnYxLk1lZGlhUmFuZ2USGAoQcGFja2VkX3Rva2VuX2lkcxgKIAEoDBIZChFpbmNsdWRlX3ByZWRpY3RlZBgLIAEoCCJACgpNZWRpYVJhbmdlEhIKCmlkZW50aWZpZXIYASABKAkSDgoGb2Zmc2V0GAIgASgNEg4KBmxlbmd0aBgDIAEoDSLWAQoNSW5zdGFuY2VNYXRjaBIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEg8KB2FkZHJlc3MYAiABKAkSDQoFZGVwdGgYAyABKA0SEgoKZ3B1X2Jsb2NrcxgEIAEoDRISCgpjcHVfYmxvY2tzGAUgASgNEhMKC2Rpc2tfYmxvY2tzGAYgASgNEg0KBXN0YWxlGAcgASgIEg4KBnRva2VucxgIIAEoDRIXCg9wcmVkaWN0ZWRfZGVwdGgYCSABKA0ibAoNTWF0Y2hSZXNwb25zZRIxCgdtYXRjaGVzGAEgAygLMiAua3ZtZXNoLmluZGV4ZXIudjEuSW5zdGFuY2VNYXRjaBIUCgx0b3RhbF9ibG9ja3MYAiABKA0SEgoKYmxvY2tfc2l6ZRgDIAEoDSJJChJNYXRjaFN0cmVhbVJlcXVlc3QSMwoHbWF0Y2hlcxgBIAMoCzIiLmt2bWVzaC5pbmRleGVyLnYxLk1hdGNoU3RyZWFtSXRlbSJVCg9NYXRjaFN0cmVhbUl0ZW0SEgoKcmVxdWVzdF9pZBgBIAEoBBIuCgVtYXRjaBgCIAEoCzIfLmt2bWVzaC5pbmRleGVyLnYxLk1hdGNoUmVxdWVzdCJLChNNYXRjaFN0cmVhbVJlc3BvbnNlEjQKB3JlcGxpZXMYASADKAsyIy5rdm1lc2guaW5kZXhlci52MS5NYXRjaFN0cmVhbVJlcGx5IoUBChBNYXRjaFN0cmVhbVJlcGx5EhIKCnJlcXVlc3RfaWQYASABKAQSLwoFbWF0Y2gYAiABKAsyIC5rdm1lc2guaW5kZXhlci52MS5NYXRjaFJlc3BvbnNlEgwKBGNvZGUYAyABKAUSDwoHbWVzc2FnZRgEIAEoCRINCgVmaWVsZBgFIAEoCSIRCg9HZXRTdGF0c1JlcXVlc3QiWwoOTmFtZXNwYWNlU3RhdHMSDQoFbW9kZWwYASABKAkSEQoJbG9yYV9uYW1lGAIgASgJEg4KBmJsb2NrcxgDIAEoBBIXCg9ibG9ja19pbnN0YW5jZXMYBCABKAQiqAMKEEdldFN0YXRzUmVzcG9uc2USDwoHYmFja2VuZBgBIAEoCRIRCglpbnN0YW5jZXMYAiABKAQSFgoOaW5zdGFuY2VzX2xpdmUYAyABKAQSFwoPaW5zdGFuY2VzX3N0YWxlGAQgASgEEg4KBmJsb2NrcxgFIAEoBBIXCg9ibG9ja19pbnN0YW5jZXMYBiABKAQSNQoKbmFtZXNwYWNlcxgHIAMoCzIhLmt2bWVzaC5pbmRleGVyLnYxLk5hbWVzcGFjZVN0YXRzEhcKD2JhdGNoZXNfYXBwbGllZBgIIAEoBBIZChFiYXRjaGVzX2R1cGxpY2F0ZRgJIAEoBBIYChBiYXRjaGVzX3JlamVjdGVkGAogASgEEhUKDXNlcXVlbmNlX2dhcHMYCyABKAQSDwoHbWF0Y2hlcxgMIAEoBBIWCg5tYXRjaGVkX2Jsb2NrcxgNIAEoBBIYChBwcmVkaWN0ZWRfYmxvY2tzGA4gASgEEhwKFHByZWRpY3Rpb25zX3JlY29yZGVkGA8gASgEEhkKEXByZWRpY3RlZF9tYXRjaGVzGBAgASgEIjUKEER1bXBJbmRleFJlcXVlc3QSDQoFbW9kZWwYASABKAkSEgoKbWF4X2Jsb2NrcxgCIAEoDSJoCgxEdW1wZWRIb2xkZXISMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZhImCgV0aWVycxgCIAMoDjIXLmt2bWVzaC5pbmRleGVyLnYxLlRpZXIidAoLRHVtcGVkQmxvY2sSDQoFbW9kZWwYASABKAkSEQoJbG9yYV9uYW1lGAIgASgJEhEKCWJsb2NrX2tleRgDIAEoBhIwCgdob2xkZXJzGAQgAygLMh8ua3ZtZXNoLmluZGV4ZXIudjEuRHVtcGVkSG9sZGVyIlYKEUR1bXBJbmRleFJlc3BvbnNlEi4KBmJsb2NrcxgBIAMoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkR1bXBlZEJsb2NrEhEKCXRydW5jYXRlZBgCIAEoCCINCgtQaW5nUmVxdWVzdCIOCgxQaW5nUmVzcG9uc2UiZQoRV2F0Y2hJbmRleFJlcXVlc3QSDgoGbW9kZWxzGAEgAygJEhIKCm1heF9idWZmZXIYAiABKA0SFgoOaW5zdGFuY2VfcGFydHMYAyABKAgSFAoMa2VlcGFsaXZlX21zGAQgASgNIowBCg9XYXRjaGVkSW5zdGFuY2USLQoEaW5mbxgBIAEoCzIfLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlSW5mbxIuCgdjb250ZW50GAIgASgLMh0ua3ZtZXNoLmluZGV4ZXIudjEuRXZlbnRCYXRjaBIMCgRwYXJ0GAMgASgNEgwKBG1vcmUYBCABKAgiIAoLV2F0Y2hTeW5jZWQSEQoJaW5zdGFuY2VzGAEgASgNIk8KD1dhdGNoUmVnaXN0ZXJlZBItCgRpbmZvGAEgASgLMh8ua3ZtZXNoLmluZGV4ZXIudjEuSW5zdGFuY2VJbmZvEg0KBXJlc2V0GAIgASgIIk0KCVdhdGNoR29uZRIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEg4KBnJlYXNvbhgCIAEoCSINCgtXYXRjaFJlc3luYyKkAwoLV2F0Y2hDaGFuZ2USEAoIcG9zaXRpb24YASABKAQSEgoKYXBwbGllZF9hdBgCIAEoARI2CghzbmFwc2hvdBgDIAEoCzIiLmt2bWVzaC5pbmRleGVyLnYxLldhdGNoZWRJbnN0YW5jZUgAEjAKBnN5bmNlZBgEIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLldhdGNoU3luY2VkSAASOAoKcmVnaXN0ZXJlZBgFIAEoCzIiLmt2bWVzaC5pbmRleGVyLnYxLldhdGNoUmVnaXN0ZXJlZEgAEjEKB3JlbmV3ZWQYBiABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZkgAEi4KBWJhdGNoGAcgASgLMh0ua3ZtZXNoLmluZGV4ZXIudjEuRXZlbnRCYXRjaEgAEiwKBGdvbmUYCCABKAsyHC5rdm1lc2guaW5kZXhlci52MS5XYXRjaEdvbmVIABIwCgZyZXN5bmMYCSABKAsyHi5rdm1lc2guaW5kZXhlci52MS5XYXRjaFJlc3luY0gAQggKBmNoYW5nZSJICg5XYXRjaEtlZXBhbGl2ZRITCgtpbnRlcnZhbF9tcxgBIAEoDRIQCghwb3NpdGlvbhgCIAEoBBIPCgdzZW50X2F0GAMgASgBInsKEldhdGNoSW5kZXhSZXNwb25zZRIvCgdjaGFuZ2VzGAEgAygLMh4ua3ZtZXNoLmluZGV4ZXIudjEuV2F0Y2hDaGFuZ2USNAoJa2VlcGFsaXZlGAIgASgLMiEua3ZtZXNoLmluZGV4ZXIudjEuV2F0Y2hLZWVwYWxpdmUikQEKF1ByZWRpY3RQbGFjZW1lbnRSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEhEKCWxvcmFfbmFtZRgCIAEoCRIwCghpbnN0YW5jZRgDIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEhIKCmJsb2NrX2tleXMYBCADKAYSDgoGdHRsX21zGAUgASgNIkQKGFByZWRpY3RQbGFjZW1lbnRSZXNwb25zZRIYChBwcmVkaWN0ZWRfYmxvY2tzGAEgASgNEg4KBnR0bF9tcxgCIAEoDSpHCgRUaWVyEhQKEFRJRVJfVU5TUEVDSUZJRUQQABIMCghUSUVSX0dQVRABEgwKCFRJRVJfQ1BVEAISDQoJVElFUl9ESVNLEAMqpgEKDEJhdGNoT3V0Y29tZRIdChlCQVRDSF9PVVRDT01FX1VOU1BFQ0lGSUVEEAASGQoVQkFUQ0hfT1VUQ09NRV9BUFBMSUVEEAESGwoXQkFUQ0hfT1VUQ09NRV9EVVBMSUNBVEUQAhIjCh9CQVRDSF9PVVRDT01FX0FQUExJRURfQUZURVJfR0FQEAMSGgoWQkFUQ0hfT1VUQ09NRV9SRUpFQ1RFRBAEMu4JCg5JbmRleGVyU2VydmljZRJrChBSZWdpc3Rlckluc3RhbmNlEioua3ZtZXNoLmluZGV4ZXIudjEuUmVnaXN0ZXJJbnN0YW5jZVJlcXVlc3QaKy5rdm1lc2guaW5kZXhlci52MS5SZWdpc3Rlckluc3RhbmNlUmVzcG9uc2USVgoJSGVhcnRiZWF0EiMua3ZtZXNoLmluZGV4ZXIudjEuSGVhcnRiZWF0UmVxdWVzdBokLmt2bWVzaC5pbmRleGVyLnYxLkhlYXJ0YmVhdFJlc3BvbnNlEmUKDlJlbW92ZUluc3RhbmNlEigua3ZtZXNoLmluZGV4ZXIudjEuUmVtb3ZlSW5zdGFuY2VSZXF1ZXN0Gikua3ZtZXNoLmluZGV4ZXIudjEuUmVtb3ZlSW5zdGFuY2VSZXNwb25zZRJiCg1MaXN0SW5zdGFuY2VzEicua3ZtZXNoLmluZGV4ZXIudjEuTGlzdEluc3RhbmNlc1JlcXVlc3QaKC5rdm1lc2guaW5kZXhlci52MS5MaXN0SW5zdGFuY2VzUmVzcG9uc2USYgoNUHVibGlzaEV2ZW50cxInLmt2bWVzaC5pbmRleGVyLnYxLlB1Ymxpc2hFdmVudHNSZXF1ZXN0Gigua3ZtZXNoLmluZGV4ZXIudjEuUHVibGlzaEV2ZW50c1Jlc3BvbnNlEngKE1B1Ymxpc2hFdmVudHNTdHJlYW0SLS5rdm1lc2guaW5kZXhlci52MS5QdWJsaXNoRXZlbnRzU3RyZWFtUmVxdWVzdBouLmt2bWVzaC5pbmRleGVyLnYxLlB1Ymxpc2hFdmVudHNTdHJlYW1SZXNwb25zZSgBMAESSgoFTWF0Y2gSHy5rdm1lc2guaW5kZXhlci52MS5NYXRjaFJlcXVlc3QaIC5rdm1lc2guaW5kZXhlci52MS5NYXRjaFJlc3BvbnNlEmAKC01hdGNoU3RyZWFtEiUua3ZtZXNoLmluZGV4ZXIudjEuTWF0Y2hTdHJlYW1SZXF1ZXN0GiYua3ZtZXNoLmluZGV4ZXIudjEuTWF0Y2hTdHJlYW1SZXNwb25zZSgBMAESUwoIR2V0U3RhdHMSIi5rdm1lc2guaW5kZXhlci52MS5HZXRTdGF0c1JlcXVlc3QaIy5rdm1lc2guaW5kZXhlci52MS5HZXRTdGF0c1Jlc3BvbnNlElgKCUR1bXBJbmRleBIjLmt2bWVzaC5pbmRleGVyLnYxLkR1bXBJbmRleFJlcXVlc3QaJC5rdm1lc2guaW5kZXhlci52MS5EdW1wSW5kZXhSZXNwb25zZTABEkcKBFBpbmcSHi5rdm1lc2guaW5kZXhlci52MS5QaW5nUmVxdWVzdBofLmt2bWVzaC5pbmRleGVyLnYxLlBpbmdSZXNwb25zZRJbCgpXYXRjaEluZGV4EiQua3ZtZXNoLmluZGV4ZXIudjEuV2F0Y2hJbmRleFJlcXVlc3QaJS5rdm1lc2guaW5kZXhlci52MS5XYXRjaEluZGV4UmVzcG9uc2UwARJrChBQcmVkaWN0UGxhY2VtZW50Eioua3ZtZXNoLmluZGV4ZXIudjEuUHJlZGljdFBsYWNlbWVudFJlcXVlc3QaKy5rdm1lc2guaW5kZXhlci52MS5QcmVkaWN0UGxhY2VtZW50UmVzcG9uc2ViBnByb3RvMw");
+  fileDesc("Ch9rdm1lc2gvaW5kZXhlci92MS9pbmRleGVyLnByb3RvEhFrdm1lc2guaW5kZXhlci52MSIxCgtJbnN0YW5jZVJlZhIRCgl3b3JrZXJfaWQYASABKAkSDwoHZHBfcmFuaxgCIAEoDSLEAgoLQmxvY2tTdG9yZWQSFAoMYmxvY2tfaGFzaGVzGAEgAygEEh4KEXBhcmVudF9ibG9ja19oYXNoGAIgASgESACIAQESEQoJdG9rZW5faWRzGAMgAygDEhIKCmJsb2NrX3NpemUYBCABKA0SEQoJbG9yYV9uYW1lGAUgASgJEiUKBHRpZXIYBiABKA4yFy5rdm1lc2guaW5kZXhlci52MS5UaWVyEhIKCmJsb2NrX2tleXMYByADKAYSNQoKZXh0cmFfa2V5cxgIIAMoCzIhLmt2bWVzaC5pbmRleGVyLnYxLkJsb2NrRXh0cmFLZXlzEhEKCWdyb3VwX2lkeBgJIAEoDRISCgpncm91cF9raW5kGAogASgJEhYKDnNsaWRpbmdfd2luZG93GAsgASgNQhQKEl9wYXJlbnRfYmxvY2tfaGFzaCJUCg5CbG9ja0V4dHJhS2V5cxISCgpjYWNoZV9zYWx0GAEgASgJEi4KBW1lZGlhGAIgAygLMh8ua3ZtZXNoLmluZGV4ZXIudjEuTWVkaWFJbkJsb2NrIjIKDE1lZGlhSW5CbG9jaxISCgppZGVudGlmaWVyGAEgASgJEg4KBm9mZnNldBgCIAEoAyJeCgxCbG9ja1JlbW92ZWQSFAoMYmxvY2tfaGFzaGVzGAEgAygEEiUKBHRpZXIYAiABKA4yFy5rdm1lc2guaW5kZXhlci52MS5UaWVyEhEKCWdyb3VwX2lkeBgDIAEoDSISChBBbGxCbG9ja3NDbGVhcmVkIq0BCgVFdmVudBIwCgZzdG9yZWQYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5CbG9ja1N0b3JlZEgAEjIKB3JlbW92ZWQYAiABKAsyHy5rdm1lc2guaW5kZXhlci52MS5CbG9ja1JlbW92ZWRIABI2CgdjbGVhcmVkGAMgASgLMiMua3ZtZXNoLmluZGV4ZXIudjEuQWxsQmxvY2tzQ2xlYXJlZEgAQgYKBGtpbmQiuQEKCkV2ZW50QmF0Y2gSMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZhIQCghzZXF1ZW5jZRgCIAEoBBIRCgl0aW1lc3RhbXAYAyABKAESKAoGZXZlbnRzGAQgAygLMhgua3ZtZXNoLmluZGV4ZXIudjEuRXZlbnQSFQoNY291bnRzX2NvcGllcxgFIAEoCBITCgtpbmNhcm5hdGlvbhgGIAEoCSI6CgpCYXRjaEVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRINCgVmaWVsZBgDIAEoCSK3AgoIQmF0Y2hBY2sSMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZhIQCghzZXF1ZW5jZRgCIAEoBBIwCgdvdXRjb21lGAMgASgOMh8ua3ZtZXNoLmluZGV4ZXIudjEuQmF0Y2hPdXRjb21lEhgKEGFwcGxpZWRfc2VxdWVuY2UYBCABKAQSFQoNYmxvY2tzX3N0b3JlZBgFIAEoDRIWCg5ibG9ja3NfcmVtb3ZlZBgGIAEoDRIXCg9ibG9ja3Nfb3JwaGFuZWQYByABKA0SDQoFc3RhbGUYCCABKAgSLAoFZXJyb3IYCSABKAsyHS5rdm1lc2guaW5kZXhlci52MS5CYXRjaEVycm9yEhYKDmJsb2Nrc19za2lwcGVkGAogASgNIpsBChdSZWdpc3Rlckluc3RhbmNlUmVxdWVzdBIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEg0KBW1vZGVsGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSGQoRbGVhc2VfdHRsX3NlY29uZHMYBCABKAESEwoLaW5jYXJuYXRpb24YBSABKAkijwIKDEluc3RhbmNlSW5mbxIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEg0KBW1vZGVsGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSEwoLaW5jYXJuYXRpb24YBCABKAkSGQoRbGVhc2VfdHRsX3NlY29uZHMYBSABKAESGAoQbGVhc2VfZXhwaXJlc19hdBgGIAEoARIMCgRsaXZlGAcgASgIEg0KBXN0YWxlGAggASgIEhgKEGFwcGxpZWRfc2VxdWVuY2UYCSABKAQSHAoUaGFzX2FwcGxpZWRfc2VxdWVuY2UYCiABKAgSDgoGYmxvY2tzGAsgASgEIlgKGFJlZ2lzdGVySW5zdGFuY2VSZXNwb25zZRItCgRpbmZvGAEgASgLMh8ua3ZtZXNoLmluZGV4ZXIudjEuSW5zdGFuY2VJbmZvEg0KBXJlc2V0GAIgASgIIkQKEEhlYXJ0YmVhdFJlcXVlc3QSMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZiI8ChFIZWFydGJlYXRSZXNwb25zZRIYChBsZWFzZV9leHBpcmVzX2F0GAEgASgBEg0KBXN0YWxlGAIgASgIIkkKFVJlbW92ZUluc3RhbmNlUmVxdWVzdBIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmIjAKFlJlbW92ZUluc3RhbmNlUmVzcG9uc2USFgoOYmxvY2tzX3JlbW92ZWQYASABKAQiJQoUTGlzdEluc3RhbmNlc1JlcXVlc3QSDQoFbW9kZWwYASABKAkiSwoVTGlzdEluc3RhbmNlc1Jlc3BvbnNlEjIKCWluc3RhbmNlcxgBIAMoCzIfLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlSW5mbyJEChRQdWJsaXNoRXZlbnRzUmVxdWVzdBIsCgViYXRjaBgBIAEoCzIdLmt2bWVzaC5pbmRleGVyLnYxLkV2ZW50QmF0Y2giQQoVUHVibGlzaEV2ZW50c1Jlc3BvbnNlEigKA2FjaxgBIAEoCzIbLmt2bWVzaC5pbmRleGVyLnYxLkJhdGNoQWNrIkoKGlB1Ymxpc2hFdmVudHNTdHJlYW1SZXF1ZXN0EiwKBWJhdGNoGAEgASgLMh0ua3ZtZXNoLmluZGV4ZXIudjEuRXZlbnRCYXRjaCJHChtQdWJsaXNoRXZlbnRzU3RyZWFtUmVzcG9uc2USKAoDYWNrGAEgASgLMhsua3ZtZXNoLmluZGV4ZXIudjEuQmF0Y2hBY2sikAIKDE1hdGNoUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIRCglsb3JhX25hbWUYAiABKAkSEQoJdG9rZW5faWRzGAMgAygDEhIKCmJsb2NrX2tleXMYBCADKAYSEgoKbWF4X2Jsb2NrcxgFIAEoDRIVCg1pbmNsdWRlX3N0YWxlGAYgASgIEhUKDW1heF9pbnN0YW5jZXMYByABKA0SEgoKY2FjaGVfc2FsdBgIIAEoCRIsCgVtZWRpYRgJIAMoCzIdLmt2bWVzaC5pbmRleGVyLnYxLk1lZGlhUmFuZ2USGAoQcGFja2VkX3Rva2VuX2lkcxgKIAEoDBIZChFpbmNsdWRlX3ByZWRpY3RlZBgLIAEoCCJACgpNZWRpYVJhbmdlEhIKCmlkZW50aWZpZXIYASABKAkSDgoGb2Zmc2V0GAIgASgNEg4KBmxlbmd0aBgDIAEoDSLWAQoNSW5zdGFuY2VNYXRjaBIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEg8KB2FkZHJlc3MYAiABKAkSDQoFZGVwdGgYAyABKA0SEgoKZ3B1X2Jsb2NrcxgEIAEoDRISCgpjcHVfYmxvY2tzGAUgASgNEhMKC2Rpc2tfYmxvY2tzGAYgASgNEg0KBXN0YWxlGAcgASgIEg4KBnRva2VucxgIIAEoDRIXCg9wcmVkaWN0ZWRfZGVwdGgYCSABKA0iugEKDU1hdGNoUmVzcG9uc2USMQoHbWF0Y2hlcxgBIAMoCzIgLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlTWF0Y2gSFAoMdG90YWxfYmxvY2tzGAIgASgNEhIKCmJsb2NrX3NpemUYAyABKA0SMgoHcGVuZGluZxgEIAMoCzIhLmt2bWVzaC5pbmRleGVyLnYxLlBlbmRpbmdQcmVmaWxsEhgKEHBlbmRpbmdfcmVwb3J0ZWQYBSABKAgiXAoOUGVuZGluZ1ByZWZpbGwSMAoIaW5zdGFuY2UYASABKAsyHi5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZVJlZhIYChBwcmVkaWN0ZWRfYmxvY2tzGAIgASgNIkkKEk1hdGNoU3RyZWFtUmVxdWVzdBIzCgdtYXRjaGVzGAEgAygLMiIua3ZtZXNoLmluZGV4ZXIudjEuTWF0Y2hTdHJlYW1JdGVtIlUKD01hdGNoU3RyZWFtSXRlbRISCgpyZXF1ZXN0X2lkGAEgASgEEi4KBW1hdGNoGAIgASgLMh8ua3ZtZXNoLmluZGV4ZXIudjEuTWF0Y2hSZXF1ZXN0IksKE01hdGNoU3RyZWFtUmVzcG9uc2USNAoHcmVwbGllcxgBIAMoCzIjLmt2bWVzaC5pbmRleGVyLnYxLk1hdGNoU3RyZWFtUmVwbHkihQEKEE1hdGNoU3RyZWFtUmVwbHkSEgoKcmVxdWVzdF9pZBgBIAEoBBIvCgVtYXRjaBgCIAEoCzIgLmt2bWVzaC5pbmRleGVyLnYxLk1hdGNoUmVzcG9uc2USDAoEY29kZRgDIAEoBRIPCgdtZXNzYWdlGAQgASgJEg0KBWZpZWxkGAUgASgJIhEKD0dldFN0YXRzUmVxdWVzdCJbCg5OYW1lc3BhY2VTdGF0cxINCgVtb2RlbBgBIAEoCRIRCglsb3JhX25hbWUYAiABKAkSDgoGYmxvY2tzGAMgASgEEhcKD2Jsb2NrX2luc3RhbmNlcxgEIAEoBCKoAwoQR2V0U3RhdHNSZXNwb25zZRIPCgdiYWNrZW5kGAEgASgJEhEKCWluc3RhbmNlcxgCIAEoBBIWCg5pbnN0YW5jZXNfbGl2ZRgDIAEoBBIXCg9pbnN0YW5jZXNfc3RhbGUYBCABKAQSDgoGYmxvY2tzGAUgASgEEhcKD2Jsb2NrX2luc3RhbmNlcxgGIAEoBBI1CgpuYW1lc3BhY2VzGAcgAygLMiEua3ZtZXNoLmluZGV4ZXIudjEuTmFtZXNwYWNlU3RhdHMSFwoPYmF0Y2hlc19hcHBsaWVkGAggASgEEhkKEWJhdGNoZXNfZHVwbGljYXRlGAkgASgEEhgKEGJhdGNoZXNfcmVqZWN0ZWQYCiABKAQSFQoNc2VxdWVuY2VfZ2FwcxgLIAEoBBIPCgdtYXRjaGVzGAwgASgEEhYKDm1hdGNoZWRfYmxvY2tzGA0gASgEEhgKEHByZWRpY3RlZF9ibG9ja3MYDiABKAQSHAoUcHJlZGljdGlvbnNfcmVjb3JkZWQYDyABKAQSGQoRcHJlZGljdGVkX21hdGNoZXMYECABKAQiNQoQRHVtcEluZGV4UmVxdWVzdBINCgVtb2RlbBgBIAEoCRISCgptYXhfYmxvY2tzGAIgASgNImgKDER1bXBlZEhvbGRlchIwCghpbnN0YW5jZRgBIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmEiYKBXRpZXJzGAIgAygOMhcua3ZtZXNoLmluZGV4ZXIudjEuVGllciJ0CgtEdW1wZWRCbG9jaxINCgVtb2RlbBgBIAEoCRIRCglsb3JhX25hbWUYAiABKAkSEQoJYmxvY2tfa2V5GAMgASgGEjAKB2hvbGRlcnMYBCADKAsyHy5rdm1lc2guaW5kZXhlci52MS5EdW1wZWRIb2xkZXIiVgoRRHVtcEluZGV4UmVzcG9uc2USLgoGYmxvY2tzGAEgAygLMh4ua3ZtZXNoLmluZGV4ZXIudjEuRHVtcGVkQmxvY2sSEQoJdHJ1bmNhdGVkGAIgASgIIg0KC1BpbmdSZXF1ZXN0Ig4KDFBpbmdSZXNwb25zZSJlChFXYXRjaEluZGV4UmVxdWVzdBIOCgZtb2RlbHMYASADKAkSEgoKbWF4X2J1ZmZlchgCIAEoDRIWCg5pbnN0YW5jZV9wYXJ0cxgDIAEoCBIUCgxrZWVwYWxpdmVfbXMYBCABKA0ijAEKD1dhdGNoZWRJbnN0YW5jZRItCgRpbmZvGAEgASgLMh8ua3ZtZXNoLmluZGV4ZXIudjEuSW5zdGFuY2VJbmZvEi4KB2NvbnRlbnQYAiABKAsyHS5rdm1lc2guaW5kZXhlci52MS5FdmVudEJhdGNoEgwKBHBhcnQYAyABKA0SDAoEbW9yZRgEIAEoCCIgCgtXYXRjaFN5bmNlZBIRCglpbnN0YW5jZXMYASABKA0iTwoPV2F0Y2hSZWdpc3RlcmVkEi0KBGluZm8YASABKAsyHy5rdm1lc2guaW5kZXhlci52MS5JbnN0YW5jZUluZm8SDQoFcmVzZXQYAiABKAgiTQoJV2F0Y2hHb25lEjAKCGluc3RhbmNlGAEgASgLMh4ua3ZtZXNoLmluZGV4ZXIudjEuSW5zdGFuY2VSZWYSDgoGcmVhc29uGAIgASgJIg0KC1dhdGNoUmVzeW5jIqQDCgtXYXRjaENoYW5nZRIQCghwb3NpdGlvbhgBIAEoBBISCgphcHBsaWVkX2F0GAIgASgBEjYKCHNuYXBzaG90GAMgASgLMiIua3ZtZXNoLmluZGV4ZXIudjEuV2F0Y2hlZEluc3RhbmNlSAASMAoGc3luY2VkGAQgASgLMh4ua3ZtZXNoLmluZGV4ZXIudjEuV2F0Y2hTeW5jZWRIABI4CgpyZWdpc3RlcmVkGAUgASgLMiIua3ZtZXNoLmluZGV4ZXIudjEuV2F0Y2hSZWdpc3RlcmVkSAASMQoHcmVuZXdlZBgGIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLkluc3RhbmNlUmVmSAASLgoFYmF0Y2gYByABKAsyHS5rdm1lc2guaW5kZXhlci52MS5FdmVudEJhdGNoSAASLAoEZ29uZRgIIAEoCzIcLmt2bWVzaC5pbmRleGVyLnYxLldhdGNoR29uZUgAEjAKBnJlc3luYxgJIAEoCzIeLmt2bWVzaC5pbmRleGVyLnYxLldhdGNoUmVzeW5jSABCCAoGY2hhbmdlIkgKDldhdGNoS2VlcGFsaXZlEhMKC2ludGVydmFsX21zGAEgASgNEhAKCHBvc2l0aW9uGAIgASgEEg8KB3NlbnRfYXQYAyABKAEiewoSV2F0Y2hJbmRleFJlc3BvbnNlEi8KB2NoYW5nZXMYASADKAsyHi5rdm1lc2guaW5kZXhlci52MS5XYXRjaENoYW5nZRI0CglrZWVwYWxpdmUYAiABKAsyIS5rdm1lc2guaW5kZXhlci52MS5XYXRjaEtlZXBhbGl2ZSKRAQoXUHJlZGljdFBsYWNlbWVudFJlcXVlc3QSDQoFbW9kZWwYASABKAkSEQoJbG9yYV9uYW1lGAIgASgJEjAKCGluc3RhbmNlGAMgASgLMh4ua3ZtZXNoLmluZGV4ZXIudjEuSW5zdGFuY2VSZWYSEgoKYmxvY2tfa2V5cxgEIAMoBhIOCgZ0dGxfbXMYBSABKA0iRAoYUHJlZGljdFBsYWNlbWVudFJlc3BvbnNlEhgKEHByZWRpY3RlZF9ibG9ja3MYASABKA0SDgoGdHRsX21zGAIgASgNKkcKBFRpZXISFAoQVElFUl9VTlNQRUNJRklFRBAAEgwKCFRJRVJfR1BVEAESDAoIVElFUl9DUFUQAhINCglUSUVSX0RJU0sQAyqmAQoMQmF0Y2hPdXRjb21lEh0KGUJBVENIX09VVENPTUVfVU5TUEVDSUZJRUQQABIZChVCQVRDSF9PVVRDT01FX0FQUExJRUQQARIbChdCQVRDSF9PVVRDT01FX0RVUExJQ0FURRACEiMKH0JBVENIX09VVENPTUVfQVBQTElFRF9BRlRFUl9HQVAQAxIaChZCQVRDSF9PVVRDT01FX1JFSkVDVEVEEAQy7gkKDkluZGV4ZXJTZXJ2aWNlEmsKEFJlZ2lzdGVySW5zdGFuY2USKi5rdm1lc2guaW5kZXhlci52MS5SZWdpc3Rlckluc3RhbmNlUmVxdWVzdBorLmt2bWVzaC5pbmRleGVyLnYxLlJlZ2lzdGVySW5zdGFuY2VSZXNwb25zZRJWCglIZWFydGJlYXQSIy5rdm1lc2guaW5kZXhlci52MS5IZWFydGJlYXRSZXF1ZXN0GiQua3ZtZXNoLmluZGV4ZXIudjEuSGVhcnRiZWF0UmVzcG9uc2USZQoOUmVtb3ZlSW5zdGFuY2USKC5rdm1lc2guaW5kZXhlci52MS5SZW1vdmVJbnN0YW5jZVJlcXVlc3QaKS5rdm1lc2guaW5kZXhlci52MS5SZW1vdmVJbnN0YW5jZVJlc3BvbnNlEmIKDUxpc3RJbnN0YW5jZXMSJy5rdm1lc2guaW5kZXhlci52MS5MaXN0SW5zdGFuY2VzUmVxdWVzdBooLmt2bWVzaC5pbmRleGVyLnYxLkxpc3RJbnN0YW5jZXNSZXNwb25zZRJiCg1QdWJsaXNoRXZlbnRzEicua3ZtZXNoLmluZGV4ZXIudjEuUHVibGlzaEV2ZW50c1JlcXVlc3QaKC5rdm1lc2guaW5kZXhlci52MS5QdWJsaXNoRXZlbnRzUmVzcG9uc2USeAoTUHVibGlzaEV2ZW50c1N0cmVhbRItLmt2bWVzaC5pbmRleGVyLnYxLlB1Ymxpc2hFdmVudHNTdHJlYW1SZXF1ZXN0Gi4ua3ZtZXNoLmluZGV4ZXIudjEuUHVibGlzaEV2ZW50c1N0cmVhbVJlc3BvbnNlKAEwARJKCgVNYXRjaBIfLmt2bWVzaC5pbmRleGVyLnYxLk1hdGNoUmVxdWVzdBogLmt2bWVzaC5pbmRleGVyLnYxLk1hdGNoUmVzcG9uc2USYAoLTWF0Y2hTdHJlYW0SJS5rdm1lc2guaW5kZXhlci52MS5NYXRjaFN0cmVhbVJlcXVlc3QaJi5rdm1lc2guaW5kZXhlci52MS5NYXRjaFN0cmVhbVJlc3BvbnNlKAEwARJTCghHZXRTdGF0cxIiLmt2bWVzaC5pbmRleGVyLnYxLkdldFN0YXRzUmVxdWVzdBojLmt2bWVzaC5pbmRleGVyLnYxLkdldFN0YXRzUmVzcG9uc2USWAoJRHVtcEluZGV4EiMua3ZtZXNoLmluZGV4ZXIudjEuRHVtcEluZGV4UmVxdWVzdBokLmt2bWVzaC5pbmRleGVyLnYxLkR1bXBJbmRleFJlc3BvbnNlMAESRwoEUGluZxIeLmt2bWVzaC5pbmRleGVyLnYxLlBpbmdSZXF1ZXN0Gh8ua3ZtZXNoLmluZGV4ZXIudjEuUGluZ1Jlc3BvbnNlElsKCldhdGNoSW5kZXgSJC5rdm1lc2guaW5kZXhlci52MS5XYXRjaEluZGV4UmVxdWVzdBolLmt2bWVzaC5pbmRleGVyLnYxLldhdGNoSW5kZXhSZXNwb25zZTABEmsKEFByZWRpY3RQbGFjZW1lbnQSKi5rdm1lc2guaW5kZXhlci52MS5QcmVkaWN0UGxhY2VtZW50UmVxdWVzdBorLmt2bWVzaC5pbmRleGVyLnYxLlByZWRpY3RQbGFjZW1lbnRSZXNwb25zZWIGcHJvdG8z");
 
 /**
  * An instance is one KV-cache holder: an engine process, or one data
@@ -1149,6 +1149,26 @@ export type MatchResponse = Message<"kvmesh.indexer.v1.MatchResponse"> & {
    * @generated from field: uint32 block_size = 3;
    */
   blockSize: number;
+
+  /**
+   * With include_predicted, on a backend that counts them (pending_reported):
+   * every live instance of the model with route-time predictions its engine
+   * has not confirmed yet, in no particular order. That is the uncached
+   * prefill routers have sent the instance and its engine has not finished,
+   * from every router's PredictPlacement: the load a router cannot see from
+   * its own requests alone. An instance left out has none.
+   *
+   * @generated from field: repeated kvmesh.indexer.v1.PendingPrefill pending = 4;
+   */
+  pending: PendingPrefill[];
+
+  /**
+   * Whether pending was filled: false without include_predicted, or where
+   * the backend does not count it (then pending says nothing).
+   *
+   * @generated from field: bool pending_reported = 5;
+   */
+  pendingReported: boolean;
 };
 
 /**
@@ -1157,6 +1177,36 @@ export type MatchResponse = Message<"kvmesh.indexer.v1.MatchResponse"> & {
  */
 export const MatchResponseSchema: GenMessage<MatchResponse> = /*@__PURE__*/
   messageDesc(file_kvmesh_indexer_v1_indexer, 26);
+
+/**
+ * One instance's unconfirmed predictions (MatchResponse.pending).
+ *
+ * @generated from message kvmesh.indexer.v1.PendingPrefill
+ */
+export type PendingPrefill = Message<"kvmesh.indexer.v1.PendingPrefill"> & {
+  /**
+   * The instance.
+   *
+   * @generated from field: kvmesh.indexer.v1.InstanceRef instance = 1;
+   */
+  instance?: InstanceRef | undefined;
+
+  /**
+   * Its predicted (block, namespace) entries not yet confirmed by its
+   * engine's events nor expired: blocks of prefill sent and not finished (a
+   * block two requests predicted counts once).
+   *
+   * @generated from field: uint32 predicted_blocks = 2;
+   */
+  predictedBlocks: number;
+};
+
+/**
+ * Describes the message kvmesh.indexer.v1.PendingPrefill.
+ * Use `create(PendingPrefillSchema)` to create a new message.
+ */
+export const PendingPrefillSchema: GenMessage<PendingPrefill> = /*@__PURE__*/
+  messageDesc(file_kvmesh_indexer_v1_indexer, 27);
 
 /**
  * One message of a MatchStream from the client: one Match or many, each
@@ -1180,7 +1230,7 @@ export type MatchStreamRequest = Message<"kvmesh.indexer.v1.MatchStreamRequest">
  * Use `create(MatchStreamRequestSchema)` to create a new message.
  */
 export const MatchStreamRequestSchema: GenMessage<MatchStreamRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 27);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 28);
 
 /**
  * One Match of a MatchStream, tagged so that its reply can be told apart.
@@ -1211,7 +1261,7 @@ export type MatchStreamItem = Message<"kvmesh.indexer.v1.MatchStreamItem"> & {
  * Use `create(MatchStreamItemSchema)` to create a new message.
  */
 export const MatchStreamItemSchema: GenMessage<MatchStreamItem> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 28);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 29);
 
 /**
  * One message of a MatchStream from the server: replies to Matches, as many
@@ -1235,7 +1285,7 @@ export type MatchStreamResponse = Message<"kvmesh.indexer.v1.MatchStreamResponse
  * Use `create(MatchStreamResponseSchema)` to create a new message.
  */
 export const MatchStreamResponseSchema: GenMessage<MatchStreamResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 29);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 30);
 
 /**
  * The reply to one MatchStreamItem: its answer or its error, never both.
@@ -1288,7 +1338,7 @@ export type MatchStreamReply = Message<"kvmesh.indexer.v1.MatchStreamReply"> & {
  * Use `create(MatchStreamReplySchema)` to create a new message.
  */
 export const MatchStreamReplySchema: GenMessage<MatchStreamReply> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 30);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 31);
 
 /**
  * Request of IndexerService.GetStats.
@@ -1303,7 +1353,7 @@ export type GetStatsRequest = Message<"kvmesh.indexer.v1.GetStatsRequest"> & {
  * Use `create(GetStatsRequestSchema)` to create a new message.
  */
 export const GetStatsRequestSchema: GenMessage<GetStatsRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 31);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 32);
 
 /**
  * Size of one namespace (model plus LoRA adapter) of the index.
@@ -1345,7 +1395,7 @@ export type NamespaceStats = Message<"kvmesh.indexer.v1.NamespaceStats"> & {
  * Use `create(NamespaceStatsSchema)` to create a new message.
  */
 export const NamespaceStatsSchema: GenMessage<NamespaceStats> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 32);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 33);
 
 /**
  * Response of IndexerService.GetStats: the size of the index, shared by every
@@ -1476,7 +1526,7 @@ export type GetStatsResponse = Message<"kvmesh.indexer.v1.GetStatsResponse"> & {
  * Use `create(GetStatsResponseSchema)` to create a new message.
  */
 export const GetStatsResponseSchema: GenMessage<GetStatsResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 33);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 34);
 
 /**
  * Request of IndexerService.DumpIndex.
@@ -1504,7 +1554,7 @@ export type DumpIndexRequest = Message<"kvmesh.indexer.v1.DumpIndexRequest"> & {
  * Use `create(DumpIndexRequestSchema)` to create a new message.
  */
 export const DumpIndexRequestSchema: GenMessage<DumpIndexRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 34);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 35);
 
 /**
  * One holder of a dumped block.
@@ -1532,7 +1582,7 @@ export type DumpedHolder = Message<"kvmesh.indexer.v1.DumpedHolder"> & {
  * Use `create(DumpedHolderSchema)` to create a new message.
  */
 export const DumpedHolderSchema: GenMessage<DumpedHolder> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 35);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 36);
 
 /**
  * One block of the index and who holds it.
@@ -1574,7 +1624,7 @@ export type DumpedBlock = Message<"kvmesh.indexer.v1.DumpedBlock"> & {
  * Use `create(DumpedBlockSchema)` to create a new message.
  */
 export const DumpedBlockSchema: GenMessage<DumpedBlock> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 36);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 37);
 
 /**
  * One message of IndexerService.DumpIndex: the next blocks of the dump.
@@ -1602,7 +1652,7 @@ export type DumpIndexResponse = Message<"kvmesh.indexer.v1.DumpIndexResponse"> &
  * Use `create(DumpIndexResponseSchema)` to create a new message.
  */
 export const DumpIndexResponseSchema: GenMessage<DumpIndexResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 37);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 38);
 
 /**
  * Request of IndexerService.Ping.
@@ -1617,7 +1667,7 @@ export type PingRequest = Message<"kvmesh.indexer.v1.PingRequest"> & {
  * Use `create(PingRequestSchema)` to create a new message.
  */
 export const PingRequestSchema: GenMessage<PingRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 38);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 39);
 
 /**
  * Response of IndexerService.Ping.
@@ -1632,7 +1682,7 @@ export type PingResponse = Message<"kvmesh.indexer.v1.PingResponse"> & {
  * Use `create(PingResponseSchema)` to create a new message.
  */
 export const PingResponseSchema: GenMessage<PingResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 39);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 40);
 
 /**
  * Request of IndexerService.WatchIndex.
@@ -1683,7 +1733,7 @@ export type WatchIndexRequest = Message<"kvmesh.indexer.v1.WatchIndexRequest"> &
  * Use `create(WatchIndexRequestSchema)` to create a new message.
  */
 export const WatchIndexRequestSchema: GenMessage<WatchIndexRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 40);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 41);
 
 /**
  * One instance as the replica holds it, sent while a follower takes its
@@ -1735,7 +1785,7 @@ export type WatchedInstance = Message<"kvmesh.indexer.v1.WatchedInstance"> & {
  * Use `create(WatchedInstanceSchema)` to create a new message.
  */
 export const WatchedInstanceSchema: GenMessage<WatchedInstance> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 41);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 42);
 
 /**
  * The snapshot is complete: from here the follower's answers are the
@@ -1757,7 +1807,7 @@ export type WatchSynced = Message<"kvmesh.indexer.v1.WatchSynced"> & {
  * Use `create(WatchSyncedSchema)` to create a new message.
  */
 export const WatchSyncedSchema: GenMessage<WatchSynced> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 42);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 43);
 
 /**
  * An instance registered, renewed its registration, or was reset.
@@ -1786,7 +1836,7 @@ export type WatchRegistered = Message<"kvmesh.indexer.v1.WatchRegistered"> & {
  * Use `create(WatchRegisteredSchema)` to create a new message.
  */
 export const WatchRegisteredSchema: GenMessage<WatchRegistered> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 43);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 44);
 
 /**
  * An instance left: removed (RemoveInstance) or reaped (its lease ran out).
@@ -1814,7 +1864,7 @@ export type WatchGone = Message<"kvmesh.indexer.v1.WatchGone"> & {
  * Use `create(WatchGoneSchema)` to create a new message.
  */
 export const WatchGoneSchema: GenMessage<WatchGone> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 44);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 45);
 
 /**
  * The follower fell more than its buffer behind: its copy of the watched
@@ -1830,7 +1880,7 @@ export type WatchResync = Message<"kvmesh.indexer.v1.WatchResync"> & {
  * Use `create(WatchResyncSchema)` to create a new message.
  */
 export const WatchResyncSchema: GenMessage<WatchResync> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 45);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 46);
 
 /**
  * One change this replica applied (or one entry of a snapshot).
@@ -1925,7 +1975,7 @@ export type WatchChange = Message<"kvmesh.indexer.v1.WatchChange"> & {
  * Use `create(WatchChangeSchema)` to create a new message.
  */
 export const WatchChangeSchema: GenMessage<WatchChange> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 46);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 47);
 
 /**
  * The stream is up and the follower has read every change of its models
@@ -1963,7 +2013,7 @@ export type WatchKeepalive = Message<"kvmesh.indexer.v1.WatchKeepalive"> & {
  * Use `create(WatchKeepaliveSchema)` to create a new message.
  */
 export const WatchKeepaliveSchema: GenMessage<WatchKeepalive> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 47);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 48);
 
 /**
  * One message of IndexerService.WatchIndex from the server.
@@ -1994,7 +2044,7 @@ export type WatchIndexResponse = Message<"kvmesh.indexer.v1.WatchIndexResponse">
  * Use `create(WatchIndexResponseSchema)` to create a new message.
  */
 export const WatchIndexResponseSchema: GenMessage<WatchIndexResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 48);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 49);
 
 /**
  * A route-time prediction: a router sent a request for these blocks to this
@@ -2049,7 +2099,7 @@ export type PredictPlacementRequest = Message<"kvmesh.indexer.v1.PredictPlacemen
  * Use `create(PredictPlacementRequestSchema)` to create a new message.
  */
 export const PredictPlacementRequestSchema: GenMessage<PredictPlacementRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 49);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 50);
 
 /**
  * What a PredictPlacement recorded.
@@ -2077,7 +2127,7 @@ export type PredictPlacementResponse = Message<"kvmesh.indexer.v1.PredictPlaceme
  * Use `create(PredictPlacementResponseSchema)` to create a new message.
  */
 export const PredictPlacementResponseSchema: GenMessage<PredictPlacementResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_indexer_v1_indexer, 50);
+  messageDesc(file_kvmesh_indexer_v1_indexer, 51);
 
 /**
  * Storage tier (medium) of a cached block. A hit on a slower tier is worth

@@ -191,6 +191,17 @@ class Index(abc.ABC):
         "Pending prefill" above); this default: None, not counted."""
         return None
 
+    async def match_with_pending(
+        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+    ) -> tuple[list[InstanceMatch], dict[InstanceId, int] | None]:
+        """:meth:`match` with ``include_predicted`` and :meth:`pending_predicted`
+        of the namespace's model, which a backend may answer together (this
+        default asks one, then the other)."""
+        hits = await self.match(
+            namespace, keys, include_stale=include_stale, include_predicted=True
+        )
+        return hits, await self.pending_predicted(namespace.model)
+
     @abc.abstractmethod
     async def reap_expired(self) -> list[InstanceId]:
         """Drop every instance whose lease has expired; return their ids."""

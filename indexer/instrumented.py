@@ -258,6 +258,13 @@ class InstrumentedIndex(Index):
                 )
             return await self.inner.match(namespace, keys, include_stale=include_stale)
 
+    async def match_with_pending(
+        self, namespace: Namespace, keys: Sequence[int], *, include_stale: bool = False
+    ) -> tuple[list[InstanceMatch], dict[InstanceId, int] | None]:
+        """See :meth:`Index.match_with_pending` (observed as a Match)."""
+        with self._observe("match", {"kvmesh.blocks": len(keys)}):
+            return await self.inner.match_with_pending(namespace, keys, include_stale=include_stale)
+
     async def pending_predicted(self, model: str) -> dict[InstanceId, int] | None:
         """See :meth:`Index.pending_predicted`."""
         with self._observe("pending_predicted", span=False):

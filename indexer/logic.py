@@ -903,14 +903,12 @@ class IndexerLogic:
         # The query as the hybrid hit rule reads it, made once for both passes
         # below (lazy: it keys and hashes only what the rule asks of it).
         prompt: Prompt | None = None
+        pending = None
         if keys:
             try:
                 if query.include_predicted:
-                    hits = await self.index.match(
-                        query.namespace,
-                        keys,
-                        include_stale=query.include_stale,
-                        include_predicted=True,
+                    hits, pending = await self.index.match_with_pending(
+                        query.namespace, keys, include_stale=query.include_stale
                     )
                 else:
                     hits = await self.index.match(
@@ -953,8 +951,7 @@ class IndexerLogic:
                 hits = sorted(kept, key=_answer_order)
         if query.max_instances and len(hits) > query.max_instances:
             hits = hits[: query.max_instances]
-        pending = None
-        if query.include_predicted:
+        if query.include_predicted and not keys:
             try:
                 pending = await self.index.pending_predicted(query.namespace.model)
             except Unavailable as e:

@@ -67,7 +67,7 @@ ACL_COMMANDS = (
     "del", "exists", "get", "hdel", "hget", "hincrby", "hlen", "hscan", "hset", "hsetnx",
     "incr", "sadd", "set", "srem", "time", "unlink", "zadd", "zrange", "zrem",
     # route-time predictions only: their names' TTLs (predict.lua), and the
-    # pending prefill a Match with predictions answers (direct)
+    # pending prefill a Match with predictions answers (pmatch.lua)
     "pexpire", "pttl", "zcount",
     # WatchIndex served over Redis only (KEYS.md, "Watching"): the change stream
     "xadd", "xread", "xrevrange",

@@ -125,6 +125,7 @@ async def test_pending_prefill_is_every_routers_unconfirmed_predictions(
     pair: tuple[RedisIndex, RedisIndex], clock: FakeClock
 ) -> None:
     a, b = pair
+    a.pending_reuse_s = b.pending_reuse_s = 0.0  # every read reads Redis
     await a.apply(EventBatch(W0, 1, (BlockStored(block_hashes=(1,), block_keys=(101,)),)))
     assert await b.pending_predicted(NS.model) == {}
     assert await a.predict(NS, W0, KEYS, 20.0, 100) == 3  # 101 is held
@@ -142,6 +143,19 @@ async def test_pending_prefill_is_every_routers_unconfirmed_predictions(
     assert await b.pending_predicted(NS.model) == {W0: 1}
     clock.advance(10.0)
     assert await a.pending_predicted(NS.model) == {}
+    # A replica reuses what it read for pending_reuse_s (a Match's depths are
+    # still read each time).
+    assert await b.pending_predicted(NS.model) == {}  # read now
+    b.pending_reuse_s = 60.0
+    await a.predict(NS, W0, KEYS, 10.0, 100)
+    hits, pending = await b.match_with_pending(NS, KEYS)
+    assert pending == {} and view(hits) == [(W0, 3, 4)]
+    b.pending_reuse_s = 0.0
+    hits, pending = await b.match_with_pending(NS, KEYS)
+    assert pending == {W0: 1} and view(hits) == [(W0, 3, 4)]
+    await a.apply(
+        EventBatch(W0, 3, (BlockStored(block_hashes=(4,), parent_block_hash=3, block_keys=(104,)),))
+    )
     # A stale instance is left out, like a dead one.
     await a.predict(NS, W1, KEYS, 10.0, 100)
     await a.apply(EventBatch(W1, 1, (BlockRemoved(block_hashes=(9,)),)))

@@ -2,10 +2,13 @@
 -- "Predictions"), after the Match itself. Cluster: on the control slot
 -- (KEYS: its generation, for routing), where 'pr:' lives and 'k:<id>' says
 -- what an id holds.
--- ARGV: base, ns id, now, keys packed as 8-byte big-endian words, then pairs
---   (int id, confirmed depth) of the Match's hits.
--- Returns pairs (int id, predicted depth): each hit's, then every holder of
--- a live prediction of block 0 that is not a hit (its confirmed depth 0).
+-- ARGV: base, ns id, now, keys packed as 8-byte big-endian words (may be
+--   empty), np, then np int ids whose pending predictions to count, then
+--   pairs (int id, confirmed depth) of the Match's hits.
+-- Returns m (-1: not counted, the user may not ZCOUNT), then m pairs (int id,
+-- its predictions unexpired: 'P:po:<id>' scored after now; ids with none left
+-- out), then pairs (int id, predicted depth): each hit's, then every holder
+-- of a live prediction of block 0 that is not a hit (its confirmed depth 0).
 -- Each walks on from its confirmed depth while a block is predicted for it
 -- (an unexpired expiry) or held: O(candidates + predicted blocks). Only
 -- commands of the indexer's least ACL rights (indexer/redis/connection.py).
@@ -34,8 +37,29 @@ local function walk(id, d)
   end
   return d
 end
-local out, seen = {}, {}
-for i = 5, #ARGV, 2 do
+-- The pending prefill (MatchResponse.pending): a store confirms a prediction
+-- (apply.lua, capply.lua), so what is left unexpired is unconfirmed. pcall: a
+-- user of an older ACL rule without +zcount gets the Match without it.
+local np = tonumber(ARGV[5])
+local pend = {}
+for i = 6, 5 + np do
+  local c = redis.pcall('ZCOUNT', B .. 'po:' .. ARGV[i], '(' .. ARGV[3], '+inf')
+  if type(c) ~= 'number' then
+    pend = nil
+    break
+  end
+  if c > 0 then
+    pend[#pend + 1] = ARGV[i]
+    pend[#pend + 1] = c
+  end
+end
+local out, seen = {pend and #pend / 2 or -1}, {}
+if pend then
+  for _, v in ipairs(pend) do
+    out[#out + 1] = v
+  end
+end
+for i = 6 + np, #ARGV, 2 do
   local id = ARGV[i]
   seen[id] = true
   out[#out + 1] = id

@@ -65,20 +65,6 @@ local stored, removed, orphaned = 0, 0, 0
 local cleared = false
 local retired = {}
 local wblob = nil
--- A store confirms the id's prediction of the block (KEYS.md, "Predictions"):
--- it leaves 'po:<id>' and 'pr:', so what 'po:<id>' holds unexpired is the
--- prefill routers sent the id and its engine has not finished. One EXISTS per
--- id a script, and nothing more where the id has no prediction.
-local pred_of, predicting = nil, false
-local function confirm(suf)
-  if pred_of ~= id then
-    pred_of = id
-    predicting = redis.call('EXISTS', B .. 'po:' .. id) == 1
-  end
-  if predicting and redis.call('ZREM', B .. 'po:' .. id, suf) == 1 then
-    redis.call('HDEL', B .. 'pr:' .. suf, id)
-  end
-end
 local bpre = B .. 'b:'
 local sub = string.sub
 while p <= #ARGV do
@@ -114,7 +100,7 @@ while p <= #ARGV do
         if redis.call('HSETNX', bk, id, tb) == 1 then
           stored = stored + 1
           n = n + 1
-          confirm(suf)
+          confirm(id, suf)
           if redis.call('HLEN', bk) == 1 then
             ns_add(ns, 1, 1)
           else

@@ -286,20 +286,6 @@ local function kdrop(suf)
   touch(suf, sub(v, 2))
   return POP[tonumber(sub(v, 1, 1))]
 end
--- A store confirms the id's prediction of the block (KEYS.md, "Predictions"):
--- it leaves 'po:<id>' and 'pr:', so what 'po:<id>' holds unexpired is the
--- prefill routers sent the id and its engine has not finished. One EXISTS per
--- id a script, and nothing more where the id has no prediction.
-local pred_of, predicting = nil, false
-local function confirm(suf)
-  if pred_of ~= id then
-    pred_of = id
-    predicting = redis.call('EXISTS', B .. 'po:' .. id) == 1
-  end
-  if predicting and redis.call('ZREM', B .. 'po:' .. id, suf) == 1 then
-    redis.call('HDEL', B .. 'pr:' .. suf, id)
-  end
-end
 while p <= #ARGV do
   local op = ARGV[p]
   if op == 'S' or op == 'T' then
@@ -347,7 +333,7 @@ while p <= #ARGV do
           redis.call('HSET', kk, suf, tb .. loc)
           stored = stored + 1
           n = n + 1
-          confirm(suf)
+          confirm(id, suf)
           pair_add(suf)
           touch(suf, loc)
         else

@@ -140,6 +140,22 @@ local function drop_entry(suf, id)
 end
 
 -- Queue the int id of `meta` for purging when it still has entries; return it or ''.
+-- A store confirms id's prediction of block suf (KEYS.md, "Predictions"):
+-- it leaves 'po:<id>' and 'pr:', so what 'po:<id>' holds unexpired is the
+-- prefill routers sent the id and its engine has not finished (apply.lua,
+-- capply.lua). One EXISTS per id a script, and nothing more where the id has
+-- no prediction.
+local pred_of, predicting = nil, false
+local function confirm(id, suf)
+  if pred_of ~= id then
+    pred_of = id
+    predicting = redis.call('EXISTS', B .. 'po:' .. id) == 1
+  end
+  if predicting and redis.call('ZREM', B .. 'po:' .. id, suf) == 1 then
+    redis.call('HDEL', B .. 'pr:' .. suf, id)
+  end
+end
+
 local function retire(id)
   -- Its route-time predictions (standalone: 'po:' lists them) are purged too.
   if redis.call('EXISTS', B .. 'e:' .. id) == 1 or redis.call('EXISTS', B .. 'po:' .. id) == 1 then

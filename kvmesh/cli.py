@@ -51,6 +51,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "lab.bench.holders",
         "what blocks held by many instances cost the memory backend",
     ),
+    ("bench", "pending"): (
+        "lab.bench.pending",
+        "a Match with predictions, and the pending prefill it answers",
+    ),
     ("tee", "serve"): ("tee.cli", "run the request tee service"),
     ("cachesim", "serve"): ("tee.cachesim.cli:serve", "run the cache simulator service"),
     ("cachesim", "report"): ("tee.cachesim.cli:report", "print a cache simulator's report"),

@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import ssl
 import struct
 import time
@@ -137,8 +136,6 @@ from kvmesh.errors import (
     Unavailable,
 )
 from kvmesh.tracing import tracing_enabled
-
-log = logging.getLogger(__name__)
 
 #: How long a replica reuses the pending prefill it read (per model), in
 #: seconds: counting it costs Redis about 1.2 us and this process about 3 us

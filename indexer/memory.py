@@ -1468,9 +1468,13 @@ class MemoryIndex(Index):
         no = inst.no
         recorded = 0
         heap = self._pred_heap
+        watch = self.watch
+        told: list[int] | None = [] if watch is not None and watch.predicting else None
         for key in keys:
             if self._holds(namespace, key, no):
                 continue
+            if told is not None:
+                told.append(key)
             entry = base | key
             if predicted.pop(entry, None) is None:
                 self._pred_count += 1
@@ -1487,7 +1491,40 @@ class MemoryIndex(Index):
             inst.predicted = None
         if not table and namespace in self._pred:
             del self._pred[namespace]
+        if told:
+            assert watch is not None
+            watch.publish(
+                "predicted",
+                Namespace(inst.spec.model),
+                instance,
+                0,
+                (namespace.lora_name, told, expiry, max_per_instance, now),
+            )
         return recorded
+
+    def model_of(self, instance: InstanceId) -> str | None:
+        """The model ``instance`` is registered for (None: not registered)."""
+        inst = self._instances.get(instance)
+        return None if inst is None else inst.spec.model
+
+    def watch_predicted(self, instance: InstanceId) -> list[tuple[str, list[int], float]]:
+        """``instance``'s route-time predictions as ``(lora name, keys, expiry)``
+        runs, oldest first (a follower's snapshot: recorded in this order after
+        its blocks, they give it the same predictions). Synchronous: call it in
+        the step that read the instance's blocks."""
+        inst = self._instances.get(instance)
+        out: list[tuple[str, list[int], float]] = []
+        if inst is None or not inst.predicted:
+            return out
+        ns_list = self._ns_list
+        last: tuple[int, float] | None = None
+        for entry, expiry in inst.predicted.items():
+            at = (entry >> 64, expiry)
+            if at != last:
+                out.append((ns_list[at[0]].lora_name, [], expiry))
+                last = at
+            out[-1][1].append(entry & _U64)
+        return out
 
     async def pending_predicted(self, model: str) -> dict[InstanceId, int]:
         """See :meth:`Index.pending_predicted`."""

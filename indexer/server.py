@@ -664,7 +664,12 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         for i, m in enumerate(models):
             _check_name(m, f"models[{i}]")
         hub = index.watch
-        watcher = hub.subscribe([Namespace(m) for m in models], request.max_buffer)
+        # Route-time predictions: a memory replica's own index holds them, and
+        # the copy a replica over Redis keeps has them from the change stream.
+        predictions = request.predictions
+        watcher = hub.subscribe(
+            [Namespace(m) for m in models], request.max_buffer, predictions=predictions
+        )
         wanted = frozenset(models)
         in_parts = request.instance_parts
         bound = self.watch_response_bytes
@@ -683,6 +688,20 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 batch: list[pb.WatchChange] = []
                 size = 0
                 async for pos, at, state, content in index.watch_snapshot(wanted):
+                    # In the step that read the instance: its predictions as of then.
+                    predicted = (
+                        [
+                            pb.WatchPredicted(
+                                instance=convert.instance_to_pb(state.spec.instance),
+                                lora_name=lora,
+                                block_keys=keys,
+                                expires_at=expiry,
+                            )
+                            for lora, keys, expiry in index.watch_predicted(state.spec.instance)
+                        ]
+                        if predictions
+                        else ()
+                    )
                     info = convert.state_to_pb(state)
                     parts = (
                         snapshot_parts(content, self.watch_part_bytes) if in_parts else [content]
@@ -690,7 +709,11 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                     last = len(parts) - 1
                     for i, part in enumerate(parts):
                         snap = pb.WatchedInstance(
-                            info=info, content=wire.batch_to_pb(part), part=i, more=i < last
+                            info=info,
+                            content=wire.batch_to_pb(part),
+                            part=i,
+                            more=i < last,
+                            predicted=predicted if i == last else (),
                         )
                         entry = pb.WatchChange(position=pos, applied_at=at, snapshot=snap)
                         n = entry.ByteSize() + WATCH_ENTRY_FRAMING
@@ -704,7 +727,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                     pb.WatchChange(
                         position=hub.position,
                         applied_at=time.time(),
-                        synced=pb.WatchSynced(instances=sent),
+                        synced=pb.WatchSynced(instances=sent, predictions=predictions),
                     )
                 )
                 yield pb.WatchIndexResponse(
@@ -769,6 +792,19 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
             )
         elif c.kind == "renewed":
             out = pb.WatchChange(position=c.position, applied_at=c.payload, renewed=inst)
+        elif c.kind == "predicted":
+            lora, keys, expiry, cap, at = c.payload
+            out = pb.WatchChange(
+                position=c.position,
+                applied_at=at,
+                predicted=pb.WatchPredicted(
+                    instance=inst,
+                    lora_name=lora,
+                    block_keys=keys,
+                    expires_at=expiry,
+                    max_per_instance=cap,
+                ),
+            )
         else:
             reason, at = c.payload
             out = pb.WatchChange(

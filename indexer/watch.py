@@ -60,9 +60,9 @@ DEFAULT_BUFFER = 4096
 class Change:
     """One applied change, as a watcher reads it.
 
-    ``kind`` is one of ``stored``, ``removed``, ``cleared`` (events of one
-    batch of ``instance``, applied at ``sequence``) or ``registered``,
-    ``expired``, ``removed_instance``; ``namespace`` is the one it concerns
+    ``kind`` is one of ``batch``, ``registered``, ``renewed``, ``gone`` or
+    ``predicted`` (route-time predictions recorded, for the watchers that
+    take them); ``namespace`` is the one it concerns
     (None: every namespace, e.g. an instance leaving); ``payload`` what the
     transport needs to describe it.
     """
@@ -86,9 +86,13 @@ class Watcher:
     """One watcher's bounded buffer. Read it with :meth:`next`; close it with
     :meth:`WatchHub.unsubscribe`."""
 
-    def __init__(self, namespaces: frozenset[Namespace], buffer: int, start: int) -> None:
+    def __init__(
+        self, namespaces: frozenset[Namespace], buffer: int, start: int, predictions: bool = False
+    ) -> None:
         #: Namespaces watched (empty: all).
         self.namespaces = namespaces
+        #: Whether the watcher takes ``predicted`` changes (route-time predictions).
+        self.predictions = predictions
         #: Largest number of changes held.
         self.buffer = buffer
         #: Position of the snapshot the watcher started from.
@@ -186,10 +190,13 @@ class WatchHub:
         self._watchers: list[Watcher] = []
         self.closed = False
 
-    def subscribe(self, namespaces: Collection[Namespace] = (), buffer: int = 0) -> Watcher:
+    def subscribe(
+        self, namespaces: Collection[Namespace] = (), buffer: int = 0, *, predictions: bool = False
+    ) -> Watcher:
         """A new watcher starting after the current position; ``buffer`` (0: the
-        hub's) is capped by the hub's. ResourceExhausted naming
-        ``watch.max_followers`` when the hub is full."""
+        hub's) is capped by the hub's; ``predictions``: it takes ``predicted``
+        changes too. ResourceExhausted naming ``watch.max_followers`` when the
+        hub is full."""
         if self.closed:
             raise Unavailable("the replica is shutting down; watch another")
         if len(self._watchers) >= self.max_watchers:
@@ -199,7 +206,12 @@ class WatchHub:
             )
         if buffer < 0:
             raise InvalidArgument("must be >= 0", field="max_buffer")
-        w = Watcher(frozenset(namespaces), min(buffer or self.buffer, self.buffer), self.position)
+        w = Watcher(
+            frozenset(namespaces),
+            min(buffer or self.buffer, self.buffer),
+            self.position,
+            predictions,
+        )
         self._watchers.append(w)
         return w
 
@@ -233,6 +245,11 @@ class WatchHub:
         return bool(self._watchers)
 
     @property
+    def predicting(self) -> bool:
+        """Whether a watcher takes route-time predictions (``predicted`` changes)."""
+        return any(w.predictions for w in self._watchers)
+
+    @property
     def watchers(self) -> int:
         """Watchers subscribed."""
         return len(self._watchers)
@@ -250,8 +267,9 @@ class WatchHub:
         self.position += 1
         if self._watchers:
             change = Change(self.position, kind, namespace, instance, sequence, payload)
+            predicted = kind == "predicted"
             for w in self._watchers:
-                if w.wants(namespace):
+                if w.wants(namespace) and (w.predictions or not predicted):
                     w._offer(change)
         return self.position
 

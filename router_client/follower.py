@@ -23,6 +23,17 @@ recently (one never matched first) is dropped: the follower follows the
 others on a new stream and that model's Matches go to the indexer
 (:attr:`IndexFollower.dropped`); the last model is never dropped.
 
+Route-time predictions (``predictions``, on by default): the follower asks
+its replica for them, and while the stream carries them
+(:attr:`IndexFollower.predictions_followed`, from ``WatchSynced``) a Match
+with ``include_predicted`` is answered from the copy too, predicted depths
+and each instance's pending prefill included, as the replica would answer
+it: the snapshot holds each instance's unexpired predictions and every later
+one arrives as a change, recorded by the same code and dropped by the same
+stores, clears, resets and removals, each at the replica's expiry. A router
+sees its own prediction here one stream delay after the replica
+acknowledged it.
+
 Not followed: instances of a hybrid-attention model (sliding window, Mamba):
 their hits are cut by group presence that only the ingesting replica holds
 (indexer/groups.py), so their Matches go to the indexer. Each instance's
@@ -69,7 +80,7 @@ import grpc
 import grpc.aio
 
 from indexer.convert import batch_from_pb, state_from_pb
-from indexer.memory import MemoryIndex
+from indexer.memory import MAX_PREDICTED_PER_INSTANCE, MemoryIndex
 from indexer.model import (
     HYBRID_LORA,
     HYBRID_MARKER,
@@ -141,6 +152,7 @@ class IndexFollower:
         keepalive_ms: int = DEFAULT_KEEPALIVE_MS,
         max_silence_s: float | None = None,
         hold_s: float = DEFAULT_HOLD_S,
+        predictions: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if (target is None) == (channel is None):
@@ -172,6 +184,11 @@ class IndexFollower:
         #: Seconds after the follower last heard from its replica in sync that
         #: :meth:`held_match` still answers from the copy (0: never).
         self.hold_s = hold_s
+        #: Whether the follower asks its replica for route-time predictions.
+        self.predictions = predictions
+        #: Whether the stream in sync carries them (WatchSynced.predictions):
+        #: Matches with include_predicted are then answered here too.
+        self.predictions_followed = False
         #: time.monotonic() of the last response read in sync (-inf: none yet,
         #: or closed): what a held answer's age counts from.
         self._heard_at = -math.inf
@@ -255,13 +272,24 @@ class IndexFollower:
 
     # -- Match -----------------------------------------------------------------
 
-    def match(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome | None:
+    def match(
+        self, model: str, lora_name: str, keys: Sequence[int], *, include_predicted: bool = False
+    ) -> MatchOutcome | None:
         """``keys``' hits from the copy, or None when it cannot answer (out of
-        sync, a model not followed, a hybrid-attention model): ask the indexer."""
+        sync, a model not followed, a hybrid-attention model, predictions asked
+        for and not followed): ask the indexer.
+
+        ``include_predicted``: the replica's Match with predictions, from the
+        copy (hits with ``predicted_depth``, and ``pending``), when the stream
+        carries them (:attr:`predictions_followed`)."""
         if not self.synced or not self._answers_for(model):
+            return None
+        if include_predicted and not self.predictions_followed:
             return None
         self._matched_at[model] = time.monotonic()
         self.local_matches += 1
+        if include_predicted:
+            return self._answer_predicted(model, lora_name, keys)
         return self._answer(model, lora_name, keys)
 
     @property
@@ -273,16 +301,22 @@ class IndexFollower:
             return 0.0
         return time.monotonic() - self._heard_at
 
-    def held_match(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome | None:
+    def held_match(
+        self, model: str, lora_name: str, keys: Sequence[int], *, include_predicted: bool = False
+    ) -> MatchOutcome | None:
         """``keys``' hits from the last copy while the follower is out of sync,
         for a caller whose indexer did not answer either (see the module
         docstring); None in sync (use :meth:`match`), before the first
-        snapshot, past ``hold_s``, and for a model the copy does not follow."""
+        snapshot, past ``hold_s``, and for a model the copy does not follow.
+        With ``include_predicted``, the copy's predictions too (each ends at
+        its expiry) when the last stream carried them, else the hits alone."""
         if self.synced or self._heard_at == -math.inf or self.held_age_s > self.hold_s:
             return None
         if not self._answers_for(model):
             return None
         self.held_matches += 1
+        if include_predicted and self.predictions_followed:
+            return self._answer_predicted(model, lora_name, keys)
         return self._answer(model, lora_name, keys)
 
     def _answers_for(self, model: str) -> bool:
@@ -322,6 +356,33 @@ class IndexFollower:
         self._outcomes[ident] = (hits, out)
         return MatchOutcome(MatchStatus.OK, dict(out))
 
+    def _answer_predicted(self, model: str, lora_name: str, keys: Sequence[int]) -> MatchOutcome:
+        """The answer of a Match with predictions: what the replica's unary
+        Match would answer from the same changes (hits with predicted_depth,
+        the pending prefill of each instance of the model)."""
+        idx = self.index
+        hits = idx.match_sync(Namespace(model, lora_name), keys, include_predicted=True)
+        names = self._names
+        if len(names) > _CACHE_CAP:
+            names.clear()
+
+        def name_of(iid: InstanceId) -> str:
+            name = names.get(iid)
+            if name is None:
+                name = names[iid] = instance_name(iid.worker_id, iid.dp_rank)
+            return name
+
+        return MatchOutcome(
+            MatchStatus.OK,
+            {
+                name_of(h.instance): WorkerMatch(
+                    h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens, h.predicted_depth
+                )
+                for h in hits
+            },
+            {name_of(iid): n for iid, n in idx.pending_predicted_sync(model).items()},
+        )
+
     def _is_hybrid(self, model: str) -> bool:
         got = self._hybrid.get(model)
         if got is None:
@@ -349,6 +410,7 @@ class IndexFollower:
                 max_buffer=self._max_buffer,
                 instance_parts=True,
                 keepalive_ms=self.keepalive_ms,
+                predictions=self.predictions,
             )
             call = self._stub.WatchIndex(req)
             code: grpc.StatusCode | str | None = None
@@ -457,6 +519,7 @@ class IndexFollower:
             self._skip_until = max(self._skip.values(), default=0)
             self.position = ch.position
             self.snapshots += 1
+            self.predictions_followed = self.predictions and ch.synced.predictions
             self._set_synced(True)
             return
         if kind == "resync":
@@ -515,6 +578,8 @@ class IndexFollower:
             content = dataclasses.replace(got.first, events=tuple(got.events))
             self._part = None
         await self._staging.load_instance(state, content)
+        for p in snap.predicted:
+            _record(self._staging, state.spec.model, p, self._clock())
         self._skip[iid] = ch.position
         self._installed += 1
 
@@ -534,6 +599,8 @@ class IndexFollower:
             ref = ch.renewed
         elif kind == "batch":
             ref = ch.batch.instance
+        elif kind == "predicted":
+            ref = ch.predicted.instance
         else:
             ref = ch.gone.instance
         return InstanceId(ref.worker_id, ref.dp_rank)
@@ -566,6 +633,30 @@ class IndexFollower:
             with contextlib.suppress(KvmeshError):
                 await idx.remove_instance(iid)
             self._hybrid = {}
+        elif kind == "predicted":
+            ref = ch.predicted.instance
+            model = idx.model_of(InstanceId(ref.worker_id, ref.dp_rank))
+            if model is not None:
+                _record(idx, model, ch.predicted, self._clock())
+
+
+def _record(idx: MemoryIndex, model: str, p: pb.WatchPredicted, now: float) -> None:
+    """Record route-time predictions as the replica did, for what is left of
+    their life (they expire at the replica's ``expires_at``). One the copy
+    cannot record (its instance's lease ran out here first) is left out: it
+    is advice, and gone at its expiry anyway."""
+    ttl_s = p.expires_at - now
+    if ttl_s <= 0:
+        return
+    iid = InstanceId(p.instance.worker_id, p.instance.dp_rank)
+    with contextlib.suppress(KvmeshError):
+        idx.predict_sync(
+            Namespace(model, p.lora_name),
+            iid,
+            p.block_keys,
+            ttl_s,
+            p.max_per_instance or MAX_PREDICTED_PER_INSTANCE,
+        )
 
 
 @dataclasses.dataclass(slots=True)

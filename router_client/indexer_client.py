@@ -605,15 +605,19 @@ class IndexerClient:
         ``include_predicted``: also count route-time predictions (every
         router's :meth:`predict`): each :class:`WorkerMatch` carries
         ``predicted_depth``, and workers holding the first block by
-        prediction alone come with depth 0. Such a Match always goes to the
-        indexer, never to the follower (a follower's copy holds no
-        predictions), under the same deadline, bound and breaker.
+        prediction alone come with depth 0. The follower answers such a
+        Match when its stream carries predictions
+        (:attr:`IndexFollower.predictions_followed`: a memory replica's does,
+        the copy a replica over Redis keeps does not); else it goes to the
+        indexer, under the same deadline, bound and breaker.
         """
         if not keys:
             return self._count(MatchOutcome(MatchStatus.OK))
-        follower = self.follower if not include_predicted else None
+        follower = self.follower
         if follower is not None:
-            local = follower.match(self._model, self._lora, keys)
+            local = follower.match(
+                self._model, self._lora, keys, include_predicted=include_predicted
+            )
             if local is not None:
                 self.follower_matches += 1
                 return self._count(local)
@@ -622,7 +626,9 @@ class IndexerClient:
             # The indexer did not answer and the follower is out of sync: its
             # last copy, within its hold (router_client/follower.py), beats
             # routing on load alone. The failed attempt stays counted in calls.
-            answer: MatchOutcome | None = follower.held_match(self._model, self._lora, keys)
+            answer: MatchOutcome | None = follower.held_match(
+                self._model, self._lora, keys, include_predicted=include_predicted
+            )
             if answer is not None:
                 self.follower_held_matches += 1
                 return answer

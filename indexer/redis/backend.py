@@ -1715,10 +1715,13 @@ class RedisIndex(Index):
         applied = dataclasses.replace(batch, incarnation="", address="", quota=None)
         return b"W", wire.batch_to_pb(applied).SerializeToString()
 
-    async def watch_start(self, backlog: int, lease_s: float) -> tuple[int, bytes]:
+    async def watch_start(
+        self, backlog: int, lease_s: float, *, predictions: bool = False
+    ) -> tuple[int, bytes]:
         """Start (or go on) watching: every change is appended to the stream, which
-        keeps about ``backlog`` entries, for ``lease_s`` unless renewed. Returns the
-        number and stream id of its last entry (a reader reads after them)."""
+        keeps about ``backlog`` entries, for ``lease_s`` unless renewed (with
+        ``predictions``, every route-time prediction too). Returns the number and
+        stream id of its last entry (a reader reads after them)."""
         n, last = await self._eval(
             self._scripts["wstart"],
             len(self._ctl_keys),
@@ -1727,6 +1730,7 @@ class RedisIndex(Index):
             str(backlog),
             str(max(1, round(lease_s * 1000))),
             repr(float(self._clock())),
+            "1" if predictions else "0",
         )
         self._watched = True
         return int(n), bytes(last)
@@ -1735,24 +1739,37 @@ class RedisIndex(Index):
         """Every registered instance's name (``P:lease``)."""
         return list(await self._cmd("ZRANGE", self._base + b"lease", 0, -1))
 
-    async def watch_read(self, name: bytes) -> tuple[int, InstanceState | None, EventBatch | None]:
+    async def watch_read(
+        self, name: bytes
+    ) -> tuple[int, InstanceState | None, EventBatch | None, list[tuple[str, list[int], float]]]:
         """Instance ``name`` as a watching replica copies it, read at once, with the
-        number of the stream's last entry then: ``(number, state, content)``;
-        state and content None when it is not registered. ``content`` holds its
-        blocks as stores of keys (and its copies), as MemoryIndex.load_instance
-        takes them."""
+        number of the stream's last entry then: ``(number, state, content,
+        predicted)``; state and content None when it is not registered.
+        ``content`` holds its blocks as stores of keys (and its copies), as
+        MemoryIndex.load_instance takes them; ``predicted`` its route-time
+        predictions unexpired as ``(lora name, keys, expiry)`` runs, soonest to
+        expire first (one of a namespace no instance ever stored in, whose
+        name Redis does not hold, is left out: advice, gone at its expiry)."""
         got = await self._eval(
-            self._scripts["wread"], len(self._ctl_keys), *self._ctl_keys, self._base, name
+            self._scripts["wread"],
+            len(self._ctl_keys),
+            *self._ctl_keys,
+            self._base,
+            name,
+            repr(float(self._clock())),
         )
         n = int(got[0]) if got[0] else 0
         if len(got) == 1:
-            return n, None, None
+            return n, None, None, []
         inst = _parse_inst(got[1])
         names = got[4]
         lora_of: dict[bytes, str] = {}
+        named: set[bytes] = set()  # ns ids whose name Redis holds
         for i in range(0, len(names), 2):
             nsname = bytes(names[i + 1])
             lora_of[bytes(names[i])] = nsname.partition(b"\0")[2].decode("utf-8")
+            if nsname:
+                named.add(bytes(names[i]))
         runs: dict[tuple[str, Tier], tuple[list[int], list[int]]] = {}
         entries = got[2]
         keyed: dict[int, bytes] = {}
@@ -1782,7 +1799,19 @@ class RedisIndex(Index):
         events = keyed_stores(runs, copies)
         state = inst.state(self._clock())
         content = EventBatch(inst.spec.instance, inst.seq or 0, tuple(events), counts_copies=True)
-        return n, state, content
+        predicted: list[tuple[str, list[int], float]] = []
+        flat = got[5]
+        last: tuple[bytes, float] | None = None
+        for i in range(0, len(flat), 2):
+            suf = bytes(flat[i])
+            at = (suf[:8], float(flat[i + 1]))
+            if suf[:8] not in named:
+                continue
+            if at != last:
+                predicted.append((lora_of[suf[:8]], [], at[1]))
+                last = at
+            predicted[-1][1].append(int.from_bytes(suf[8:], "big"))
+        return n, state, content, predicted
 
     async def watch_tail(
         self, after: bytes, count: int, block_ms: int | None
@@ -2003,7 +2032,7 @@ class RedisIndex(Index):
 
         Cluster: the same script on the control slot (the instance hash routes it).
         """
-        _, ikey = self._inst_key(instance)
+        name, ikey = self._inst_key(instance)
         now = self._clock()
         ttl_ms = max(1, round(ttl_s * 1000))
         res = await self._eval(
@@ -2018,6 +2047,8 @@ class RedisIndex(Index):
             ttl_ms,
             max_per_instance,
             _pack(keys, "block_keys"),
+            namespace.lora_name,
+            name,
         )
         if res[0] == b"nf":
             raise NotFound(f"instance {instance} is not registered and live", field="instance")

@@ -10,14 +10,17 @@ that every replica's scripts append to, atomically with each change, while
 someone watches (indexer/redis/KEYS.md, "Watching"):
 
 1. ``wstart.lua`` sets ``P:wl`` (the stream's length bound, with a lease this
-   feed renews) and returns the number and id of the stream's last entry;
+   feed renews) and ``P:wp``, and returns the number and id of the stream's last entry;
 2. every registered instance is read at once (``wread.lua``), each with the
    number of the stream's last entry at its read: the copy skips that
    instance's entries up to that number, and applies every later one;
 3. the feed reads the stream after the id of step 1 and applies each entry:
    ``b`` a batch as applied, ``g`` a registration, ``h`` a renewal, ``x`` a
    removal or reap, ``r`` "read the instance again" (a batch the quotas cut:
-   not the batch its writer sent). A writer that does not know yet that
+   not the batch its writer sent), ``p`` route-time predictions recorded
+   (the feed asks for them with ``P:wp``, and step 2 reads each instance's
+   unexpired ones, so that the copy answers followers' Matches with
+   predictions as Redis does). A writer that does not know yet that
    someone watches is told so by its apply (nothing written) and sends the
    batch again with its message.
 
@@ -50,7 +53,7 @@ from collections.abc import Callable
 
 from indexer import convert
 from indexer.memory import MemoryIndex
-from indexer.model import InstanceId, InstanceSpec
+from indexer.model import InstanceId, InstanceSpec, Namespace
 from indexer.redis.backend import RedisIndex
 from indexer.watch import WatchHub
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
@@ -225,7 +228,7 @@ class RedisWatchFeed:
     async def _follow(self) -> None:
         idx = self.index
         started = time.monotonic()
-        n, after = await idx.watch_start(self.backlog, LEASE_S)
+        n, after = await idx.watch_start(self.backlog, LEASE_S, predictions=True)
         self.position, self._after = n, after
         mirror = MemoryIndex(clock=self._now)
         # Positions go on past the last copy's: a follower of that copy (its
@@ -282,7 +285,7 @@ class RedisWatchFeed:
 
     async def _check(self) -> None:
         """Renew the lease; the stream must still hold the next entry, or none yet."""
-        top, _ = await self.index.watch_start(self.backlog, LEASE_S)
+        top, _ = await self.index.watch_start(self.backlog, LEASE_S, predictions=True)
         if top < self.position:
             raise _Resync(f"the stream went back from entry {self.position} to {top}")
         # Entries after ours exist: the next read returns them, and a gap shows
@@ -329,6 +332,22 @@ class RedisWatchFeed:
                     await mirror.remove_instance(_iid(name))
             elif kind == b"r":
                 await self._load(mirror, name)
+            elif kind == b"p":
+                iid = _iid(name)
+                model = mirror.model_of(iid)
+                if model is not None:
+                    blob = f[b"x"]
+                    keys = [int.from_bytes(blob[i : i + 8], "big") for i in range(0, len(blob), 8)]
+                    # Recorded as Redis did, at the writer's time (the copy's
+                    # clock while an entry applies): the same expiry.
+                    with contextlib.suppress(KvmeshError):
+                        mirror.predict_sync(
+                            Namespace(model, f[b"l"].decode("utf-8")),
+                            iid,
+                            keys,
+                            float(f[b"e"]) - at,
+                            int(f[b"c"]),
+                        )
             else:
                 raise _Resync(f"entry {n} of unknown kind {kind!r}")
         finally:
@@ -341,7 +360,7 @@ class RedisWatchFeed:
 
     async def _load(self, mirror: MemoryIndex, name: bytes, *, publish: bool = True) -> None:
         """Copy instance ``name`` as Redis holds it now; its entries up to then are skipped."""
-        n, state, content = await self.index.watch_read(name)
+        n, state, content, predicted = await self.index.watch_read(name)
         self._skip[name] = n
         iid = _iid(name)
         if publish:
@@ -351,6 +370,10 @@ class RedisWatchFeed:
                 await mirror.remove_instance(iid)
             return
         await mirror.load_instance(state, content)
+        now = self._now()
+        for lora, keys, expiry in predicted:
+            with contextlib.suppress(KvmeshError):
+                mirror.predict_sync(Namespace(state.spec.model, lora), iid, keys, expiry - now)
         if publish and mirror.watch is not None:
             # A copied instance is not a change a follower can apply: they take a new snapshot.
             mirror.watch.resync_all()

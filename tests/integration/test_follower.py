@@ -21,6 +21,7 @@ grpc's default 4 MiB reaches it on its stream.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Sequence
@@ -64,6 +65,10 @@ class _World:
         self.incarnation: dict[tuple[str, int], int] = {}
         self.hashes: dict[tuple[str, int], list[int]] = {}
         self.next_hash = 1
+        #: Whether the workload sends route-time predictions (PredictPlacement),
+        #: and the hits deepened by one that the comparisons saw.
+        self.predict = True
+        self.predicted_hits = 0
 
     def prompt(self) -> list[int]:
         rng = self.rng
@@ -177,6 +182,19 @@ async def _step(h: Harness, w: _World) -> None:
         r = rng.random()
         w.seq[key] += 2 if r < 0.03 else 0 if r < 0.06 else 1
         await h.stub.PublishEvents(pb.PublishEventsRequest(batch=batch))
+        if w.predict and rng.random() < 0.3:
+            # A router sent a request there: its blocks predicted (some held already).
+            p = w.prompt()
+            lora = "lora" if rng.random() < 0.2 else ""
+            await h.stub.PredictPlacement(
+                pb.PredictPlacementRequest(
+                    model=w.model[key],
+                    lora_name=lora,
+                    instance=ref,
+                    block_keys=block_keys(p, BLOCK, w.model[key], lora),
+                    ttl_ms=60_000,
+                )
+            )
 
 
 async def _caught_up(h: Harness, f: IndexFollower, within: float = 10.0) -> None:
@@ -202,8 +220,43 @@ def _local(out: MatchOutcome | None) -> dict[str, tuple[int, int, int, int]]:
     return {k: (v.depth, v.gpu_blocks, v.cpu_blocks, v.disk_blocks) for k, v in out.matches.items()}
 
 
+_Predicted = tuple[dict[str, tuple[int, int, int, int, int]], dict[str, int] | None]
+
+
+def _outcome_predicted(resp: pb.MatchResponse) -> _Predicted:
+    hits = {
+        instance_name(m.instance.worker_id, m.instance.dp_rank): (
+            m.depth,
+            m.gpu_blocks,
+            m.cpu_blocks,
+            m.disk_blocks,
+            m.predicted_depth,
+        )
+        for m in resp.matches
+    }
+    pending = (
+        {
+            instance_name(p.instance.worker_id, p.instance.dp_rank): p.predicted_blocks
+            for p in resp.pending
+        }
+        if resp.pending_reported
+        else None
+    )
+    return hits, pending
+
+
+def _local_predicted(out: MatchOutcome | None) -> _Predicted:
+    assert out is not None and out.ok
+    hits = {
+        k: (v.depth, v.gpu_blocks, v.cpu_blocks, v.disk_blocks, v.predicted_depth)
+        for k, v in out.matches.items()
+    }
+    return hits, out.pending
+
+
 async def _compare(h: Harness, w: _World, f: IndexFollower) -> int:
-    """Every prompt under both models and LoRA names: the number that differ."""
+    """Every prompt under both models and LoRA names, with and without
+    predictions: the number of answers that differ."""
     await _caught_up(h, f)
     wrong = hits = 0
     for p in [*w.prompts, *w.stems]:
@@ -216,6 +269,17 @@ async def _compare(h: Harness, w: _World, f: IndexFollower) -> int:
                 if _outcome(resp) != _local(f.match(model, lora, keys)):
                     wrong += 1
                 hits += len(resp.matches)
+                if not w.predict:
+                    continue
+                resp = await h.stub.Match(
+                    pb.MatchRequest(
+                        model=model, lora_name=lora, block_keys=keys, include_predicted=True
+                    )
+                )
+                local = f.match(model, lora, keys, include_predicted=True)
+                if _outcome_predicted(resp) != _local_predicted(local):
+                    wrong += 1
+                w.predicted_hits += sum(m.predicted_depth > m.depth for m in resp.matches)
     assert hits > 20  # the comparison has something to compare
     return wrong
 
@@ -239,6 +303,7 @@ async def _run(
         wrong += await _compare(h, w, f)
         assert f.snapshots == 1 and f.divergences == 0
         assert f.local_matches > 0
+        assert w.predicted_hits > 20  # the comparison has predictions to compare
         return wrong
     finally:
         await f.close()
@@ -263,6 +328,108 @@ class _DropsRemovals(IndexFollower):
 
 async def test_a_follower_that_drops_removals_fails_the_comparison() -> None:
     assert sum([await _run(seed, _DropsRemovals) for seed in (1, 2)]) > 0
+
+
+class _DropsPredictions(IndexFollower):
+    """Broken on purpose: ignores the predictions recorded after its snapshot."""
+
+    async def _on(self, ch: pb.WatchChange) -> None:
+        if ch.WhichOneof("change") != "predicted":
+            await super()._on(ch)
+
+
+class _SnapshotWithoutPredictions(IndexFollower):
+    """Broken on purpose: loads its snapshot without the instances' predictions."""
+
+    async def _on(self, ch: pb.WatchChange) -> None:
+        if ch.WhichOneof("change") == "snapshot":
+            del ch.snapshot.predicted[:]
+        await super()._on(ch)
+
+
+@pytest.mark.parametrize("broken", [_DropsPredictions, _SnapshotWithoutPredictions])
+async def test_a_follower_that_misses_predictions_fails_the_comparison(
+    broken: type[IndexFollower],
+) -> None:
+    assert sum([await _run(seed, broken) for seed in (1, 2)]) > 0
+
+
+async def test_predictions_reach_the_follower_and_end_with_their_engines_events() -> None:
+    """One prediction, step by step: recorded at the replica, the follower's
+    Match with predictions shows it (and the pending blocks) within the
+    stream's delay; the engine's store confirms it in both; another expires
+    in both at its expiry; a follower that did not ask for predictions (or
+    whose replica does not carry them) leaves such Matches to the indexer."""
+    h = await open_harness(make_config(), MemoryIndex())
+    f = IndexFollower(h.server.address)
+    plain = IndexFollower(h.server.address, predictions=False)
+    try:
+        await _register_w0(h)
+        await f.start()
+        await plain.start()
+        assert await f.wait_synced(10) and await plain.wait_synced(10)
+        assert f.predictions_followed and not plain.predictions_followed
+        tokens = list(range(BLOCK * 4))
+        keys = block_keys(tokens, BLOCK, "m", "")
+        ref = pb.InstanceRef(worker_id="w0", dp_rank=0)
+        await h.stub.PredictPlacement(
+            pb.PredictPlacementRequest(model="m", instance=ref, block_keys=keys, ttl_ms=60_000)
+        )
+        await _caught_up(h, f)
+        got = f.match("m", "", keys, include_predicted=True)
+        assert got is not None and got.pending == {instance_name("w0", 0): 4}
+        assert got.matches[instance_name("w0", 0)].predicted_depth == 4
+        assert got.matches[instance_name("w0", 0)].depth == 0
+        assert plain.match("m", "", keys, include_predicted=True) is None
+        assert plain.match("m", "", keys) is not None  # the plain Match still local
+        # The engine stores the first two blocks: their predictions are confirmed.
+        await h.stub.PublishEvents(
+            pb.PublishEventsRequest(
+                batch=pb.EventBatch(
+                    instance=ref,
+                    sequence=0,
+                    events=[
+                        pb.Event(
+                            stored=pb.BlockStored(
+                                block_hashes=[1, 2], token_ids=tokens[: 2 * BLOCK], block_size=BLOCK
+                            )
+                        )
+                    ],
+                )
+            )
+        )
+        await _caught_up(h, f)
+        got = f.match("m", "", keys, include_predicted=True)
+        assert got is not None and got.pending == {instance_name("w0", 0): 2}
+        assert got.matches[instance_name("w0", 0)].depth == 2
+        assert got.matches[instance_name("w0", 0)].predicted_depth == 4
+        # A short-lived prediction of another prompt: gone in both at its expiry.
+        other = block_keys([7] * BLOCK * 2, BLOCK, "m", "")
+        await h.stub.PredictPlacement(
+            pb.PredictPlacementRequest(model="m", instance=ref, block_keys=other, ttl_ms=300)
+        )
+        await _caught_up(h, f)
+        got = f.match("m", "", other, include_predicted=True)
+        assert got is not None and got.matches[instance_name("w0", 0)].predicted_depth == 2
+        await asyncio.sleep(0.35)
+        got = f.match("m", "", other, include_predicted=True)
+        assert got is not None and instance_name("w0", 0) not in got.matches
+        resp = await h.stub.Match(
+            pb.MatchRequest(model="m", block_keys=other, include_predicted=True)
+        )
+        assert not resp.matches
+        # An IndexerClient answers Matches with predictions from the follower.
+        client = IndexerClient(h.server.address, model="m", follower=f)
+        try:
+            out = await client.match(keys, include_predicted=True)
+            assert out.ok and out.matches[instance_name("w0", 0)].predicted_depth == 4
+            assert client.follower_matches == 1
+        finally:
+            await client.close()
+    finally:
+        await plain.close()
+        await f.close()
+        await close_harness(h)
 
 
 async def test_a_follower_behind_its_buffer_resyncs_and_answers_the_same() -> None:

@@ -3,7 +3,8 @@
 -- KEYS: instance hash. Cluster: every name it touches is in the control slot
 -- (the instance hash, 'k:<id>' for what it holds, 'pr:', 'po:').
 -- ARGV: base, now, model, ns id, expiry (%.17g), ttl in ms, cap on the
---   instance's predicted blocks, keys packed as 8-byte big-endian words.
+--   instance's predicted blocks, keys packed as 8-byte big-endian words,
+--   LoRA name, instance name (both for the change stream).
 -- Returns {'nf'} (not registered or lease expired) | {'model', its model} |
 --   {'ok', recorded, dropped past the cap}.
 local now = tonumber(ARGV[2])
@@ -39,9 +40,11 @@ end
 -- written and no TTL on it.
 keep(order)
 local recorded = 0
+local told = {}
 for i = 1, #blob / 8 do
   local k = sub(blob, 8 * i - 7, 8 * i)
   if not held(k) then
+    told[#told + 1] = k
     local name = ppre .. k
     redis.call('HSET', name, id, expiry)
     keep(name)
@@ -61,6 +64,14 @@ if recorded > 0 then
     redis.call('HDEL', B .. 'pr:' .. e, id)
     redis.call('ZREM', order, e)
     dropped = dropped + 1
+  end
+  -- A replica that serves followers predictions ('wp', wstart.lua) copies
+  -- them from the stream, as it copies every change ('p': the keys
+  -- recorded, in order; the copy drops past the cap as this did).
+  local wl = watch_on()
+  if wl and redis.call('EXISTS', B .. 'wp') == 1 then
+    watch_pub(wl, 'p', ARGV[10], ARGV[2], 'l', ARGV[9], 's', nid, 'e', expiry, 'c', ARGV[7],
+      'x', table.concat(told))
   end
 end
 return {'ok', recorded, dropped}

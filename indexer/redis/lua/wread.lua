@@ -1,8 +1,9 @@
 -- One instance as a watching replica copies it (KEYS.md, "Watching").
--- KEYS: none (cluster: a control key). ARGV: base, name. Returns {'wn'} when
+-- KEYS: none (cluster: a control key). ARGV: base, name, now. Returns {'wn'} when
 -- the instance is not registered, else {'wn', state (lib.lua FIELDS), {engine hash, ns id .. key, tier mask, ...},
--- copies ('cp:' as HGETALL), {ns id, model \0 lora, ...}}, read at once: the
--- stream's entries up to 'wn' are in it, none after.
+-- copies ('cp:' as HGETALL), {ns id, model \0 lora, ...}, its route-time
+-- predictions unexpired, soonest to expire first {ns id .. key, expiry, ...}},
+-- read at once: the stream's entries up to 'wn' are in it, none after.
 local n = redis.call('GET', B .. 'wn') or ''
 local meta = B .. 'i:' .. ARGV[2]
 local st = state(meta)
@@ -35,4 +36,13 @@ for i = 1, #e, 2 do
     end
   end
 end
-return {n, st, out, redis.call('HGETALL', B .. 'cp:' .. id), names}
+local pred = redis.call('ZRANGEBYSCORE', B .. 'po:' .. id, '(' .. ARGV[3], '+inf', 'WITHSCORES')
+for i = 1, #pred, 2 do
+  local ns = sub(pred[i], 1, 8)
+  if not seen[ns] then
+    seen[ns] = true
+    names[#names + 1] = ns
+    names[#names + 1] = redis.call('HGET', B .. 'ns', ns) or ''
+  end
+end
+return {n, st, out, redis.call('HGETALL', B .. 'cp:' .. id), names, pred}

@@ -476,34 +476,54 @@ class PingResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchIndexRequest(_message.Message):
-    __slots__ = ("models", "max_buffer", "instance_parts", "keepalive_ms")
+    __slots__ = ("models", "max_buffer", "instance_parts", "keepalive_ms", "predictions")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_BUFFER_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_PARTS_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedScalarFieldContainer[str]
     max_buffer: int
     instance_parts: bool
     keepalive_ms: int
-    def __init__(self, models: _Optional[_Iterable[str]] = ..., max_buffer: _Optional[int] = ..., instance_parts: _Optional[bool] = ..., keepalive_ms: _Optional[int] = ...) -> None: ...
+    predictions: bool
+    def __init__(self, models: _Optional[_Iterable[str]] = ..., max_buffer: _Optional[int] = ..., instance_parts: _Optional[bool] = ..., keepalive_ms: _Optional[int] = ..., predictions: _Optional[bool] = ...) -> None: ...
 
 class WatchedInstance(_message.Message):
-    __slots__ = ("info", "content", "part", "more")
+    __slots__ = ("info", "content", "part", "more", "predicted")
     INFO_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
     info: InstanceInfo
     content: EventBatch
     part: int
     more: bool
-    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., content: _Optional[_Union[EventBatch, _Mapping]] = ..., part: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    predicted: _containers.RepeatedCompositeFieldContainer[WatchPredicted]
+    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., content: _Optional[_Union[EventBatch, _Mapping]] = ..., part: _Optional[int] = ..., more: _Optional[bool] = ..., predicted: _Optional[_Iterable[_Union[WatchPredicted, _Mapping]]] = ...) -> None: ...
 
 class WatchSynced(_message.Message):
-    __slots__ = ("instances",)
+    __slots__ = ("instances", "predictions")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     instances: int
-    def __init__(self, instances: _Optional[int] = ...) -> None: ...
+    predictions: bool
+    def __init__(self, instances: _Optional[int] = ..., predictions: _Optional[bool] = ...) -> None: ...
+
+class WatchPredicted(_message.Message):
+    __slots__ = ("instance", "lora_name", "block_keys", "expires_at", "max_per_instance")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceRef
+    lora_name: str
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    expires_at: float
+    max_per_instance: int
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., lora_name: _Optional[str] = ..., block_keys: _Optional[_Iterable[int]] = ..., expires_at: _Optional[float] = ..., max_per_instance: _Optional[int] = ...) -> None: ...
 
 class WatchRegistered(_message.Message):
     __slots__ = ("info", "reset")
@@ -526,7 +546,7 @@ class WatchResync(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchChange(_message.Message):
-    __slots__ = ("position", "applied_at", "snapshot", "synced", "registered", "renewed", "batch", "gone", "resync")
+    __slots__ = ("position", "applied_at", "snapshot", "synced", "registered", "renewed", "batch", "gone", "resync", "predicted")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_AT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +556,7 @@ class WatchChange(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
     position: int
     applied_at: float
     snapshot: WatchedInstance
@@ -545,7 +566,8 @@ class WatchChange(_message.Message):
     batch: EventBatch
     gone: WatchGone
     resync: WatchResync
-    def __init__(self, position: _Optional[int] = ..., applied_at: _Optional[float] = ..., snapshot: _Optional[_Union[WatchedInstance, _Mapping]] = ..., synced: _Optional[_Union[WatchSynced, _Mapping]] = ..., registered: _Optional[_Union[WatchRegistered, _Mapping]] = ..., renewed: _Optional[_Union[InstanceRef, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., gone: _Optional[_Union[WatchGone, _Mapping]] = ..., resync: _Optional[_Union[WatchResync, _Mapping]] = ...) -> None: ...
+    predicted: WatchPredicted
+    def __init__(self, position: _Optional[int] = ..., applied_at: _Optional[float] = ..., snapshot: _Optional[_Union[WatchedInstance, _Mapping]] = ..., synced: _Optional[_Union[WatchSynced, _Mapping]] = ..., registered: _Optional[_Union[WatchRegistered, _Mapping]] = ..., renewed: _Optional[_Union[InstanceRef, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., gone: _Optional[_Union[WatchGone, _Mapping]] = ..., resync: _Optional[_Union[WatchResync, _Mapping]] = ..., predicted: _Optional[_Union[WatchPredicted, _Mapping]] = ...) -> None: ...
 
 class WatchKeepalive(_message.Message):
     __slots__ = ("interval_ms", "position", "sent_at")

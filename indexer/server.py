@@ -132,6 +132,9 @@ MATCH_STREAM_MAX_REPLY_BYTES = 1 << 20
 #: Method label of the per-Match metrics and spans of MatchStream (the stream
 #: itself is recorded under "MatchStream", as every stream is: whole stream).
 MATCH_STREAM_MATCH = "MatchStream.Match"
+#: The same for the route-time predictions a MatchStream carries (an item with
+#: ``predict``: PredictPlacement without a call of its own).
+MATCH_STREAM_PREDICT = "MatchStream.PredictPlacement"
 
 
 # Field tags (proto/kvmesh/indexer/v1/indexer.proto): MatchStreamResponse
@@ -156,6 +159,14 @@ def match_stream_reply(request_id: int, match: bytes) -> bytes:
     head = _TAG_REQUEST_ID + _varint(request_id) if request_id else b""
     body = b"".join((head, _TAG_MATCH, _varint(len(match)), match))
     return b"".join((_TAG_REPLIES, _varint(len(body)), body))
+
+
+def predict_stream_reply(request_id: int, predicted: int, ttl_ms: int) -> bytes:
+    """The ``MatchStreamResponse.replies`` entry answering a prediction item:
+    its PredictPlacementResponse (``predicted`` always set, even empty)."""
+    answer = pb.PredictPlacementResponse(predicted_blocks=predicted, ttl_ms=ttl_ms)
+    body = pb.MatchStreamReply(request_id=request_id, predicted=answer).SerializeToString()
+    return _TAG_REPLIES + _varint(len(body)) + body
 
 
 def match_stream_error(request_id: int, err: KvmeshError) -> bytes:
@@ -343,6 +354,8 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         self.watch_part_bytes = watch_part_bytes(self.watch_response_bytes)
         self._stream_seconds = metrics.rpc_seconds.labels(MATCH_STREAM_MATCH)
         self._stream_ok = metrics.rpcs.labels(MATCH_STREAM_MATCH, "OK")
+        self._predict_seconds = metrics.rpc_seconds.labels(MATCH_STREAM_PREDICT)
+        self._predict_ok = metrics.rpcs.labels(MATCH_STREAM_PREDICT, "OK")
 
     @observed
     async def RegisterInstance(
@@ -541,25 +554,30 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 task.cancel()
 
     async def _traced_stream_match(self, item: pb.MatchStreamItem, client: Client | None) -> bytes:
-        """:meth:`_stream_match` under a span of :data:`MATCH_STREAM_MATCH`, inside the stream's."""
+        """:meth:`_stream_match` under a span of :data:`MATCH_STREAM_MATCH` (or
+        :data:`MATCH_STREAM_PREDICT`), inside the stream's."""
+        name = f"{SERVICE_NAME}/"
+        name += MATCH_STREAM_PREDICT if item.HasField("predict") else MATCH_STREAM_MATCH
         with trace.get_tracer(TRACER_NAME).start_as_current_span(
-            f"{SERVICE_NAME}/{MATCH_STREAM_MATCH}",
-            kind=trace.SpanKind.SERVER,
-            attributes=rpc_server_attributes(f"{SERVICE_NAME}/{MATCH_STREAM_MATCH}"),
+            name, kind=trace.SpanKind.SERVER, attributes=rpc_server_attributes(name)
         ) as span:
             return await self._stream_match(item, client, span)
 
     async def _stream_match(
         self, item: pb.MatchStreamItem, client: Client | None, span: Any = None
     ) -> bytes:
-        """One Match of a stream: its reply entry, an error reply for any error.
+        """One Match of a stream (or one prediction: an item with ``predict``):
+        its reply entry, an error reply for any error.
 
-        The per-Match share of the call scope: the caller's ``match`` rate,
-        ``max_concurrent_rpcs`` (this Match counts as one call while it runs),
-        latency and status counts under :data:`MATCH_STREAM_MATCH`, and the
-        status on ``span`` (:meth:`_traced_stream_match`).
+        The per-Match share of the call scope: the caller's ``match`` rate (a
+        prediction takes one too, as unary PredictPlacement does),
+        ``max_concurrent_rpcs`` (this item counts as one call while it runs),
+        latency and status counts under :data:`MATCH_STREAM_MATCH` (or
+        :data:`MATCH_STREAM_PREDICT`), and the status on ``span``
+        (:meth:`_traced_stream_match`).
         """
         rid = item.request_id
+        predict = item.HasField("predict")
         calls = self.calls
         start = time.perf_counter()
         try:
@@ -567,22 +585,31 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                 self.guard.take(client, "match", "MatchStream")
             calls.admit(field="limits.max_concurrent_rpcs")
             try:
-                result = await self.logic.match(convert.match_query_from_pb(item.match))
+                if predict:
+                    n, ttl_ms = await self.logic.predict(convert.prediction_from_pb(item.predict))
+                else:
+                    result = await self.logic.match(convert.match_query_from_pb(item.match))
             finally:
                 calls.in_flight -= 1
-            reply = match_stream_reply(rid, self._match_encoder.encode(result))
+            if predict:
+                reply = predict_stream_reply(rid, n, ttl_ms)
+            else:
+                reply = match_stream_reply(rid, self._match_encoder.encode(result))
         except KvmeshError as e:
-            reply = self._stream_error(rid, e, span)
+            reply = self._stream_error(rid, e, span, predict)
         except Exception as e:
-            log.exception("internal error in a Match of a stream (request id %d)", rid)
+            what = "prediction" if predict else "Match"
+            log.exception("internal error in a %s of a stream (request id %d)", what, rid)
             reply = self._stream_error(
-                rid, KvmeshError(f"internal error: {type(e).__name__}"), span
+                rid, KvmeshError(f"internal error: {type(e).__name__}"), span, predict
             )
         else:
-            self._stream_ok.inc()
+            (self._predict_ok if predict else self._stream_ok).inc()
             if span is not None:
                 end_rpc_span(span, "OK", server=True)
-        self._stream_seconds.observe(time.perf_counter() - start)
+        (self._predict_seconds if predict else self._stream_seconds).observe(
+            time.perf_counter() - start
+        )
         return reply
 
     def _undecodable(self, err: Exception) -> InvalidArgument:
@@ -596,12 +623,15 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
             field="request",
         )
 
-    def _stream_error(self, rid: int, err: KvmeshError, span: Any) -> bytes:
-        """Count ``err`` as unary Match's call scope would, and make its reply."""
+    def _stream_error(self, rid: int, err: KvmeshError, span: Any, predict: bool = False) -> bytes:
+        """Count ``err`` as unary Match's (or PredictPlacement's) call scope
+        would, and make its reply."""
         if isinstance(err, PermissionDenied | Unauthenticated):
             self.guard.refused("MatchStream", err)
         code = status_code(err.code).name
-        self.metrics.rpcs.labels(MATCH_STREAM_MATCH, code).inc()
+        self.metrics.rpcs.labels(
+            MATCH_STREAM_PREDICT if predict else MATCH_STREAM_MATCH, code
+        ).inc()
         if span is not None:
             end_rpc_span(span, code, server=True)
         return match_stream_error(rid, err)

@@ -180,12 +180,15 @@ def _expire(fut: asyncio.Future[pb.MatchStreamReply]) -> None:
 _TAG_MATCHES = b"\x0a"
 _TAG_REQUEST_ID = b"\x08"
 _TAG_MATCH = b"\x12"
+#: MatchStreamItem.predict = 3 (length-delimited).
+_TAG_PREDICT = b"\x1a"
 
 
-def _stream_item(request_id: int, match: bytes) -> bytes:
+def _stream_item(request_id: int, match: bytes, tag: bytes = _TAG_MATCH) -> bytes:
     """One entry of ``MatchStreamRequest.matches`` (tag, length, MatchStreamItem) for
-    serialized MatchRequest ``match``; entries joined are a serialized MatchStreamRequest."""
-    body = b"".join((_TAG_REQUEST_ID, _varint(request_id), _TAG_MATCH, _varint(len(match)), match))
+    serialized MatchRequest ``match`` (or PredictPlacementRequest, with tag
+    :data:`_TAG_PREDICT`); entries joined are a serialized MatchStreamRequest."""
+    body = b"".join((_TAG_REQUEST_ID, _varint(request_id), tag, _varint(len(match)), match))
     return b"".join((_TAG_MATCHES, _varint(len(body)), body))
 
 
@@ -258,9 +261,11 @@ class _MatchStream:
         self._writer = loop.create_task(self._write())
         self._reader = loop.create_task(self._read())
 
-    async def ask(self, match: pb.MatchRequest, deadline_s: float) -> pb.MatchStreamReply:
-        """Send ``match`` with the next request id and wait for its reply, at most
-        ``deadline_s`` seconds.
+    async def ask(
+        self, match: pb.MatchRequest | pb.PredictPlacementRequest, deadline_s: float
+    ) -> pb.MatchStreamReply:
+        """Send ``match`` (a Match, or a prediction) with the next request id and
+        wait for its reply, at most ``deadline_s`` seconds.
 
         Raises TimeoutError past it (a reply that comes later is dropped) and
         :class:`_StreamBroken` when the stream ends first.
@@ -271,7 +276,8 @@ class _MatchStream:
         rid = self._next_id
         fut: asyncio.Future[pb.MatchStreamReply] = self._loop.create_future()
         self._pending[rid] = fut
-        item = _stream_item(rid, match.SerializeToString())
+        tag = _TAG_PREDICT if isinstance(match, pb.PredictPlacementRequest) else _TAG_MATCH
+        item = _stream_item(rid, match.SerializeToString(), tag)
         self._outbox.append(item)
         self._kick()
         timer = self._loop.call_later(deadline_s, _expire, fut)
@@ -586,6 +592,12 @@ class IndexerClient:
         # wait after the next failure), the next one a Match is dealt to, and
         # every stream not yet ended (retired ones finishing included).
         self._use_stream = self.settings.match_stream and not self._tracing
+        #: Whether predictions go on the MatchStream (items with ``predict``);
+        #: false once the server showed it predates them.
+        self._predict_on_stream = True
+        #: Predictions sent as unary PredictPlacement calls (no stream, a stream
+        #: that broke, or a server that takes none on it).
+        self.predict_unary_calls = 0
         self._slots = [_Slot() for _ in range(self.settings.match_streams)]
         self._next_slot = 0
         self._max_age_s = self.settings.match_stream_max_age_s
@@ -676,10 +688,13 @@ class IndexerClient:
         then sees those blocks there for ``ttl_ms`` (0: the indexer's default)
         or until the engine's events confirm or drop them.
 
-        Advice, like a Match: one unary PredictPlacement under the Match
-        deadline, the in-flight bound and the breaker; it never raises for
-        indexer trouble and returns how the call ended (OK, or why not:
-        BUSY and CIRCUIT_OPEN make no call; ERROR is a refusal such as
+        Advice, like a Match, under the Match deadline, the in-flight bound
+        and the breaker: an item on the MatchStream the Matches use (no call
+        of its own), or one unary PredictPlacement where there is no stream
+        (``match_stream`` off, tracing on), the stream broke, or the server
+        takes no predictions on it (:attr:`predict_unary_calls`). It never
+        raises for indexer trouble and returns how it ended (OK, or why not:
+        BUSY and CIRCUIT_OPEN send nothing; ERROR is a refusal such as
         NOT_FOUND for a worker the indexer does not hold live). Counted in
         :attr:`predict_calls`.
         """
@@ -697,20 +712,74 @@ class IndexerClient:
             block_keys=keys,
             ttl_ms=ttl_ms,
         )
+        timeout = self.settings.deadline_ms / 1000.0
+        stream = self._open_stream() if self._use_stream and self._predict_on_stream else None
         self.in_flight += 1
         try:
-            await self._stub.PredictPlacement(req, timeout=self.settings.deadline_ms / 1000.0)
+            if stream is not None:
+                await self._stream_predict(stream, req, timeout)
+            else:
+                self.predict_unary_calls += 1
+                await self._stub.PredictPlacement(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            status = _FAILURE_CODES.get(e.code())
-            if status is None:
-                self.breaker.release()
-                return self._count_predict(MatchStatus.ERROR)
-            self.breaker.failure()
-            return self._count_predict(status)
+            return self._predict_failed(e.code())
+        except _StatusReply as e:
+            return self._predict_failed(e.status_code)
         finally:
             self.in_flight -= 1
         self.breaker.success()
         return self._count_predict(MatchStatus.OK)
+
+    def _predict_failed(self, code: grpc.StatusCode) -> MatchStatus:
+        status = _FAILURE_CODES.get(code)
+        if status is None:
+            self.breaker.release()
+            return self._count_predict(MatchStatus.ERROR)
+        self.breaker.failure()
+        return self._count_predict(status)
+
+    async def _stream_predict(
+        self, stream: _MatchStream, req: pb.PredictPlacementRequest, deadline_s: float
+    ) -> None:
+        """A prediction over ``stream`` (MatchStreamItem.predict): no call of its
+        own; unary within the deadline left if the stream breaks, and from then
+        on for good if the server predates such items (it answers them as a
+        Match without a MatchRequest: INVALID_ARGUMENT naming "model").
+
+        Raises what the unary call would: an AioRpcError, or a
+        :class:`_StatusReply` carrying an error reply's status.
+        """
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            reply = await stream.ask(req, deadline_s)
+        except TimeoutError:
+            raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        except _StreamBroken:
+            reply = None
+        if (
+            reply is not None
+            and reply.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            and reply.field == "model"
+            and req.model
+        ):
+            # The server took the item for a Match: it cannot take predictions
+            # on the stream. Unary from here on.
+            log.warning(
+                "indexer client: the indexer takes no predictions on MatchStream "
+                "(an older server); sending them as PredictPlacement calls"
+            )
+            self._predict_on_stream = False
+            reply = None
+        if reply is None:
+            left = deadline_s - (loop.time() - t0)
+            if left <= 0:
+                raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED)
+            self.predict_unary_calls += 1
+            await self._stub.PredictPlacement(req, timeout=left)
+            return
+        if reply.code:
+            raise _StatusReply(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN))
 
     def _count_predict(self, status: MatchStatus) -> MatchStatus:
         self.predict_calls[status] += 1

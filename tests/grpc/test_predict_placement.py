@@ -262,3 +262,157 @@ async def test_predict_needs_the_router_role(tmp_path: Path) -> None:
         for channel in channels:
             await channel.close()
         await server.stop(0)
+
+
+async def test_predictions_ride_the_match_stream(stub: Any) -> None:
+    """An item with ``predict`` is a PredictPlacement on the stream: answered
+    with ``predicted`` (or its error, naming the field, the stream going on),
+    and seen by the Matches after it."""
+    await register(stub, "w0")
+    queue: asyncio.Queue[pb.MatchStreamRequest | None] = asyncio.Queue()
+
+    async def frames() -> AsyncIterator[pb.MatchStreamRequest]:
+        while (msg := await queue.get()) is not None:
+            yield msg
+
+    call = stub.MatchStream(frames())
+
+    async def replies(n: int) -> dict[int, pb.MatchStreamReply]:
+        out: dict[int, pb.MatchStreamReply] = {}
+        while len(out) < n:
+            resp = await call.read()
+            for r in resp.replies:
+                out[r.request_id] = r
+        return out
+
+    await queue.put(
+        pb.MatchStreamRequest(
+            matches=[
+                pb.MatchStreamItem(request_id=1, predict=predict_req("w0", KEYS[:2])),
+                pb.MatchStreamItem(request_id=2, predict=predict_req("nobody", KEYS)),
+                pb.MatchStreamItem(request_id=3, predict=predict_req("w0", KEYS, model="")),
+                pb.MatchStreamItem(request_id=4, predict=predict_req("w0", [])),
+            ]
+        )
+    )
+    got = await replies(4)
+    assert got[1].code == 0 and got[1].predicted.predicted_blocks == 2
+    assert got[1].predicted.ttl_ms > 0 and not got[1].HasField("match")
+    assert got[2].code == grpc.StatusCode.NOT_FOUND.value[0] and not got[2].HasField("predicted")
+    assert (got[3].code, got[3].field) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "model")
+    assert (got[4].code, got[4].field) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "block_keys")
+    # The stream goes on, and its next Match sees the prediction.
+    await queue.put(
+        pb.MatchStreamRequest(
+            matches=[
+                pb.MatchStreamItem(
+                    request_id=5,
+                    match=pb.MatchRequest(model=MODEL, block_keys=KEYS, include_predicted=True),
+                )
+            ]
+        )
+    )
+    got = await replies(1)
+    assert [(m.instance.worker_id, m.depth, m.predicted_depth) for m in got[5].match.matches] == [
+        ("w0", 0, 2)
+    ]
+    await queue.put(None)
+    assert await call.code() == grpc.StatusCode.OK
+    assert await pmatch(stub) == [("w0", 0, 2)]
+
+
+async def test_router_client_predicts_on_its_match_stream(harness: Harness) -> None:
+    """No PredictPlacement call of its own: the prediction is an item on the
+    stream the client's Matches use."""
+    await register(harness.stub, "w0")
+    client = IndexerClient(
+        harness.server.address, model=MODEL, settings=IndexerClientSettings(deadline_ms=2000)
+    )
+    try:
+        assert await client.predict("w0", KEYS) is MatchStatus.OK
+        assert await client.predict("nobody", KEYS) is MatchStatus.ERROR
+        got = await client.match(KEYS, include_predicted=True)
+        assert got.ok and got.matches["w0"].predicted_depth == 4
+        assert client.predict_unary_calls == 0 and client.unary_calls == 0
+        assert client.streams_opened == 1
+    finally:
+        await client.close()
+
+
+async def test_an_older_server_gets_predictions_as_calls(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that predates predictions on the stream takes such an item for
+    a Match without one (INVALID_ARGUMENT naming "model"): the client sends
+    that prediction, and every later one, as a PredictPlacement call."""
+    servicer = harness.server.servicer
+    current = servicer._stream_match
+
+    async def as_before(item: pb.MatchStreamItem, client: Any, span: Any = None) -> bytes:
+        item.ClearField("predict")  # what a server without the field reads
+        return await current(item, client, span)
+
+    monkeypatch.setattr(servicer, "_stream_match", as_before)
+    await register(harness.stub, "w0")
+    client = IndexerClient(
+        harness.server.address, model=MODEL, settings=IndexerClientSettings(deadline_ms=2000)
+    )
+    try:
+        assert await client.predict("w0", KEYS[:2]) is MatchStatus.OK
+        assert client.predict_unary_calls == 1
+        assert await client.predict("w0", KEYS) is MatchStatus.OK
+        assert client.predict_unary_calls == 2  # straight to the call
+        got = await client.match(KEYS, include_predicted=True)
+        assert got.ok and got.matches["w0"].predicted_depth == 4
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("on_stream", [True, False])
+async def test_a_busy_router_records_every_decisions_prediction(
+    harness: Harness, on_stream: bool
+) -> None:
+    """16 routes at a time: each decision's prediction is recorded, none
+    skipped for too many pending. As PredictPlacement calls (a call each,
+    slower than the routes that made them) they piled up past the router's
+    share of the in-flight bound and most were skipped."""
+    from router_client.config import RouterConfig
+    from router_client.router import Router, RouteRequest
+
+    workers = [f"w{i}" for i in range(8)]
+    for w in workers:
+        await register(harness.stub, w)
+    client = IndexerClient(
+        harness.server.address, model=MODEL, settings=IndexerClientSettings(deadline_ms=5000)
+    )
+    client._predict_on_stream = on_stream
+    router = Router(
+        RouterConfig(model=MODEL, predictions=True),
+        workers=workers,
+        indexer=client,
+        block_size=BLOCK,
+        seed=1,
+    )
+    try:
+        prompts = [list(range(i * 1000, i * 1000 + 16 * BLOCK)) for i in range(64)]
+        for lo in range(0, 320, 16):
+            await asyncio.gather(
+                *(
+                    router.route(
+                        RouteRequest(
+                            request_id=i,
+                            input_tokens=16 * BLOCK,
+                            block_keys=block_keys(prompts[i % 64], BLOCK, MODEL),
+                        )
+                    )
+                    for i in range(lo, lo + 16)
+                )
+            )
+        await router.wait_predictions()
+        if on_stream:
+            assert router.predictions_skipped == 0 and router.predictions_sent == 320
+            assert client.predict_unary_calls == 0
+        else:
+            assert router.predictions_skipped > 0  # the failure the stream removes
+    finally:
+        await client.close()

@@ -352,12 +352,14 @@ class MatchStreamRequest(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[MatchStreamItem, _Mapping]]] = ...) -> None: ...
 
 class MatchStreamItem(_message.Message):
-    __slots__ = ("request_id", "match")
+    __slots__ = ("request_id", "match", "predict")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATCH_FIELD_NUMBER: _ClassVar[int]
+    PREDICT_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     match: MatchRequest
-    def __init__(self, request_id: _Optional[int] = ..., match: _Optional[_Union[MatchRequest, _Mapping]] = ...) -> None: ...
+    predict: PredictPlacementRequest
+    def __init__(self, request_id: _Optional[int] = ..., match: _Optional[_Union[MatchRequest, _Mapping]] = ..., predict: _Optional[_Union[PredictPlacementRequest, _Mapping]] = ...) -> None: ...
 
 class MatchStreamResponse(_message.Message):
     __slots__ = ("replies",)
@@ -366,18 +368,20 @@ class MatchStreamResponse(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[MatchStreamReply, _Mapping]]] = ...) -> None: ...
 
 class MatchStreamReply(_message.Message):
-    __slots__ = ("request_id", "match", "code", "message", "field")
+    __slots__ = ("request_id", "match", "code", "message", "field", "predicted")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATCH_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FIELD_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     match: MatchResponse
     code: int
     message: str
     field: str
-    def __init__(self, request_id: _Optional[int] = ..., match: _Optional[_Union[MatchResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+    predicted: PredictPlacementResponse
+    def __init__(self, request_id: _Optional[int] = ..., match: _Optional[_Union[MatchResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., predicted: _Optional[_Union[PredictPlacementResponse, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -16,7 +16,7 @@ Example (YAML; TOML and JSON carry the same keys)::
     slo_policy: best_effort
     cost: ttft                    # predicted time to first token, or blocks (router_client.cost)
     balance: 0.02                 # the blocks cost's one knob
-    predictions: false            # route-time predictions (router_client.router)
+    predictions: true             # route-time predictions (router_client.router)
     buckets:
       - {id: short, stage: prefill, rank: 0, workers: [p0], max_tokens: 8192,
          ttft_p95_ms: 300, limits: {max_pending_prefill_tokens: 65536}}
@@ -221,7 +221,7 @@ class RouterConfig(StrictModel):
         "cost; the default is about an 8B model on one H100-class GPU.",
     )
     predictions: bool = Field(
-        default=False,
+        default=True,
         description="Route-time predictions: Match with include_predicted, count a worker's "
         "predicted prefix at predicted_weight a block, and after each decision record "
         "the chosen worker's blocks as predicted (PredictPlacement) in the background.",

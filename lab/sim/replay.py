@@ -72,8 +72,9 @@ changes what the caches hold later.
 
 **Load the routers see** (:class:`LoadFeed`). ``--load-view shared`` (the
 default) hands each router the engines' load reports: at every change with
-``--load-report-ms 0`` (the default: no view is ever stale), else each engine
-reports every P ms of virtual time, the engines' phases spread over the
+``--load-report-ms 0`` (no view is ever stale: no fleet has that), else each
+engine reports every P ms of virtual time (100 ms by default, about what a
+router polling its engines' load sees), the engines' phases spread over the
 period, so between reports a router sees the last report plus the requests
 it started itself and none of the other routers' work. ``--load-view local``
 sends no reports: a router knows only what it started, as one without shared
@@ -161,6 +162,10 @@ LoadView = Literal["shared", "local"]
 LOAD_VIEWS: tuple[LoadView, ...] = ("shared", "local")
 
 
+#: How often the replay's engines report their load by default, seconds.
+DEFAULT_LOAD_REPORT_S = 0.1
+
+
 @dataclass(slots=True)
 class ReplaySettings:
     """One replay's parameters (the command-line flags).
@@ -192,8 +197,9 @@ class ReplaySettings:
     #: (IndexFollower's hold; the other follower runs hold nothing, hold_s 0).
     follower_hold: bool = False
     #: Engines report their load to every router this often, virtual seconds
-    #: (0: at every change, so no router's view is ever stale).
-    load_report_s: float = 0.0
+    #: (0: at every change, so no router's view is ever stale; no fleet has
+    #: that, so the default is a period a router polling its engines gets).
+    load_report_s: float = DEFAULT_LOAD_REPORT_S
     #: ``shared``: the routers get the engines' reports; ``local``: none, only
     #: each router's own bookkeeping of the requests it started.
     load_view: LoadView = "shared"
@@ -207,8 +213,9 @@ class ReplaySettings:
     #: Route-time predictions (cache_shared): each decision records the chosen
     #: engine as about to hold the prompt's blocks for ``prediction_ttl_s``
     #: (virtual seconds), and Matches count them (router_client's
-    #: ``predicted_weight``) until the engine's events confirm them.
-    predict: bool = False
+    #: ``predicted_weight``) until the engine's events confirm them. On, as in
+    #: router_client.
+    predict: bool = True
     prediction_ttl_s: float = 10.0
     #: With predictions: routers count every router's unconfirmed predictions
     #: on an engine as its pending prefill (router_client's ``shared_pending``).
@@ -1429,14 +1436,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--own-load-only",
         action="store_true",
-        help="with --predict: routers do not count the other routers' unconfirmed "
+        help="with predictions: routers do not count the other routers' unconfirmed "
         "predictions as an engine's pending prefill (router_client's shared_pending off)",
     )
     p.add_argument(
         "--predict",
-        action="store_true",
-        help="route-time predictions: each decision marks the chosen engine as about to hold "
-        "the prompt until its events confirm it (see --event-lag-ms)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="route-time predictions (on, as in router_client): each decision marks the "
+        "chosen engine as about to hold the prompt until its events confirm it, however "
+        "late they come; --no-predict leaves them out",
     )
     p.add_argument(
         "--prediction-ttl-ms",
@@ -1508,7 +1517,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-report-ms",
         type=float,
-        default=0.0,
+        default=DEFAULT_LOAD_REPORT_S * 1000,
         metavar="P",
         help="engines report their load to the routers every P ms of virtual time, so a "
         "router sees the others' work up to P ms late (0: at every change)",

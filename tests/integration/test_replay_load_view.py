@@ -13,7 +13,11 @@ from kvmesh.cli import main as kvmesh_main
 from lab.sim.replay import PolicyResult, ReplaySettings, run_replay
 from lab.traces import load_mooncake
 
-SETTINGS = ReplaySettings(routers=8, workers=8, capacity=300, seed=1, load=0.9)
+# Reports at every change unless a test sets a period; no predictions (their
+# shared pending prefill is a view of its own, tested apart below).
+SETTINGS = ReplaySettings(
+    routers=8, workers=8, capacity=300, seed=1, load=0.9, load_report_s=0.0, predict=False
+)
 
 
 async def _run(**changes: object) -> dict[str, PolicyResult]:

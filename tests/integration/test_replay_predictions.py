@@ -32,7 +32,7 @@ def _pairs(gap_ms: float) -> list[TraceRequest]:
 # The blocks cost: the ttft cost sends the follower to an idle engine instead,
 # since it waits out the first one's prefill on the predicted one (faster there).
 SETTINGS = ReplaySettings(
-    routers=2, workers=8, capacity=2000, seed=3, event_lag_s=5.0, cost_model="blocks"
+    routers=2, workers=8, capacity=2000, seed=3, event_lag_s=5.0, cost_model="blocks", predict=False
 )
 
 

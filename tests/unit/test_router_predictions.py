@@ -107,7 +107,9 @@ def test_a_predicted_prefix_counts_at_its_weight() -> None:
 
 def test_prediction_settings_are_validated() -> None:
     cfg = parse_config({})
-    assert (cfg.predictions, cfg.prediction_ttl_ms, cfg.predicted_weight) == (False, 10_000, 0.9)
+    # On by default (docs/benchmarks.md, "Routing under load": the grid with them and without).
+    assert (cfg.predictions, cfg.prediction_ttl_ms, cfg.predicted_weight) == (True, 10_000, 0.9)
+    assert cfg.shared_pending
     with pytest.raises(ConfigError) as e:
         parse_config({"predicted_weight": 1.5})
     assert e.value.field == "predicted_weight"
@@ -127,7 +129,7 @@ OUTCOME = MatchOutcome(
 @pytest.mark.parametrize("cost", ["blocks", "ttft"])
 def test_a_predicted_prefix_wins_only_with_predictions_on(cost: str) -> None:
     on = make_router({"predictions": True, "cost": cost}).decide(req(), OUTCOME, decode=False)
-    off = make_router({"cost": cost}).decide(req(), OUTCOME, decode=False)
+    off = make_router({"predictions": False, "cost": cost}).decide(req(), OUTCOME, decode=False)
     assert on.prefill.worker == "b" and on.prefill.counted_blocks == pytest.approx(9.0)
     assert off.prefill.worker == "a" and off.prefill.counted_blocks == 7
 
@@ -146,7 +148,7 @@ def test_other_routers_pending_prefill_steers_the_choice(cost: str) -> None:
     assert chosen == {"b"}
     # Its own view counted alone (shared_pending off, or no predictions): a
     # worker with nothing started by this router and no report is idle.
-    for config in ({"predictions": True, "shared_pending": False}, {}):
+    for config in ({"predictions": True, "shared_pending": False}, {"predictions": False}):
         chosen = set()
         for seed in range(20):
             r = make_router({**config, "cost": cost, "balance": 0.5})
@@ -241,7 +243,7 @@ async def test_an_indexer_given_after_construction_gets_predictions(
 
 async def test_predictions_off_asks_and_records_nothing(channel: grpc.aio.Channel) -> None:
     indexer = ScriptedIndexer(channel, OUTCOME)
-    r = make_router({}, indexer)
+    r = make_router({"predictions": False}, indexer)
     assert (await r.route(req(), decode=False)).prefill.worker == "a"
     await asyncio.sleep(0)
     assert indexer.match_calls == [{}]

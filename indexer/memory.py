@@ -240,6 +240,8 @@ class _HashMap:
 
 #: Answers of runs held alike kept made (MemoryIndex._alike_cache), at most.
 ALIKE_CACHE_SIZE = 4096
+#: Hits with predicted_depth kept made (MemoryIndex._pred_twins), at most.
+PRED_TWINS_SIZE = 65536
 #: Deeper hits one instance keeps made (_Instance.hits).
 HIT_CACHE_SIZE = 64
 #: Blocks a capped dump resolves between two turns of the loop.
@@ -309,13 +311,10 @@ def _walk_alone(
     counts[0] += gpu
 
 
-#: InstanceMatch fields 0 (instance) and 2 (depth), for sorting in C.
+#: InstanceMatch fields 0 (instance), 2 (depth) and 8 (predicted_depth), for sorting in C.
 _BY_INSTANCE = operator.itemgetter(0)
 _BY_DEPTH = operator.itemgetter(2)
-
-
-def _predicted_order(m: InstanceMatch) -> tuple[int, int, InstanceId]:
-    return (-m.depth, -m.predicted_depth, m.instance)
+_BY_PREDICTED = operator.itemgetter(8)
 
 
 _new_tuple = tuple.__new__
@@ -517,6 +516,10 @@ class MemoryIndex(Index):
         #: Answers of runs held alike, by (the set's signature, depth): see
         #: _alike_answers (a prompt's shared prefix, asked again and again).
         self._alike_cache: dict[tuple[int, int], list[InstanceMatch]] = {}
+        #: A hit with predictions asked for and none beyond it: by id of the
+        #: hit (kept made, as hits are), the hit and its twin carrying
+        #: predicted_depth = depth (the hit kept so that its id is not reused).
+        self._pred_twins: dict[int, tuple[InstanceMatch, InstanceMatch]] = {}
 
     # -- instances -----------------------------------------------------------
 
@@ -1568,34 +1571,72 @@ class MemoryIndex(Index):
         table = self._pred.get(namespace)
         if not keys:
             return hits
+        twins = self._pred_twins
+        if len(twins) > PRED_TWINS_SIZE:
+            twins.clear()
         if table is None:
-            return [_with_predicted(h, h.depth) for h in hits]
+            return [self._twin(h) for h in hits]  # nothing predicted in the namespace
         instances = self._instances
         by_no = self._by_no
         n_keys = len(keys)
         out: list[InstanceMatch] = []
-        seen: set[int] = set()
+        deeper = False
+        # Hits come deepest first, most of them at a few depths (runs held
+        # alike): the predictions at the key after a depth are looked up once.
+        last = -1
+        nxt: dict[int, float] | None = None
         for h in hits:
-            no = instances[h.instance].no
-            seen.add(no)
             d = h.depth
+            if d != last:
+                last = d
+                nxt = table.get(keys[d]) if d < n_keys else None
             # Most hits end where nothing is predicted: one look-up settles them.
-            if d < n_keys and (nxt := table.get(keys[d])) is not None and no in nxt:
+            if nxt is not None and (no := instances[h.instance].no) in nxt:
                 d = self._walk_predicted(namespace, table, keys, no, d, n_keys, now)
-            out.append(_with_predicted(h, d))
+                if d != h.depth:
+                    out.append(_with_predicted(h, d))
+                    deeper = True
+                    continue
+            tw = twins.get(id(h))
+            if tw is None or tw[0] is not h:
+                tw = twins[id(h)] = (h, _with_predicted(h, h.depth))
+            out.append(tw[1])
         first = table.get(keys[0])
+        extra: list[InstanceMatch] = []
+        held: set[InstanceId] | None = None
         for no, expiry in (first or {}).items():
-            if no in seen or expiry <= now:
+            if expiry <= now:
                 continue
             inst = by_no[no]
+            if held is None:
+                held = {h.instance for h in hits}
+            if inst.spec.instance in held:
+                continue
             if inst.lease_expires_at <= now or (inst.stale and not include_stale):
                 continue
             d = self._walk_predicted(namespace, table, keys, no, 0, n_keys, now)
-            out.append(
+            extra.append(
                 InstanceMatch(inst.spec.instance, inst.spec.address, 0, 0, 0, 0, inst.stale, 0, d)
             )
-        out.sort(key=_predicted_order)
+        if extra:
+            extra.sort(key=_BY_INSTANCE)
+            out += extra
+            deeper = True
+        if deeper:
+            # (-depth, -predicted_depth, instance): the hits come by (-depth,
+            # instance) and the extra ones (depth 0) by instance, so two stable
+            # C-level sorts order them (a key function per hit cost a fifth of
+            # a 32-block Match with 64 holders).
+            out.sort(key=_BY_PREDICTED, reverse=True)
+            out.sort(key=_BY_DEPTH, reverse=True)
         return out
+
+    def _twin(self, h: InstanceMatch) -> InstanceMatch:
+        """``h`` with predicted_depth = depth, made once per hit object."""
+        got = self._pred_twins.get(id(h))
+        if got is None or got[0] is not h:
+            got = self._pred_twins[id(h)] = (h, _with_predicted(h, h.depth))
+        return got[1]
 
     def _walk_predicted(
         self,
@@ -1610,9 +1651,10 @@ class MemoryIndex(Index):
         """How far instance ``no`` holds ``keys`` confirmed or predicted from
         ``depth`` (its confirmed depth: ``keys[depth]`` is not held)."""
         d = depth
+        get = table.get
         while d < n_keys:
             key = keys[d]
-            holders = table.get(key)
+            holders = get(key)
             predicted = holders is not None and holders.get(no, 0.0) > now
             if not predicted and not (d > depth and self._holds(namespace, key, no)):
                 break

@@ -230,6 +230,8 @@ class IndexFollower:
         self._hybrid: dict[str, bool] = {}
         self._names: dict[InstanceId, str] = {}
         self._answers: dict[tuple[int, int, int, int, int], WorkerMatch] = {}
+        #: The same for answers with predictions (predicted_depth last).
+        self._pred_answers: dict[tuple[int, int, int, int, int, int], WorkerMatch] = {}
         #: Whole answers by the identities of the copy's hits (which the copy
         #: keeps made: a shared prefix asked again gives the same objects),
         #: each with those hits, which keeps the identities from being reused.
@@ -362,26 +364,27 @@ class IndexFollower:
         the pending prefill of each instance of the model)."""
         idx = self.index
         hits = idx.match_sync(Namespace(model, lora_name), keys, include_predicted=True)
-        names = self._names
-        if len(names) > _CACHE_CAP:
+        names, answers = self._names, self._pred_answers
+        if len(names) > _CACHE_CAP or len(answers) > _CACHE_CAP:
             names.clear()
-
-        def name_of(iid: InstanceId) -> str:
+            answers.clear()
+        out: dict[str, WorkerMatch] = {}
+        for h in hits:
+            name = names.get(h.instance)
+            if name is None:
+                name = names[h.instance] = instance_name(h.instance.worker_id, h.instance.dp_rank)
+            key = (h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens, h.predicted_depth)
+            answer = answers.get(key)
+            if answer is None:
+                answer = answers[key] = WorkerMatch(*key)
+            out[name] = answer
+        pending: dict[str, int] = {}
+        for iid, n in idx.pending_predicted_sync(model).items():
             name = names.get(iid)
             if name is None:
                 name = names[iid] = instance_name(iid.worker_id, iid.dp_rank)
-            return name
-
-        return MatchOutcome(
-            MatchStatus.OK,
-            {
-                name_of(h.instance): WorkerMatch(
-                    h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens, h.predicted_depth
-                )
-                for h in hits
-            },
-            {name_of(iid): n for iid, n in idx.pending_predicted_sync(model).items()},
-        )
+            pending[name] = n
+        return MatchOutcome(MatchStatus.OK, out, pending)
 
     def _is_hybrid(self, model: str) -> bool:
         got = self._hybrid.get(model)

@@ -26,7 +26,13 @@ A :class:`router_client.follower.IndexFollower` in this process follows it. Meas
 - ``follower_bytes_per_block_instance``: the follower's RSS growth across
   its snapshot over the (block, instance) pairs it loaded;
 - ``follower_wrong_answers``: after the ingest, Matches where the follower
-  (caught up) and the indexer disagree (must be 0).
+  (caught up) and the indexer disagree (must be 0);
+- ``follower_match_pred_{32,1024}_p50_us`` / ``_p99_us`` and
+  ``remote_match_pred_{32,1024}_p50_us``: the same with predictions
+  (``include_predicted``), 16 holders each predicted for the prompt's next
+  turn (8 blocks more): the follower answers from the predictions its stream
+  carries; ``follower_pred_wrong_answers``: its answers (predicted depths and
+  the pending prefill) against the indexer's (must be 0).
 
 Not measured here yet: routing quality through an indexer restart (replay
 with ``--follower``).
@@ -271,6 +277,72 @@ def _ingest_elsewhere(target: str, holders: int, seconds: float) -> float:
     return blocks
 
 
+#: Holders predicted for each prompt's next turn, and the blocks it adds.
+PREDICTED_HOLDERS = 16
+PREDICTED_MORE = 8
+
+
+async def _predicted(
+    stub: Any,
+    f: IndexFollower,
+    args: argparse.Namespace,
+    prompts: dict[int, list[int]],
+    figures: dict[str, float],
+) -> None:
+    """Matches with predictions: the follower's (from the predictions its stream
+    carries) against the indexer's, timed and compared."""
+    n_pred = min(PREDICTED_HOLDERS, args.holders)
+    turns = {}
+    for n in PROMPT_BLOCKS:
+        more = [30000 + (11 * n + i) % 20000 for i in range(PREDICTED_MORE * BLOCK)]
+        turns[n] = block_keys(prompts[n] + more, BLOCK, MODEL)
+        for w in range(n_pred):
+            await stub.PredictPlacement(
+                pb.PredictPlacementRequest(
+                    model=MODEL, instance=_ref(w), block_keys=turns[n], ttl_ms=30_000
+                )
+            )
+    last = turns[PROMPT_BLOCKS[-1]]
+    for _ in range(1000):  # the follower holds them within the stream's delay
+        out = f.match(MODEL, "", last, include_predicted=True)
+        if out is not None and out.pending is not None and len(out.pending) == n_pred:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise RuntimeError("the follower did not show the predictions within 10 s")
+    wrong = 0
+    for n in PROMPT_BLOCKS:
+        k = turns[n]
+        p50, p99 = _time_calls(
+            lambda k=k: f.match(MODEL, "", k, include_predicted=True), args.calls
+        )
+        figures[f"follower_match_pred_{n}_p50_us"] = p50
+        figures[f"follower_match_pred_{n}_p99_us"] = p99
+        lat = []
+        for _ in range(min(args.calls, 500)):
+            t0 = time.perf_counter()
+            r = await stub.Match(
+                pb.MatchRequest(model=MODEL, block_keys=k, include_predicted=True), timeout=5
+            )
+            lat.append(time.perf_counter() - t0)
+        figures[f"remote_match_pred_{n}_p50_us"] = percentile(lat, 0.5) * 1e6
+        local = f.match(MODEL, "", k, include_predicted=True)
+        want = (
+            {(m.instance.worker_id, m.depth, m.predicted_depth) for m in r.matches},
+            {p.instance.worker_id: p.predicted_blocks for p in r.pending},
+        )
+        got = (
+            (
+                {(w.split("/")[0], v.depth, v.predicted_depth) for w, v in local.matches.items()},
+                {w.split("/")[0]: b for w, b in (local.pending or {}).items()},
+            )
+            if local is not None
+            else None
+        )
+        wrong += got != want
+    figures["follower_pred_wrong_answers"] = wrong
+
+
 async def _run(args: argparse.Namespace, folder: Path) -> tuple[dict[str, float], dict[str, Any]]:
     if args.backend == "memory":
         return await _run_on(args, folder, None)
@@ -327,6 +399,7 @@ async def _run_on(
                 await stub.Match(pb.MatchRequest(model=MODEL, block_keys=k), timeout=5)
                 lat.append(time.perf_counter() - t0)
             figures[f"remote_match_{n}_p50_us"] = percentile(lat, 0.5) * 1e6
+        await _predicted(stub, f, args, prompts, figures)
         dyn = _dynamo(args.holders, [list(keys[n]) for n in PROMPT_BLOCKS], args.calls)
         for n in PROMPT_BLOCKS:
             if dyn is not None:
@@ -441,13 +514,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{fmt(figures.get(f'follower_over_dynamo_{n}_p50')):>7} "
             f"{fmt(figures[f'remote_match_{n}_p50_us']):>9}"
         )
+    for n in PROMPT_BLOCKS:
+        rows.append(
+            f"{n:>6} + pred  {fmt(figures[f'follower_match_pred_{n}_p50_us']):>9} "
+            f"{fmt(figures[f'follower_match_pred_{n}_p99_us']):>9} "
+            f"{'-':>9} {'-':>9} {'-':>7} "
+            f"{fmt(figures[f'remote_match_pred_{n}_p50_us']):>9}"
+        )
     head = "prompt        fol p50us fol p99us dyn p50us dyn p99us  ratio  grpc p50us"
     foot = [
         f"lag at {fmt(figures['ingest_blocks_per_s'])} blocks/s ingest: "
         f"p50 {fmt(figures['follower_lag_p50_ms'])} ms, "
         f"p99 {fmt(figures['follower_lag_p99_ms'])} ms; "
         f"{fmt(figures['follower_bytes_per_block_instance'])} B per (block, instance); "
-        f"wrong answers {int(figures['follower_wrong_answers'])}; "
+        f"wrong answers {int(figures['follower_wrong_answers'])} "
+        f"({int(figures['follower_pred_wrong_answers'])} with predictions); "
         f"resyncs {int(figures['follower_resyncs'])}",
         f"{params['backend']} backend; "
         f"{params['holders']} holders of every prompt block, {BLOCK}-token blocks; ratio: follower "
@@ -456,7 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(head, rows, foot))
     if args.json_path:
         write_report(args.json_path, figures, params)
-    return 0 if figures["follower_wrong_answers"] == 0 else 1
+    wrong = figures["follower_wrong_answers"] + figures["follower_pred_wrong_answers"]
+    return 0 if wrong == 0 else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ def test_quick_run_reports_every_figure_and_no_wrong_answer(tmp_path: Path, back
             assert figures[f"{name}_{n}_p99_us"] >= figures[f"{name}_{n}_p50_us"]
         assert figures[f"follower_match_{n}_p50_us"] < figures[f"remote_match_{n}_p50_us"]
     assert figures["follower_wrong_answers"] == 0
+    # With predictions: answered from the follower's copy too, and the same.
+    assert figures["follower_pred_wrong_answers"] == 0
+    for n in follower.PROMPT_BLOCKS:
+        assert figures[f"follower_match_pred_{n}_p50_us"] > 0
+        assert figures[f"follower_match_pred_{n}_p50_us"] < figures[f"remote_match_pred_{n}_p50_us"]
     assert figures["follower_lag_p99_ms"] >= figures["follower_lag_p50_ms"] > 0
     # RSS over a few thousand pairs is noise at --quick sizes: only reported.
     assert math.isfinite(figures["follower_bytes_per_block_instance"])

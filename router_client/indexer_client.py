@@ -87,6 +87,7 @@ from router_client.metrics import tracer
 _SERVICE: str = pb.DESCRIPTOR.services_by_name["IndexerService"].full_name
 #: Name of the Match client span (the server span has the same name).
 _MATCH_METHOD = f"{_SERVICE}/Match"
+_PREDICT_METHOD = f"{_SERVICE}/PredictPlacement"
 #: Path of the MatchStream method.
 _MATCH_STREAM_PATH = f"/{_SERVICE}/MatchStream"
 
@@ -718,6 +719,9 @@ class IndexerClient:
         try:
             if stream is not None:
                 await self._stream_predict(stream, req, timeout)
+            elif self._tracing:
+                self.predict_unary_calls += 1
+                await self._traced_predict(req, timeout)
             else:
                 self.predict_unary_calls += 1
                 await self._stub.PredictPlacement(req, timeout=timeout)
@@ -917,6 +921,22 @@ class IndexerClient:
             end_rpc_span(span, "OK", server=False)
             span.set_attribute("kvmesh.matches", len(resp.matches))
             return resp
+
+    async def _traced_predict(self, req: pb.PredictPlacementRequest, timeout: float) -> None:
+        """PredictPlacement under a CLIENT span carried in the call's metadata, as
+        :meth:`_traced_match`: the prediction a decision sends in the background
+        (its task took the decision's context) joins the decision's trace."""
+        with tracer.start_as_current_span(
+            _PREDICT_METHOD,
+            kind=trace.SpanKind.CLIENT,
+            attributes={**self._span_attributes, "kvmesh.blocks": len(req.block_keys)},
+        ) as span:
+            try:
+                await self._stub.PredictPlacement(req, timeout=timeout, metadata=inject_context())
+            except grpc.aio.AioRpcError as e:
+                end_rpc_span(span, e.code().name, server=False)
+                raise
+            end_rpc_span(span, "OK", server=False)
 
     def _count(self, outcome: MatchOutcome) -> MatchOutcome:
         self.calls[outcome.status] += 1

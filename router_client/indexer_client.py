@@ -922,7 +922,7 @@ class IndexerClient:
             span.set_attribute("kvmesh.matches", len(resp.matches))
             return resp
 
-    async def _traced_predict(self, req: pb.PredictPlacementRequest, timeout: float) -> None:
+    async def _traced_predict(self, req: pb.PredictPlacementRequest, deadline_s: float) -> None:
         """PredictPlacement under a CLIENT span carried in the call's metadata, as
         :meth:`_traced_match`: the prediction a decision sends in the background
         (its task took the decision's context) joins the decision's trace."""
@@ -932,7 +932,9 @@ class IndexerClient:
             attributes={**self._span_attributes, "kvmesh.blocks": len(req.block_keys)},
         ) as span:
             try:
-                await self._stub.PredictPlacement(req, timeout=timeout, metadata=inject_context())
+                await self._stub.PredictPlacement(
+                    req, timeout=deadline_s, metadata=inject_context()
+                )
             except grpc.aio.AioRpcError as e:
                 end_rpc_span(span, e.code().name, server=False)
                 raise

@@ -97,6 +97,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import random
 import sys
 import tempfile
@@ -488,6 +489,14 @@ class LoadFeed:
     the period (engines are not synchronised), so between two reports a
     router sees the last one plus what it started itself since, and none of
     the other routers' work. ``local``: no reports at all.
+
+    An engine whose load did not change since its last report says the same
+    thing at its next ones: its ticks pause until its load changes or a router
+    is about to read it (:meth:`catch_up`), and then its latest report is
+    delivered with the time it would have had. The routers see what they would
+    have seen tick by tick, without a tick per engine every period through a
+    trace's idle hours (a trace of requests ten minutes apart took 90 s of
+    ticks at 100 ms).
     """
 
     def __init__(self, routers: Sequence[Router], view: LoadView, period_s: float) -> None:
@@ -500,6 +509,14 @@ class LoadFeed:
         self.ages: list[float] = []
         self._gap = 0.0
         self._gap_samples = 0
+        # Periodic reports: the load each engine last reported, the engines
+        # whose load changed since, the paused ones (their last tick's time and
+        # tick), the clock and the last tick allowed.
+        self._said: dict[str, WorkerLoad] = {}
+        self._dirty: set[str] = set()
+        self._paused: dict[str, tuple[float, Callable[[float], None]]] = {}
+        self._sim: VirtualClock | None = None
+        self._last = 0.0
 
     @property
     def periodic(self) -> bool:
@@ -511,6 +528,38 @@ class LoadFeed:
         if self.view == "shared" and self.period_s <= 0:
             for r in self.routers:
                 r.load.report(worker, load, at)
+        elif self.periodic:
+            self._dirty.add(worker)
+            paused = self._paused.pop(worker, None)
+            if paused is not None:
+                # The reports it skipped said what it said last: the latest of
+                # them goes out, then the ticks go on from it.
+                at_tick = self._skipped(worker, paused[0], at)
+                nxt = at_tick + self.period_s
+                if nxt <= self._last:
+                    assert self._sim is not None
+                    self._sim.schedule(nxt, paused[1])
+
+    def catch_up(self, now: float) -> None:
+        """Before a decision at ``now``: each paused engine's latest report."""
+        for worker, (at, tick) in list(self._paused.items()):
+            self._paused[worker] = (self._skipped(worker, at, now), tick)
+
+    def _skipped(self, worker: str, last_tick: float, now: float) -> float:
+        """Deliver paused ``worker``'s latest tick at or before ``now`` (after
+        ``last_tick``, its load unchanged since), and return its time."""
+        k = math.floor((now - last_tick) / self.period_s)
+        if k < 1:
+            return last_tick
+        at = last_tick + k * self.period_s
+        self._deliver(worker, self._said[worker], at)
+        return at
+
+    def _deliver(self, worker: str, load: WorkerLoad, at: float) -> None:
+        for r in self.routers:
+            r.load.report(worker, load, at)
+        self.reported_at[worker] = at
+        self._said[worker] = load
 
     def start(
         self, sim: VirtualClock, fleet: Sequence[SimEngine], first: float, last: float
@@ -519,16 +568,24 @@ class LoadFeed:
         reported once by the first arrival) to the last arrival ``last``."""
         if not self.periodic:
             return
+        self._sim, self._last = sim, last
         for i, engine in enumerate(fleet):
             at = first - self.period_s * i / len(fleet)
+            self._dirty.add(engine.name)
             sim.schedule(at, self._ticker(sim, engine, last))
 
     def _ticker(self, sim: VirtualClock, engine: SimEngine, last: float) -> Callable[[float], None]:
+        name = engine.name
+
         def tick(at: float) -> None:
-            load = engine.load()
-            for r in self.routers:
-                r.load.report(engine.name, load, at)
-            self.reported_at[engine.name] = at
+            self._deliver(name, engine.load(), at)
+            if name not in self._dirty:
+                # Nothing changed since the last report: this one said the same,
+                # and so would the next ones until it changes (changed) or a
+                # router reads it (catch_up).
+                self._paused[name] = (at, tick)
+                return
+            self._dirty.discard(name)
             if at + self.period_s <= last:
                 sim.schedule(at + self.period_s, tick)
 
@@ -721,6 +778,7 @@ async def run_policy(
             max_output_tokens=treq.output_length,
             block_keys=k,
         )
+        feed.catch_up(t)
         choice = await choose(ri, router, rreq, k)
         feed.observe(router, engines[choice.worker], t)
         router.started(rreq, choice)

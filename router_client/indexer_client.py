@@ -193,6 +193,29 @@ def _stream_item(request_id: int, match: bytes, tag: bytes = _TAG_MATCH) -> byte
     return b"".join((_TAG_MATCHES, _varint(len(body)), body))
 
 
+async def _ask(
+    stream: _MatchStream, req: pb.MatchRequest | pb.PredictPlacementRequest, deadline_s: float
+) -> pb.MatchStreamReply | None:
+    """``req``'s reply on ``stream``, or None when the stream ended first (the
+    caller goes unary); DEADLINE_EXCEEDED, as a :class:`_StatusReply`, past
+    ``deadline_s``."""
+    try:
+        return await stream.ask(req, deadline_s)
+    except TimeoutError:
+        raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED) from None
+    except _StreamBroken:
+        return None
+
+
+def _left(t0: float, deadline_s: float) -> float:
+    """Seconds left of ``deadline_s`` counted from loop time ``t0``;
+    DEADLINE_EXCEEDED, as a :class:`_StatusReply`, when none are."""
+    left = deadline_s - (asyncio.get_running_loop().time() - t0)
+    if left <= 0:
+        raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED)
+    return left
+
+
 def _as_bytes(message: bytes) -> bytes:
     """Request serializer of the stream: its messages are built serialized."""
     return message
@@ -753,14 +776,8 @@ class IndexerClient:
         Raises what the unary call would: an AioRpcError, or a
         :class:`_StatusReply` carrying an error reply's status.
         """
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        try:
-            reply = await stream.ask(req, deadline_s)
-        except TimeoutError:
-            raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        except _StreamBroken:
-            reply = None
+        t0 = asyncio.get_running_loop().time()
+        reply = await _ask(stream, req, deadline_s)
         if (
             reply is not None
             and reply.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -776,11 +793,8 @@ class IndexerClient:
             self._predict_on_stream = False
             reply = None
         if reply is None:
-            left = deadline_s - (loop.time() - t0)
-            if left <= 0:
-                raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED)
             self.predict_unary_calls += 1
-            await self._stub.PredictPlacement(req, timeout=left)
+            await self._stub.PredictPlacement(req, timeout=_left(t0, deadline_s))
             return
         if reply.code:
             raise _StatusReply(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN))
@@ -806,18 +820,11 @@ class IndexerClient:
         Raises what the unary call would: an AioRpcError, or a
         :class:`_StatusReply` carrying an error reply's status.
         """
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        try:
-            reply = await stream.ask(req, deadline_s)
-        except TimeoutError:
-            raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        except _StreamBroken:
-            left = deadline_s - (loop.time() - t0)
-            if left <= 0:
-                raise _StatusReply(grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        t0 = asyncio.get_running_loop().time()
+        reply = await _ask(stream, req, deadline_s)
+        if reply is None:
             self.unary_calls += 1
-            resp: pb.MatchResponse = await self._stub.Match(req, timeout=left)
+            resp: pb.MatchResponse = await self._stub.Match(req, timeout=_left(t0, deadline_s))
             return resp
         if reply.code:
             raise _StatusReply(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN))

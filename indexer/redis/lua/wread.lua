@@ -13,6 +13,15 @@ end
 local id = st[1]
 local out, seen, names = {}, {}, {}
 local sub = string.sub
+-- The name of the namespace of block suffix suf, once.
+local function name_ns(suf)
+  local ns = sub(suf, 1, 8)
+  if not seen[ns] then
+    seen[ns] = true
+    names[#names + 1] = ns
+    names[#names + 1] = redis.call('HGET', B .. 'ns', ns) or ''
+  end
+end
 local e = redis.call('HGETALL', B .. 'e:' .. id)
 for i = 1, #e, 2 do
   local suf = e[i + 1]
@@ -28,21 +37,11 @@ for i = 1, #e, 2 do
     out[#out + 1] = e[i]
     out[#out + 1] = suf
     out[#out + 1] = m
-    local ns = sub(suf, 1, 8)
-    if not seen[ns] then
-      seen[ns] = true
-      names[#names + 1] = ns
-      names[#names + 1] = redis.call('HGET', B .. 'ns', ns) or ''
-    end
+    name_ns(suf)
   end
 end
 local pred = redis.call('ZRANGEBYSCORE', B .. 'po:' .. id, '(' .. ARGV[3], '+inf', 'WITHSCORES')
 for i = 1, #pred, 2 do
-  local ns = sub(pred[i], 1, 8)
-  if not seen[ns] then
-    seen[ns] = true
-    names[#names + 1] = ns
-    names[#names + 1] = redis.call('HGET', B .. 'ns', ns) or ''
-  end
+  name_ns(pred[i])
 end
 return {n, st, out, redis.call('HGETALL', B .. 'cp:' .. id), names, pred}

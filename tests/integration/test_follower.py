@@ -406,12 +406,14 @@ async def test_predictions_reach_the_follower_and_end_with_their_engines_events(
         # A short-lived prediction of another prompt: gone in both at its expiry.
         other = block_keys([7] * BLOCK * 2, BLOCK, "m", "")
         await h.stub.PredictPlacement(
-            pb.PredictPlacementRequest(model="m", instance=ref, block_keys=other, ttl_ms=300)
+            pb.PredictPlacementRequest(model="m", instance=ref, block_keys=other, ttl_ms=2000)
         )
+        sent = time.monotonic()  # recorded before this: it expires by sent + 2 s
         await _caught_up(h, f)
         got = f.match("m", "", other, include_predicted=True)
         assert got is not None and got.matches[instance_name("w0", 0)].predicted_depth == 2
-        await asyncio.sleep(0.35)
+        # (2 s: the follower's catch-up above must see it first, on a slow runner too)
+        await asyncio.sleep(max(0.0, sent + 2.05 - time.monotonic()))
         got = f.match("m", "", other, include_predicted=True)
         assert got is not None and instance_name("w0", 0) not in got.matches
         resp = await h.stub.Match(

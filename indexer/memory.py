@@ -1597,10 +1597,7 @@ class MemoryIndex(Index):
                     out.append(_with_predicted(h, d))
                     deeper = True
                     continue
-            tw = twins.get(id(h))
-            if tw is None or tw[0] is not h:
-                tw = twins[id(h)] = (h, _with_predicted(h, h.depth))
-            out.append(tw[1])
+            out.append(self._twin(h))
         first = table.get(keys[0])
         extra: list[InstanceMatch] = []
         held: set[InstanceId] | None = None

@@ -370,21 +370,20 @@ class IndexFollower:
             answers.clear()
         out: dict[str, WorkerMatch] = {}
         for h in hits:
-            name = names.get(h.instance)
-            if name is None:
-                name = names[h.instance] = instance_name(h.instance.worker_id, h.instance.dp_rank)
             key = (h.depth, h.gpu_blocks, h.cpu_blocks, h.disk_blocks, h.tokens, h.predicted_depth)
             answer = answers.get(key)
             if answer is None:
                 answer = answers[key] = WorkerMatch(*key)
-            out[name] = answer
-        pending: dict[str, int] = {}
-        for iid, n in idx.pending_predicted_sync(model).items():
-            name = names.get(iid)
-            if name is None:
-                name = names[iid] = instance_name(iid.worker_id, iid.dp_rank)
-            pending[name] = n
+            out[self._name(h.instance)] = answer
+        pending = {self._name(i): n for i, n in idx.pending_predicted_sync(model).items()}
         return MatchOutcome(MatchStatus.OK, out, pending)
+
+    def _name(self, iid: InstanceId) -> str:
+        """``iid``'s worker name, made once (:data:`_CACHE_CAP` bounds the cache)."""
+        name = self._names.get(iid)
+        if name is None:
+            name = self._names[iid] = instance_name(iid.worker_id, iid.dp_rank)
+        return name
 
     def _is_hybrid(self, model: str) -> bool:
         got = self._hybrid.get(model)

@@ -643,8 +643,7 @@ class IndexerClient:
         ``predicted_depth``, and workers holding the first block by
         prediction alone come with depth 0. The follower answers such a
         Match when its stream carries predictions
-        (:attr:`IndexFollower.predictions_followed`: a memory replica's does,
-        the copy a replica over Redis keeps does not); else it goes to the
+        (:attr:`IndexFollower.predictions_followed`); else it goes to the
         indexer, under the same deadline, bound and breaker.
         """
         if not keys:
@@ -758,12 +757,17 @@ class IndexerClient:
         return self._count_predict(MatchStatus.OK)
 
     def _predict_failed(self, code: grpc.StatusCode) -> MatchStatus:
+        return self._count_predict(self._failure(code))
+
+    def _failure(self, code: grpc.StatusCode) -> MatchStatus:
+        """The status of a call that ended with ``code``, told to the breaker: a
+        refusal (ERROR) releases its probe, trouble counts as a failure."""
         status = _FAILURE_CODES.get(code)
         if status is None:
             self.breaker.release()
-            return self._count_predict(MatchStatus.ERROR)
+            return MatchStatus.ERROR
         self.breaker.failure()
-        return self._count_predict(status)
+        return status
 
     async def _stream_predict(
         self, stream: _MatchStream, req: pb.PredictPlacementRequest, deadline_s: float
@@ -805,12 +809,7 @@ class IndexerClient:
 
     def _failed(self, code: grpc.StatusCode) -> MatchOutcome:
         """The outcome of a Match that ended with status ``code``, told to the breaker."""
-        status = _FAILURE_CODES.get(code)
-        if status is None:
-            self.breaker.release()
-            return self._count(MatchOutcome(MatchStatus.ERROR))
-        self.breaker.failure()
-        return self._count(MatchOutcome(status))
+        return self._count(MatchOutcome(self._failure(code)))
 
     async def _stream_match(
         self, stream: _MatchStream, req: pb.MatchRequest, deadline_s: float

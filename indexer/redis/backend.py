@@ -1715,13 +1715,11 @@ class RedisIndex(Index):
         applied = dataclasses.replace(batch, incarnation="", address="", quota=None)
         return b"W", wire.batch_to_pb(applied).SerializeToString()
 
-    async def watch_start(
-        self, backlog: int, lease_s: float, *, predictions: bool = False
-    ) -> tuple[int, bytes]:
+    async def watch_start(self, backlog: int, lease_s: float) -> tuple[int, bytes]:
         """Start (or go on) watching: every change is appended to the stream, which
-        keeps about ``backlog`` entries, for ``lease_s`` unless renewed (with
-        ``predictions``, every route-time prediction too). Returns the number and
-        stream id of its last entry (a reader reads after them)."""
+        keeps about ``backlog`` entries, for ``lease_s`` unless renewed, route-time
+        predictions included. Returns the number and stream id of its last entry
+        (a reader reads after them)."""
         n, last = await self._eval(
             self._scripts["wstart"],
             len(self._ctl_keys),
@@ -1730,7 +1728,6 @@ class RedisIndex(Index):
             str(backlog),
             str(max(1, round(lease_s * 1000))),
             repr(float(self._clock())),
-            "1" if predictions else "0",
         )
         self._watched = True
         return int(n), bytes(last)

@@ -228,7 +228,7 @@ class RedisWatchFeed:
     async def _follow(self) -> None:
         idx = self.index
         started = time.monotonic()
-        n, after = await idx.watch_start(self.backlog, LEASE_S, predictions=True)
+        n, after = await idx.watch_start(self.backlog, LEASE_S)
         self.position, self._after = n, after
         mirror = MemoryIndex(clock=self._now)
         # Positions go on past the last copy's: a follower of that copy (its
@@ -285,7 +285,7 @@ class RedisWatchFeed:
 
     async def _check(self) -> None:
         """Renew the lease; the stream must still hold the next entry, or none yet."""
-        top, _ = await self.index.watch_start(self.backlog, LEASE_S, predictions=True)
+        top, _ = await self.index.watch_start(self.backlog, LEASE_S)
         if top < self.position:
             raise _Resync(f"the stream went back from entry {self.position} to {top}")
         # Entries after ours exist: the next read returns them, and a gap shows

@@ -265,6 +265,7 @@ def prediction_from_pb(req: pb.PredictPlacementRequest) -> Prediction:
         instance=instance_from_pb(req.instance),
         keys=req.block_keys,
         ttl_s=req.ttl_ms / 1000,
+        pending_s=req.pending_ms / 1000 if req.pending_ms else None,
     )
 
 

@@ -71,7 +71,11 @@ Pending prefill (``pending_predicted``)
   requests predicted counts once). Instances with none are left out. It is
   the load every router's dispatches put on an instance, seen by every
   router at its next Match, where each router alone sees only its own. None:
-  the backend does not count it.
+  the backend does not count it. A prediction recorded with ``pending_s``
+  counts for that long at most (the router's predicted end of the request's
+  prefill: past it the engine's own load report has the request, and the
+  events that confirm the blocks may lag); recorded again, a key takes the
+  newer deadline (or none).
 
 Quotas (``InstanceSpec.quota``, ``EventBatch.quota``; None: none)
   An instance created with a quota naming an identity counts under it (its
@@ -177,8 +181,11 @@ class Index(abc.ABC):
         keys: Sequence[int],
         ttl_s: float,
         max_per_instance: int,
+        pending_s: float | None = None,
     ) -> int:
         """Record a prediction (see "Predictions" above); return the keys recorded.
+        ``pending_s``: how long its keys count as pending prefill (see "Pending
+        prefill"); None: as long as they are predicted.
 
         This default refuses: a backend that cannot share predictions says so.
         """

@@ -277,10 +277,13 @@ class InstrumentedIndex(Index):
         keys: Sequence[int],
         ttl_s: float,
         max_per_instance: int,
+        pending_s: float | None = None,
     ) -> int:
         """See :meth:`Index.predict`."""
         with self._observe("predict", {"kvmesh.blocks": len(keys)}):
-            return await self.inner.predict(namespace, instance, keys, ttl_s, max_per_instance)
+            return await self.inner.predict(
+                namespace, instance, keys, ttl_s, max_per_instance, pending_s
+            )
 
     async def reap_expired(self) -> list[InstanceId]:
         """See :meth:`Index.reap_expired`."""

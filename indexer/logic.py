@@ -983,8 +983,18 @@ class IndexerLogic:
         # Advice: a failed prediction leaves health alone (the pings and the
         # Matches judge the backend; a Redis ACL without the rights predictions
         # need, SECURITY.md, must not take the replica out of service).
+        pending_s = prediction.pending_s
+        if pending_s is not None and not (math.isfinite(pending_s) and pending_s >= 0):
+            raise InvalidArgument(f"must be >= 0, got {pending_s}", field="pending_ms")
+        if pending_s is not None and pending_s * 1000 >= ttl_ms:
+            pending_s = None  # pending as long as it lives
         n = await self.index.predict(
-            ns, prediction.instance, keys, ttl_ms / 1000, lim.max_predicted_blocks_per_instance
+            ns,
+            prediction.instance,
+            keys,
+            ttl_ms / 1000,
+            lim.max_predicted_blocks_per_instance,
+            pending_s,
         )
         self.counters.predictions_recorded += n
         return n, ttl_ms

@@ -378,6 +378,13 @@ class _Instance:
     #: Route-time predictions (indexer/index.py, "Predictions"): namespace
     #: number << 64 | key -> expiry, oldest recorded first (None: none).
     predicted: dict[int, float] | None = None
+    #: Predictions that stop counting as pending prefill before they expire
+    #: (a router's ``pending_s``): entry -> when; ``(when, entry)`` soonest
+    #: first; and the entries whose time has come, still predicted
+    #: (pending_predicted counts ``predicted`` less these). None: none.
+    pend_until: dict[int, float] | None = None
+    pend_heap: list[tuple[float, int]] | None = None
+    settled: set[int] | None = None
 
 
 @dataclass(slots=True)
@@ -1384,6 +1391,10 @@ class MemoryIndex(Index):
         assert inst.predicted is not None
         del inst.predicted[entry]
         self._pred_count -= 1
+        if inst.pend_until is not None:
+            inst.pend_until.pop(entry, None)
+            if inst.settled:
+                inst.settled.discard(entry)
         ns = self._ns_list[entry >> 64]
         table = self._pred[ns]
         key = entry & _U64
@@ -1398,7 +1409,13 @@ class MemoryIndex(Index):
         """Forget every prediction of ``inst`` (a clear, a reset, its removal)."""
         for entry in list(inst.predicted or ()):
             self._drop_prediction(inst, entry)
+        self._none_predicted(inst)
+
+    @staticmethod
+    def _none_predicted(inst: _Instance) -> None:
+        """``inst`` holds no prediction any more."""
         inst.predicted = None
+        inst.pend_until = inst.pend_heap = inst.settled = None
 
     def _confirm(self, inst: _Instance, base: int, keys: Sequence[int]) -> None:
         """Stored ``keys`` (namespace number ``base``) are held: their predictions go."""
@@ -1409,7 +1426,7 @@ class MemoryIndex(Index):
             if entry in predicted:
                 self._drop_prediction(inst, entry)
         if not predicted:
-            inst.predicted = None
+            self._none_predicted(inst)
 
     def _purge_predictions(self, now: float, budget: int = PURGE_BUDGET) -> None:
         """Drop predictions expired by ``now``, soonest first, at most ``budget``
@@ -1426,7 +1443,7 @@ class MemoryIndex(Index):
             if inst.predicted.get(entry) == expiry:
                 self._drop_prediction(inst, entry)
                 if not inst.predicted:
-                    inst.predicted = None
+                    self._none_predicted(inst)
 
     async def predict(
         self,
@@ -1435,9 +1452,10 @@ class MemoryIndex(Index):
         keys: Sequence[int],
         ttl_s: float,
         max_per_instance: int,
+        pending_s: float | None = None,
     ) -> int:
         """See :meth:`Index.predict`."""
-        return self.predict_sync(namespace, instance, keys, ttl_s, max_per_instance)
+        return self.predict_sync(namespace, instance, keys, ttl_s, max_per_instance, pending_s)
 
     def predict_sync(
         self,
@@ -1446,6 +1464,7 @@ class MemoryIndex(Index):
         keys: Sequence[int],
         ttl_s: float,
         max_per_instance: int = MAX_PREDICTED_PER_INSTANCE,
+        pending_s: float | None = None,
     ) -> int:
         """Synchronous :meth:`predict`, on the index's clock. O(len(keys)) plus
         the purge's share."""
@@ -1471,6 +1490,15 @@ class MemoryIndex(Index):
         no = inst.no
         recorded = 0
         heap = self._pred_heap
+        # Pending for less than the prediction lives: each key's deadline, kept
+        # apart (None: pending while it lives, the keys' older deadlines go).
+        until = None if pending_s is None or pending_s >= ttl_s else now + max(0.0, pending_s)
+        pend_until = inst.pend_until
+        if until is not None and pend_until is None:
+            pend_until = inst.pend_until = {}
+            inst.pend_heap = []
+            inst.settled = set()
+        pend_heap, settled = inst.pend_heap, inst.settled
         watch = self.watch
         told: list[int] | None = [] if watch is not None and watch.predicting else None
         for key in keys:
@@ -1487,11 +1515,19 @@ class MemoryIndex(Index):
                 holders = table[key] = {}
             holders[no] = expiry
             heapq.heappush(heap, (expiry, no, entry))
+            if pend_until is not None:
+                assert pend_heap is not None and settled is not None
+                settled.discard(entry)
+                if until is None:
+                    pend_until.pop(entry, None)
+                else:
+                    pend_until[entry] = until
+                    heapq.heappush(pend_heap, (until, entry))
             recorded += 1
         while len(predicted) > max_per_instance:
             self._drop_prediction(inst, next(iter(predicted)))
         if not predicted:
-            inst.predicted = None
+            self._none_predicted(inst)
         if not table and namespace in self._pred:
             del self._pred[namespace]
         if told:
@@ -1501,7 +1537,7 @@ class MemoryIndex(Index):
                 Namespace(inst.spec.model),
                 instance,
                 0,
-                (namespace.lora_name, told, expiry, max_per_instance, now),
+                (namespace.lora_name, told, expiry, max_per_instance, now, until or 0.0),
             )
         return recorded
 
@@ -1510,21 +1546,26 @@ class MemoryIndex(Index):
         inst = self._instances.get(instance)
         return None if inst is None else inst.spec.model
 
-    def watch_predicted(self, instance: InstanceId) -> list[tuple[str, list[int], float]]:
-        """``instance``'s route-time predictions as ``(lora name, keys, expiry)``
-        runs, oldest first (a follower's snapshot: recorded in this order after
-        its blocks, they give it the same predictions). Synchronous: call it in
-        the step that read the instance's blocks."""
+    def watch_predicted(self, instance: InstanceId) -> list[tuple[str, list[int], float, float]]:
+        """``instance``'s route-time predictions as ``(lora name, keys, expiry,
+        pending until)`` runs, oldest first (a follower's snapshot: recorded in
+        this order after its blocks, they give it the same predictions; pending
+        until 0: pending while they live, a past time: no longer pending).
+        Synchronous: call it in the step that read the instance's blocks."""
         inst = self._instances.get(instance)
-        out: list[tuple[str, list[int], float]] = []
+        out: list[tuple[str, list[int], float, float]] = []
         if inst is None or not inst.predicted:
             return out
         ns_list = self._ns_list
-        last: tuple[int, float] | None = None
+        pend_until = inst.pend_until or {}
+        settled = inst.settled or set()
+        now = self._clock()
+        last: tuple[int, float, float] | None = None
         for entry, expiry in inst.predicted.items():
-            at = (entry >> 64, expiry)
+            until = pend_until.get(entry, now if entry in settled else 0.0)
+            at = (entry >> 64, expiry, until)
             if at != last:
-                out.append((ns_list[at[0]].lora_name, [], expiry))
+                out.append((ns_list[at[0]].lora_name, [], expiry, until))
                 last = at
             out[-1][1].append(entry & _U64)
         return out
@@ -1549,10 +1590,27 @@ class MemoryIndex(Index):
             if not predicted or by_no.get(no) is not inst:
                 gone.append(no)
             elif inst.spec.model == model and inst.lease_expires_at > now and not inst.stale:
-                out[inst.spec.instance] = len(predicted)
+                n = len(predicted)
+                if inst.pend_heap is not None:
+                    n -= self._settle(inst, now)
+                if n > 0:
+                    out[inst.spec.instance] = n
         for no in gone:
             del self._predicting[no]
         return out
+
+    @staticmethod
+    def _settle(inst: _Instance, now: float) -> int:
+        """How many of ``inst``'s predictions no longer count as pending at
+        ``now`` (their deadline passed); amortised O(1) a prediction."""
+        heap, until, settled = inst.pend_heap, inst.pend_until, inst.settled
+        assert heap is not None and until is not None and settled is not None
+        while heap and heap[0][0] <= now:
+            when, entry = heapq.heappop(heap)
+            if until.get(entry) == when:  # not re-predicted or dropped since
+                del until[entry]
+                settled.add(entry)
+        return len(settled)
 
     def _match_predicted(
         self, namespace: Namespace, keys: Sequence[int], include_stale: bool

@@ -361,12 +361,15 @@ class Prediction:
     ``keys`` (in order) of ``namespace`` to ``instance``, whose engine will hold
     them once its prefill runs. Held for ``ttl_s`` seconds (0: the server's
     default) unless the engine's events confirm or drop them first; never
-    counted as held (indexer/index.py, "Predictions")."""
+    counted as held (indexer/index.py, "Predictions"), counted as pending
+    prefill for ``pending_s`` at most ("Pending prefill")."""
 
     namespace: Namespace
     instance: InstanceId
     keys: Sequence[int]
     ttl_s: float = 0.0
+    #: How long the keys count as pending prefill (None: while predicted).
+    pending_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

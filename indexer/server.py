@@ -726,8 +726,11 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                                 lora_name=lora,
                                 block_keys=keys,
                                 expires_at=expiry,
+                                pending_until=until,
                             )
-                            for lora, keys, expiry in index.watch_predicted(state.spec.instance)
+                            for lora, keys, expiry, until in index.watch_predicted(
+                                state.spec.instance
+                            )
                         ]
                         if predictions
                         else ()
@@ -823,7 +826,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
         elif c.kind == "renewed":
             out = pb.WatchChange(position=c.position, applied_at=c.payload, renewed=inst)
         elif c.kind == "predicted":
-            lora, keys, expiry, cap, at = c.payload
+            lora, keys, expiry, cap, at, until = c.payload
             out = pb.WatchChange(
                 position=c.position,
                 applied_at=at,
@@ -833,6 +836,7 @@ class IndexerServicer(pb_grpc.IndexerServiceServicer):
                     block_keys=keys,
                     expires_at=expiry,
                     max_per_instance=cap,
+                    pending_until=until,
                 ),
             )
         else:

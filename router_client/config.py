@@ -238,7 +238,8 @@ class RouterConfig(StrictModel):
         default=True,
         description="With predictions on: a worker's pending prefill is the larger of this "
         "router's view (engine report plus its own requests since) and the blocks every "
-        "router predicted for it that its engine has not confirmed (MatchResponse.pending), "
+        "router predicted for it that its engine has not confirmed, each until its "
+        "request's predicted prefill end (MatchResponse.pending), "
         "so routers see each other's dispatches at their next Match and do not herd.",
     )
     predicted_weight: float = Field(

@@ -644,9 +644,10 @@ class IndexFollower:
 
 def _record(idx: MemoryIndex, model: str, p: pb.WatchPredicted, now: float) -> None:
     """Record route-time predictions as the replica did, for what is left of
-    their life (they expire at the replica's ``expires_at``). One the copy
-    cannot record (its instance's lease ran out here first) is left out: it
-    is advice, and gone at its expiry anyway."""
+    their life (they expire at the replica's ``expires_at``, and stop counting
+    as pending prefill at its ``pending_until``). One the copy cannot record
+    (its instance's lease ran out here first) is left out: it is advice, and
+    gone at its expiry anyway."""
     ttl_s = p.expires_at - now
     if ttl_s <= 0:
         return
@@ -658,6 +659,7 @@ def _record(idx: MemoryIndex, model: str, p: pb.WatchPredicted, now: float) -> N
             p.block_keys,
             ttl_s,
             p.max_per_instance or MAX_PREDICTED_PER_INSTANCE,
+            pending_s=p.pending_until - now if p.pending_until else None,
         )
 
 

@@ -705,11 +705,17 @@ class IndexerClient:
         self.breaker.success()
         return self._count(outcome_from_response(resp))
 
-    async def predict(self, worker_name: str, keys: Sequence[int], ttl_ms: int = 0) -> MatchStatus:
+    async def predict(
+        self, worker_name: str, keys: Sequence[int], ttl_ms: int = 0, pending_ms: int = 0
+    ) -> MatchStatus:
         """Tell the indexer a request for ``keys`` was just sent to ``worker_name``
         (an :func:`instance_name`): every router's Match with ``include_predicted``
         then sees those blocks there for ``ttl_ms`` (0: the indexer's default)
-        or until the engine's events confirm or drop them.
+        or until the engine's events confirm or drop them, and counts them in
+        the worker's pending prefill (``MatchOutcome.pending``) for
+        ``pending_ms`` at most (0: as long; the request's predicted prefill
+        end, past which the engine's load report has it). An older indexer
+        ignores ``pending_ms``.
 
         Advice, like a Match, under the Match deadline, the in-flight bound
         and the breaker: an item on the MatchStream the Matches use (no call
@@ -734,6 +740,7 @@ class IndexerClient:
             instance=pb.InstanceRef(worker_id=worker_id, dp_rank=dp_rank),
             block_keys=keys,
             ttl_ms=ttl_ms,
+            pending_ms=pending_ms,
         )
         timeout = self.settings.deadline_ms / 1000.0
         stream = self._open_stream() if self._use_stream and self._predict_on_stream else None

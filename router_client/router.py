@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -169,6 +170,11 @@ class Choice:
     #: The chosen worker's cost (pass 1): blocks, or predicted TTFT in seconds
     #: under the "ttft" cost; 0 in pass 2.
     cost: float = 0.0
+    #: Predicted seconds to the end of the request's prefill on the worker:
+    #: the queue ahead as this router sees it, then the uncached part at the
+    #: worker's rate (prefill, pass 1; 0 otherwise: not predicted). A route-time
+    #: prediction counts as the worker's pending prefill this long.
+    prefill_end_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -194,6 +200,15 @@ class Decision:
 
     prefill: Choice
     decode: Choice | None
+
+
+def pending_ms(choice: Choice) -> int:
+    """How long, in ms, a route-time prediction of ``choice`` counts as its
+    worker's pending prefill: to the predicted end of the request's prefill
+    (at least 1 ms), or 0 (as long as the prediction lives) when not predicted."""
+    if choice.prefill_end_s <= 0:
+        return 0
+    return max(1, math.ceil(choice.prefill_end_s * 1000))
 
 
 class Router:
@@ -373,7 +388,7 @@ class Router:
             outcome = await indexer.match(keys)
         decision = self.decide(req, outcome, n_blocks=len(keys), decode=decode)
         if predictions and indexer is not None and keys:
-            self._predict(indexer, decision.prefill.worker, keys)
+            self._predict(indexer, decision.prefill, keys)
         return decision
 
     @property
@@ -385,14 +400,21 @@ class Router:
             return 0
         return max(1, int(self.indexer.settings.max_in_flight * PREDICTION_SHARE))
 
-    def _predict(self, indexer: IndexerClient, worker: str, keys: Sequence[int]) -> None:
-        """Record ``worker`` as about to hold ``keys``, in the background (never awaited)."""
+    def _predict(self, indexer: IndexerClient, choice: Choice, keys: Sequence[int]) -> None:
+        """Record ``choice``'s worker as about to hold ``keys``, in the background
+        (never awaited); pending prefill there until the predicted end of the
+        request's prefill (:attr:`Choice.prefill_end_s`, when predicted)."""
         if len(self._predictions) >= self.max_pending_predictions:
             self.predictions_skipped += 1
             self.metrics.predictions.labels("skipped").inc()
             return
         task: asyncio.Task[object] = asyncio.get_running_loop().create_task(
-            indexer.predict(worker, keys, ttl_ms=self.config.prediction_ttl_ms)
+            indexer.predict(
+                choice.worker,
+                keys,
+                ttl_ms=self.config.prediction_ttl_ms,
+                pending_ms=pending_ms(choice),
+            )
         )
         self._predictions.add(task)
         task.add_done_callback(self._prediction_done)
@@ -552,7 +574,15 @@ class Router:
                 reason = NO_CACHE_CANDIDATE
             confirmed, counted = cached_of[worker]
             most = max(c for c, _ in cached_of.values())
-            return Choice(stage, worker, reason, dom.id, 1, confirmed, most, counted, best_cost)
+            end_s = 0.0
+            if prefill:
+                wl = load.load(worker) if pending is None else self.seen_load(worker, pending)
+                tokens = costmod.uncached_tokens(req.input_tokens or n_blocks * bs, counted, bs)
+                rate = costmod.prefill_rate(wl, cfg.prefill_tokens_per_s)
+                end_s = costmod.predicted_ttft_s(wl.pending_prefill_tokens, tokens, rate)
+            return Choice(
+                stage, worker, reason, dom.id, 1, confirmed, most, counted, best_cost, end_s
+            )
         return None
 
     def _pending(self, outcome: MatchOutcome | None) -> dict[str, int] | None:

@@ -1738,13 +1738,16 @@ class RedisIndex(Index):
 
     async def watch_read(
         self, name: bytes
-    ) -> tuple[int, InstanceState | None, EventBatch | None, list[tuple[str, list[int], float]]]:
+    ) -> tuple[
+        int, InstanceState | None, EventBatch | None, list[tuple[str, list[int], float, float]]
+    ]:
         """Instance ``name`` as a watching replica copies it, read at once, with the
         number of the stream's last entry then: ``(number, state, content,
         predicted)``; state and content None when it is not registered.
         ``content`` holds its blocks as stores of keys (and its copies), as
         MemoryIndex.load_instance takes them; ``predicted`` its route-time
-        predictions unexpired as ``(lora name, keys, expiry)`` runs, soonest to
+        predictions unexpired as ``(lora name, keys, expiry, pending until)`` runs
+        (pending until 0: while predicted), soonest to
         expire first (one of a namespace no instance ever stored in, whose
         name Redis does not hold, is left out: advice, gone at its expiry)."""
         got = await self._eval(
@@ -1796,16 +1799,19 @@ class RedisIndex(Index):
         events = keyed_stores(runs, copies)
         state = inst.state(self._clock())
         content = EventBatch(inst.spec.instance, inst.seq or 0, tuple(events), counts_copies=True)
-        predicted: list[tuple[str, list[int], float]] = []
+        predicted: list[tuple[str, list[int], float, float]] = []
         flat = got[5]
-        last: tuple[bytes, float] | None = None
-        for i in range(0, len(flat), 2):
+        last: tuple[bytes, float, float] | None = None
+        for i in range(0, len(flat), 3):
             suf = bytes(flat[i])
-            at = (suf[:8], float(flat[i + 1]))
+            expiry = float(flat[i + 1])
+            # Its pending deadline: the expiry when none is shorter (or none recorded).
+            until = float(flat[i + 2]) if flat[i + 2] else expiry
+            at = (suf[:8], expiry, 0.0 if until >= expiry else until)
             if suf[:8] not in named:
                 continue
             if at != last:
-                predicted.append((lora_of[suf[:8]], [], at[1]))
+                predicted.append((lora_of[suf[:8]], [], at[1], at[2]))
                 last = at
             predicted[-1][1].append(int.from_bytes(suf[8:], "big"))
         return n, state, content, predicted
@@ -2024,6 +2030,7 @@ class RedisIndex(Index):
         keys: Sequence[int],
         ttl_s: float,
         max_per_instance: int,
+        pending_s: float | None = None,
     ) -> int:
         """See :meth:`Index.predict`: one ``predict.lua`` (KEYS.md, "Predictions").
 
@@ -2046,6 +2053,9 @@ class RedisIndex(Index):
             _pack(keys, "block_keys"),
             namespace.lora_name,
             name,
+            ""
+            if pending_s is None or pending_s >= ttl_s
+            else "%.17g" % (now + max(0.0, pending_s)),
         )
         if res[0] == b"nf":
             raise NotFound(f"instance {instance} is not registered and live", field="instance")

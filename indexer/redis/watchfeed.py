@@ -339,14 +339,18 @@ class RedisWatchFeed:
                     blob = f[b"x"]
                     keys = [int.from_bytes(blob[i : i + 8], "big") for i in range(0, len(blob), 8)]
                     # Recorded as Redis did, at the writer's time (the copy's
-                    # clock while an entry applies): the same expiry.
+                    # clock while an entry applies): the same expiry and
+                    # pending deadline ('q', absent from an older writer's).
+                    expiry = float(f[b"e"])
+                    until = float(f[b"q"]) if f.get(b"q") else expiry
                     with contextlib.suppress(KvmeshError):
                         mirror.predict_sync(
                             Namespace(model, f[b"l"].decode("utf-8")),
                             iid,
                             keys,
-                            float(f[b"e"]) - at,
+                            expiry - at,
                             int(f[b"c"]),
+                            pending_s=until - at if until < expiry else None,
                         )
             else:
                 raise _Resync(f"entry {n} of unknown kind {kind!r}")
@@ -371,9 +375,15 @@ class RedisWatchFeed:
             return
         await mirror.load_instance(state, content)
         now = self._now()
-        for lora, keys, expiry in predicted:
+        for lora, keys, expiry, until in predicted:
             with contextlib.suppress(KvmeshError):
-                mirror.predict_sync(Namespace(state.spec.model, lora), iid, keys, expiry - now)
+                mirror.predict_sync(
+                    Namespace(state.spec.model, lora),
+                    iid,
+                    keys,
+                    expiry - now,
+                    pending_s=until - now if until else None,
+                )
         if publish and mirror.watch is not None:
             # A copied instance is not a change a follower can apply: they take a new snapshot.
             mirror.watch.resync_all()

@@ -138,7 +138,7 @@ from router_client.indexer_client import (
     instance_name,
 )
 from router_client.load import WorkerLoad
-from router_client.router import Choice, Router, RouteRequest
+from router_client.router import Choice, Router, RouteRequest, pending_ms
 from tee.cachesim.model import BlockCache, HitStats, infinite_cache, pooled_cache, worker_cv
 
 POLICIES = ("round_robin", "random", "p2c", "cache_local", "cache_shared")
@@ -1039,7 +1039,13 @@ def _chooser(
         choice = router.decide(req, outcome, n_blocks=len(keys), decode=False).prefill
         if predict and keys:
             # What router_client's route() sends PredictPlacement for, in process.
-            index.predict_sync(ns, InstanceId(choice.worker, 0), keys, ttl_s)
+            index.predict_sync(
+                ns,
+                InstanceId(choice.worker, 0),
+                keys,
+                ttl_s,
+                pending_s=pending_ms(choice) / 1000 or None,
+            )
         return choice
 
     return shared

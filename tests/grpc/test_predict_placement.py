@@ -111,6 +111,34 @@ async def test_a_prediction_is_seen_then_expires(timed: tuple[Harness, Clock]) -
     assert stats.predicted_matches == 3
 
 
+async def test_pending_ends_at_the_routers_deadline(timed: tuple[Harness, Clock]) -> None:
+    """PredictPlacementRequest.pending_ms: the blocks leave MatchResponse.pending
+    then, while the Match still sees them predicted; 0, or a value past the
+    ttl, counts them while they live."""
+    h, clock = timed
+    stub = h.stub
+    await register(stub, "w0")
+    await register(stub, "w1")
+
+    async def pending() -> dict[str, int]:
+        r = await stub.Match(
+            pb.MatchRequest(model=MODEL, block_keys=[7, 8], include_predicted=True)
+        )
+        return {p.instance.worker_id: p.predicted_blocks for p in r.pending}
+
+    await stub.PredictPlacement(predict_req("w0", KEYS, ttl_ms=2000, pending_ms=300))
+    await stub.PredictPlacement(predict_req("w1", KEYS[:2], ttl_ms=1000, pending_ms=5000))
+    assert await pending() == {"w0": 4, "w1": 2}
+    clock.now += 0.3
+    assert await pending() == {"w1": 2}
+    assert await pmatch(stub) == [("w0", 0, 4), ("w1", 0, 2)]
+    clock.now += 0.7  # w1's ttl ran out: its deadline past the ttl counted while it lived
+    assert await pending() == {}
+    assert await pmatch(stub) == [("w0", 0, 4)]
+    await stub.PredictPlacement(predict_req("w0", KEYS[:1]))  # again, with no deadline
+    assert await pending() == {"w0": 1}
+
+
 async def test_engine_events_confirm_and_drop_predictions(stub: Any) -> None:
     await register(stub, "w0")
     await stub.PredictPlacement(predict_req("w0", KEYS))

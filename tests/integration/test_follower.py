@@ -69,6 +69,9 @@ class _World:
         #: and the hits deepened by one that the comparisons saw.
         self.predict = True
         self.predicted_hits = 0
+        #: The predictions' pending deadlines, drawn apart (the rest of the
+        #: workload is what it was without them).
+        self.pending_rng = random.Random(rng.getstate()[1][0])
 
     def prompt(self) -> list[int]:
         rng = self.rng
@@ -193,6 +196,9 @@ async def _step(h: Harness, w: _World) -> None:
                     instance=ref,
                     block_keys=block_keys(p, BLOCK, w.model[key], lora),
                     ttl_ms=60_000,
+                    # Pending prefill while predicted, for a moment (over
+                    # before any comparison), or past the run.
+                    pending_ms=w.pending_rng.choice((0, 1, 50_000)),
                 )
             )
 
@@ -347,7 +353,22 @@ class _SnapshotWithoutPredictions(IndexFollower):
         await super()._on(ch)
 
 
-@pytest.mark.parametrize("broken", [_DropsPredictions, _SnapshotWithoutPredictions])
+class _IgnoresPendingDeadlines(IndexFollower):
+    """Broken on purpose: counts each prediction as pending while it lives."""
+
+    async def _on(self, ch: pb.WatchChange) -> None:
+        kind = ch.WhichOneof("change")
+        if kind == "predicted":
+            ch.predicted.pending_until = 0.0
+        elif kind == "snapshot":
+            for p in ch.snapshot.predicted:
+                p.pending_until = 0.0
+        await super()._on(ch)
+
+
+@pytest.mark.parametrize(
+    "broken", [_DropsPredictions, _SnapshotWithoutPredictions, _IgnoresPendingDeadlines]
+)
 async def test_a_follower_that_misses_predictions_fails_the_comparison(
     broken: type[IndexFollower],
 ) -> None:

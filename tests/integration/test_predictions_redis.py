@@ -66,10 +66,10 @@ def _client(request: pytest.FixtureRequest, idx: RedisIndex) -> Any:
 
 
 def _prediction_names(idx: RedisIndex, r: Any) -> list[bytes]:
-    """Every Redis name of the predictions (KEYS.md: ``pr:``, ``po:``)."""
+    """Every Redis name of the predictions (KEYS.md: ``pr:``, ``po:``, ``pq:``)."""
     base = idx._base.decode()
     glob = base.replace("{", "[{]").replace("}", "[}]")
-    return [n for what in ("pr:", "po:") for n in r.scan_iter(match=f"{glob}{what}*")]
+    return [n for what in ("pr:", "po:", "pq:") for n in r.scan_iter(match=f"{glob}{what}*")]
 
 
 def view(hits: list[Any]) -> list[tuple[InstanceId, int, int]]:
@@ -91,7 +91,8 @@ async def test_a_replica_sees_anothers_prediction_until_it_expires(
     r = _client(request, a)
     try:
         names = _prediction_names(a, r)
-        assert len(names) == 6 and all(0 < r.pttl(n) <= 20_000 for n in names)
+        # 4 keys predicted, and per instance its order and pending deadlines.
+        assert len(names) == 8 and all(0 < r.pttl(n) <= 20_000 for n in names)
     finally:
         r.close()
     clock.advance(10.0)
@@ -163,6 +164,52 @@ async def test_pending_prefill_is_every_routers_unconfirmed_predictions(
     assert await a.pending_predicted(NS.model) == {}
 
 
+async def test_pending_ends_at_the_routers_deadline(
+    pair: tuple[RedisIndex, RedisIndex], clock: FakeClock, request: pytest.FixtureRequest
+) -> None:
+    """A prediction recorded with ``pending_s`` leaves every replica's pending
+    count at that deadline while its Match still sees it; predicted again, a
+    key takes the newer deadline (or none); a store confirms it either way;
+    predictions an older writer recorded (no ``pq:`` name) count until they
+    expire."""
+    a, b = pair
+    a.pending_reuse_s = b.pending_reuse_s = 0.0
+    assert await a.predict(NS, W0, KEYS, 10.0, 100, pending_s=1.0) == 4
+    assert await a.predict(NS, W1, KEYS[:2], 10.0, 100, pending_s=3.0) == 2
+    assert await b.pending_predicted(NS.model) == {W0: 4, W1: 2}
+    clock.advance(1.5)
+    assert await b.pending_predicted(NS.model) == {W1: 2}
+    assert view(await b.match(NS, KEYS, include_predicted=True)) == [(W0, 0, 4), (W1, 0, 2)]
+    # Two of W0's again: pending once more, one until a new deadline, one with none.
+    await b.predict(NS, W0, KEYS[:1], 10.0, 100, pending_s=1.0)
+    await b.predict(NS, W0, KEYS[1:2], 10.0, 100)
+    assert await a.pending_predicted(NS.model) == {W0: 2, W1: 2}
+    clock.advance(2.0)
+    assert await a.pending_predicted(NS.model) == {W0: 1}
+    # The engine stores it: confirmed, not pending.
+    await a.apply(EventBatch(W0, 1, (BlockStored(block_hashes=(1, 2), block_keys=(101, 102)),)))
+    assert await a.pending_predicted(NS.model) == {}
+    # The ttl bounds the deadline: a pending_s past it counts while predicted.
+    await a.predict(NS, W1, KEYS[2:], 2.0, 100, pending_s=5.0)
+    assert await b.pending_predicted(NS.model) == {W1: 2}
+    clock.advance(2.5)
+    assert await b.pending_predicted(NS.model) == {}
+    # An older writer's predictions: 'po:' and 'pr:' only.
+    await a.predict(NS, W1, KEYS, 10.0, 100, pending_s=0.5)
+    r = _client(request, a)
+    try:
+        for name in _prediction_names(a, r):
+            if b"pq:" in name:
+                r.delete(name)
+    finally:
+        r.close()
+    clock.advance(1.0)
+    # W0's last two (predicted at 0 s for 10 s) and W1's four, until they expire.
+    assert await b.pending_predicted(NS.model) == {W0: 2, W1: 4}
+    clock.advance(3.0)
+    assert await b.pending_predicted(NS.model) == {W1: 4}
+
+
 async def test_cap_refusals_and_expired_lease(
     pair: tuple[RedisIndex, RedisIndex], clock: FakeClock
 ) -> None:
@@ -230,8 +277,9 @@ async def test_cluster_prompts_spanning_slots_and_a_clear(
         for p in prompts[1:]:
             assert view(await b.match(NS, p, include_predicted=True)) == [(W1, 0, 1)]
         names = _prediction_names(a, r)
-        # Left: W1's order and its 4 blocks, nothing of W0's retired id.
-        assert len(names) == 5
+        # Left: W1's order, its pending deadlines and its 4 blocks, nothing of
+        # W0's retired id.
+        assert len(names) == 6
         ctl = r.keyslot(a._gen_key)
         assert all(r.keyslot(n) == ctl and 0 < r.pttl(n) <= 5000 for n in names)
     finally:

@@ -5,14 +5,18 @@ remove, clear, reset, remove-instance, clock steps and Matches on a
 :class:`MemoryIndex` in virtual time, and a plain model of the semantics
 (indexer/index.py, "Predictions") beside it: every Match's ``depth`` (and
 tiers) must be those of the Match without predictions, and every
-``predicted_depth`` (and the set of instances returned) the reference's.
-Broken variants (one that ignores expiry, one that keeps an instance's
-predictions through a clear) must fail the same machine.
+``predicted_depth`` (and the set of instances returned) the reference's,
+and the pending prefill (each prediction counted until it expires, is
+confirmed, or its pending deadline passes) the reference's. Broken variants
+(one that ignores expiry, one that keeps an instance's predictions through a
+clear, one that ignores pending deadlines, one that keeps a key's older
+deadline when it is predicted again) must fail the same machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import timeit
 from collections.abc import Sequence
 
@@ -58,8 +62,17 @@ class Reference:
         self.held: dict[InstanceId, set[int]] = {w: set() for w in WORKERS}
         # instance -> {key: expiry}, oldest recorded first
         self.pred: dict[InstanceId, dict[int, float]] = {w: {} for w in WORKERS}
+        # instance -> {key: when it stops counting as pending} (absent: never)
+        self.until: dict[InstanceId, dict[int, float]] = {w: {} for w in WORKERS}
 
-    def predict(self, w: InstanceId, keys: Sequence[int], expiry: float, now: float) -> int:
+    def predict(
+        self,
+        w: InstanceId,
+        keys: Sequence[int],
+        expiry: float,
+        now: float,
+        until: float | None = None,
+    ) -> int:
         for p in self.pred.values():
             for k in [k for k, e in p.items() if e <= now]:
                 del p[k]
@@ -70,6 +83,10 @@ class Reference:
                 continue
             mine.pop(k, None)
             mine[k] = expiry
+            if until is None:
+                self.until[w].pop(k, None)
+            else:
+                self.until[w][k] = until
             n += 1
         while len(mine) > CAP:
             del mine[next(iter(mine))]
@@ -94,8 +111,12 @@ class Reference:
         self.pred[w] = {}
 
     def pending(self, now: float) -> dict[InstanceId, int]:
-        """Unexpired predictions per instance (none: left out)."""
-        out = {w: sum(e > now for e in self.pred[w].values()) for w in WORKERS}
+        """Unexpired predictions per instance whose pending deadline has not
+        passed (none: left out)."""
+        out = {
+            w: sum(e > now and self.until[w].get(k, e) > now for k, e in self.pred[w].items())
+            for w in WORKERS
+        }
         return {w: n for w, n in out.items() if n}
 
     def predicted(self, keys: Sequence[int], now: float) -> dict[InstanceId, int]:
@@ -130,10 +151,16 @@ class PredictionMachine(RuleBasedStateMachine):
         self.seq[w] += 1
         run(self.index.apply(EventBatch(w, self.seq[w], tuple(events))))  # type: ignore[arg-type]
 
-    @rule(w=worker_st, keys=keys_st, ttl=st.sampled_from([0.5, 1.0, 2.0]))
-    def predict(self, w: InstanceId, keys: list[int], ttl: float) -> None:
-        n = self.index.predict_sync(NS, w, keys, ttl, CAP)
-        assert n == self.ref.predict(w, keys, self.now + ttl, self.now)
+    @rule(
+        w=worker_st,
+        keys=keys_st,
+        ttl=st.sampled_from([0.5, 1.0, 2.0]),
+        pending=st.sampled_from([None, None, 0.0, 0.25, 0.5, 1.0]),
+    )
+    def predict(self, w: InstanceId, keys: list[int], ttl: float, pending: float | None) -> None:
+        n = self.index.predict_sync(NS, w, keys, ttl, CAP, pending_s=pending)
+        until = None if pending is None else self.now + pending
+        assert n == self.ref.predict(w, keys, self.now + ttl, self.now, until)
 
     @rule(w=worker_st, keys=keys_st)
     def store(self, w: InstanceId, keys: list[int]) -> None:
@@ -245,7 +272,42 @@ class _StoreKeepsPredictions(MemoryIndex):
         return None
 
 
-@pytest.mark.parametrize("broken", [_IgnoresExpiry, _KeepsThroughClear, _StoreKeepsPredictions])
+class _PendingWhilePredicted(MemoryIndex):
+    """Broken: a prediction counts as pending prefill until it expires or is
+    confirmed, whatever its pending deadline."""
+
+    def predict_sync(self, *args, pending_s=None, **kw):  # type: ignore[no-untyped-def]
+        return super().predict_sync(*args, **kw)
+
+
+class _KeepsOldDeadline(MemoryIndex):
+    """Broken: a key predicted again keeps the pending deadline it had."""
+
+    def predict_sync(self, namespace, instance, keys, ttl_s, cap=CAP, pending_s=None):  # type: ignore[no-untyped-def]
+        inst = self._instances.get(instance)
+        old = dict(inst.pend_until or {}) if inst is not None else {}
+        n = super().predict_sync(namespace, instance, keys, ttl_s, cap, pending_s)
+        if inst is not None and inst.pend_until is not None and old:
+            base = self._ns_id(namespace) << 64
+            for k in keys:
+                when = old.get(base | k)
+                if when is not None and inst.predicted and base | k in inst.predicted:
+                    inst.pend_until[base | k] = when
+                    assert inst.pend_heap is not None
+                    heapq.heappush(inst.pend_heap, (when, base | k))
+        return n
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        _IgnoresExpiry,
+        _KeepsThroughClear,
+        _StoreKeepsPredictions,
+        _PendingWhilePredicted,
+        _KeepsOldDeadline,
+    ],
+)
 def test_broken_variants_fail(broken: type[MemoryIndex]) -> None:
     machine = type(f"Broken{broken.__name__}", (PredictionMachine,), {"index_class": broken})
     # A wrong answer, or (predictions of a removed instance kept) a look-up of it.

@@ -5,7 +5,9 @@ in the background, bounded; accounting keeps to confirmed blocks."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc.aio
@@ -25,6 +27,7 @@ from router_client import (
     parse_config,
 )
 from router_client import cost as costmod
+from router_client.router import pending_ms
 from tests.grpc.conftest import (
     BLOCK,
     MODEL,
@@ -56,14 +59,18 @@ class ScriptedIndexer(IndexerClient):
         self.match_calls: list[dict[str, Any]] = []
         self.predict_calls: list[tuple[str, list[int], int]] = []
         self.predicted: list[str] = []
+        self.pending_ms: list[int] = []
         self.release = asyncio.Event()
 
     async def match(self, keys: Sequence[int], **kw: Any) -> MatchOutcome:
         self.match_calls.append(kw)
         return self.answer
 
-    async def predict(self, worker_name: str, keys: Sequence[int], ttl_ms: int = 0) -> None:
+    async def predict(
+        self, worker_name: str, keys: Sequence[int], ttl_ms: int = 0, pending_ms: int = 0
+    ) -> None:
         self.predict_calls.append((worker_name, list(keys), ttl_ms))
+        self.pending_ms.append(pending_ms)
         await self.release.wait()
         self.predicted.append(worker_name)
 
@@ -195,10 +202,39 @@ async def test_route_matches_with_predictions_and_records_the_choice_in_the_back
     await asyncio.sleep(0)
     assert indexer.predict_calls == [("b", list(request.block_keys or ()), 1500)]
     assert r.pending_predictions == 1 and indexer.predicted == []
+    # Pending at the indexer until the predicted end of its prefill there.
+    end_s = decision.prefill.prefill_end_s
+    assert end_s > 0 and indexer.pending_ms == [math.ceil(end_s * 1000)]
     indexer.release.set()
     await r.wait_predictions()
     assert indexer.predicted == ["b"] and r.pending_predictions == 0
     assert r.predictions_sent == 1 and r.predictions_skipped == 0
+
+
+def test_the_prefill_end_is_the_queue_then_the_uncached_prefill() -> None:
+    """Choice.prefill_end_s: the queue ahead as the router sees it (its own
+    view, or every router's pending prefill when larger), then the uncached
+    part at the worker's rate; pending_ms rounds it up, 0 when not predicted."""
+    r = make_router({"predictions": True, "prefill_tokens_per_s": 1000})
+    keys = list(range(10))
+    outcome = MatchOutcome(MatchStatus.OK, {"a": WorkerMatch(4, 4, 0, 0)}, {"b": 3, "c": 5})
+    request = RouteRequest(1, 10 * BS, block_keys=keys)
+    choice = r.decide(request, outcome, n_blocks=10, decode=False).prefill
+    assert choice.worker == "a"  # the hit, no queue anywhere it is seen
+    assert choice.prefill_end_s == pytest.approx(6 * BS / 1000)
+    assert pending_ms(choice) == math.ceil(6 * BS)
+    # Every router's pending prefill on a is its queue now: a's end would be
+    # (2 + 6) blocks' time, b's (1 + 10) and c's 10: c.
+    outcome = MatchOutcome(
+        MatchStatus.OK, {"a": WorkerMatch(4, 4, 0, 0)}, {"a": 8, "b": 1}
+    )
+    choice = r.decide(request, outcome, n_blocks=10, decode=False).prefill
+    assert choice.worker == "c" and choice.prefill_end_s == pytest.approx(10 * BS / 1000)
+    outcome = MatchOutcome(MatchStatus.OK, {"a": WorkerMatch(4, 4, 0, 0)}, {"a": 2, "c": 5})
+    choice = r.decide(request, outcome, n_blocks=10, decode=False).prefill
+    assert choice.worker == "a" and choice.prefill_end_s == pytest.approx((2 + 6) * BS / 1000)
+    assert pending_ms(replace(choice, prefill_end_s=0.0)) == 0
+    assert pending_ms(replace(choice, prefill_end_s=1e-9)) == 1
 
 
 async def test_pending_predictions_are_bounded(channel: grpc.aio.Channel) -> None:

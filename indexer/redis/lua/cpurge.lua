@@ -61,6 +61,7 @@ if redis.call('EXISTS', po) == 1 then
   for _, e in ipairs(redis.call('ZRANGE', po, 0, limit - 1)) do
     redis.call('HDEL', B .. 'pr:' .. e, id)
     redis.call('ZREM', po, e)
+    redis.call('ZREM', B .. 'pq:' .. id, e)
   end
   if redis.call('EXISTS', po) == 1 then
     return out

@@ -141,7 +141,7 @@ end
 
 -- Queue the int id of `meta` for purging when it still has entries; return it or ''.
 -- A store confirms id's prediction of block suf (KEYS.md, "Predictions"):
--- it leaves 'po:<id>' and 'pr:', so what 'po:<id>' holds unexpired is the
+-- it leaves 'po:<id>', 'pq:<id>' and 'pr:', so what 'po:<id>' holds unexpired is the
 -- prefill routers sent the id and its engine has not finished (apply.lua,
 -- capply.lua). One EXISTS per id a script, and nothing more where the id has
 -- no prediction.
@@ -153,6 +153,7 @@ local function confirm(id, suf)
   end
   if predicting and redis.call('ZREM', B .. 'po:' .. id, suf) == 1 then
     redis.call('HDEL', B .. 'pr:' .. suf, id)
+    redis.call('ZREM', B .. 'pq:' .. id, suf)
   end
 end
 

@@ -6,8 +6,9 @@
 --   empty), np, then np int ids whose pending predictions to count, then
 --   pairs (int id, confirmed depth) of the Match's hits.
 -- Returns m (-1: not counted, the user may not ZCOUNT), then m pairs (int id,
--- its predictions unexpired: 'P:po:<id>' scored after now; ids with none left
--- out), then pairs (int id, predicted depth): each hit's, then every holder
+-- its predictions still pending: 'P:pq:<id>' scored after now, or, for an id
+-- whose predictions an older writer recorded without 'pq:', 'P:po:<id>'
+-- unexpired; ids with none left out), then pairs (int id, predicted depth): each hit's, then every holder
 -- of a live prediction of block 0 that is not a hit (its confirmed depth 0).
 -- Each walks on from its confirmed depth while a block is predicted for it
 -- (an unexpired expiry) or held: O(candidates + predicted blocks). Only
@@ -43,7 +44,11 @@ end
 local np = tonumber(ARGV[5])
 local pend = {}
 for i = 6, 5 + np do
-  local c = redis.pcall('ZCOUNT', B .. 'po:' .. ARGV[i], '(' .. ARGV[3], '+inf')
+  local q = B .. 'pq:' .. ARGV[i]
+  local c = redis.pcall('ZCOUNT', q, '(' .. ARGV[3], '+inf')
+  if c == 0 and redis.call('EXISTS', q) == 0 then
+    c = redis.pcall('ZCOUNT', B .. 'po:' .. ARGV[i], '(' .. ARGV[3], '+inf')
+  end
   if type(c) ~= 'number' then
     pend = nil
     break

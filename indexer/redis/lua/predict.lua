@@ -4,7 +4,8 @@
 -- (the instance hash, 'k:<id>' for what it holds, 'pr:', 'po:').
 -- ARGV: base, now, model, ns id, expiry (%.17g), ttl in ms, cap on the
 --   instance's predicted blocks, keys packed as 8-byte big-endian words,
---   LoRA name, instance name (both for the change stream).
+--   LoRA name, instance name (both for the change stream), pending deadline
+--   (%.17g; '' or absent: the expiry, pending while predicted).
 -- Returns {'nf'} (not registered or lease expired) | {'model', its model} |
 --   {'ok', recorded, dropped past the cap}.
 local now = tonumber(ARGV[2])
@@ -19,6 +20,13 @@ local id, nid, expiry, ttl, cap = h[1], ARGV[4], ARGV[5], tonumber(ARGV[6]), ton
 local blob = ARGV[8]
 local bpre, ppre = B .. 'b:' .. nid, B .. 'pr:' .. nid
 local order = B .. 'po:' .. id
+-- The same members scored by when they stop counting as pending prefill
+-- (pmatch.lua's pending count; never after the expiry).
+local pend = B .. 'pq:' .. id
+local until_ = ARGV[11]
+if not until_ or until_ == '' then
+  until_ = expiry
+end
 local sub = string.sub
 -- Whether the id holds block k: its block hash standalone, its authoritative
 -- entries ('k:<id>') in cluster mode.
@@ -39,6 +47,7 @@ end
 -- (an older rule) fails the script whole, never with a prediction half
 -- written and no TTL on it.
 keep(order)
+keep(pend)
 local recorded = 0
 local told = {}
 for i = 1, #blob / 8 do
@@ -51,18 +60,21 @@ for i = 1, #blob / 8 do
     -- Scored by its expiry: a key predicted again moves to the newest, and
     -- ZCOUNT from now on counts the unexpired (pending_predicted).
     redis.call('ZADD', order, expiry, nid .. k)
+    redis.call('ZADD', pend, until_, nid .. k)
     recorded = recorded + 1
   end
 end
 local dropped = 0
 if recorded > 0 then
   keep(order)
+  keep(pend)
   -- Past the cap the soonest to expire go first: every member but the
   -- newest cap (the oldest, when every prediction has the same ttl).
   local over = redis.call('ZRANGE', order, 0, -(cap + 1))
   for _, e in ipairs(over) do
     redis.call('HDEL', B .. 'pr:' .. e, id)
     redis.call('ZREM', order, e)
+    redis.call('ZREM', pend, e)
     dropped = dropped + 1
   end
   -- A replica that serves followers predictions ('wp', wstart.lua) copies
@@ -71,7 +83,7 @@ if recorded > 0 then
   local wl = watch_on()
   if wl and redis.call('EXISTS', B .. 'wp') == 1 then
     watch_pub(wl, 'p', ARGV[10], ARGV[2], 'l', ARGV[9], 's', nid, 'e', expiry, 'c', ARGV[7],
-      'x', table.concat(told))
+      'q', until_, 'x', table.concat(told))
   end
 end
 return {'ok', recorded, dropped}

@@ -2,7 +2,8 @@
 -- KEYS: none (cluster: a control key). ARGV: base, name, now. Returns {'wn'} when
 -- the instance is not registered, else {'wn', state (lib.lua FIELDS), {engine hash, ns id .. key, tier mask, ...},
 -- copies ('cp:' as HGETALL), {ns id, model \0 lora, ...}, its route-time
--- predictions unexpired, soonest to expire first {ns id .. key, expiry, ...}},
+-- predictions unexpired, soonest to expire first {ns id .. key, expiry,
+-- pending deadline ('': none, an older writer's), ...}},
 -- read at once: the stream's entries up to 'wn' are in it, none after.
 local n = redis.call('GET', B .. 'wn') or ''
 local meta = B .. 'i:' .. ARGV[2]
@@ -40,8 +41,18 @@ for i = 1, #e, 2 do
     name_ns(suf)
   end
 end
-local pred = redis.call('ZRANGEBYSCORE', B .. 'po:' .. id, '(' .. ARGV[3], '+inf', 'WITHSCORES')
-for i = 1, #pred, 2 do
-  name_ns(pred[i])
+local scored = redis.call('ZRANGEBYSCORE', B .. 'po:' .. id, '(' .. ARGV[3], '+inf', 'WITHSCORES')
+local pred, untils = {}, {}
+if #scored > 0 then
+  local q = redis.call('ZRANGE', B .. 'pq:' .. id, 0, -1, 'WITHSCORES')
+  for i = 1, #q, 2 do
+    untils[q[i]] = q[i + 1]
+  end
+end
+for i = 1, #scored, 2 do
+  name_ns(scored[i])
+  pred[#pred + 1] = scored[i]
+  pred[#pred + 1] = scored[i + 1]
+  pred[#pred + 1] = untils[scored[i]] or ''
 end
 return {n, st, out, redis.call('HGETALL', B .. 'cp:' .. id), names, pred}

@@ -516,18 +516,20 @@ class WatchSynced(_message.Message):
     def __init__(self, instances: _Optional[int] = ..., predictions: _Optional[bool] = ...) -> None: ...
 
 class WatchPredicted(_message.Message):
-    __slots__ = ("instance", "lora_name", "block_keys", "expires_at", "max_per_instance")
+    __slots__ = ("instance", "lora_name", "block_keys", "expires_at", "max_per_instance", "pending_until")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     MAX_PER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_UNTIL_FIELD_NUMBER: _ClassVar[int]
     instance: InstanceRef
     lora_name: str
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     expires_at: float
     max_per_instance: int
-    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., lora_name: _Optional[str] = ..., block_keys: _Optional[_Iterable[int]] = ..., expires_at: _Optional[float] = ..., max_per_instance: _Optional[int] = ...) -> None: ...
+    pending_until: float
+    def __init__(self, instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., lora_name: _Optional[str] = ..., block_keys: _Optional[_Iterable[int]] = ..., expires_at: _Optional[float] = ..., max_per_instance: _Optional[int] = ..., pending_until: _Optional[float] = ...) -> None: ...
 
 class WatchRegistered(_message.Message):
     __slots__ = ("info", "reset")
@@ -592,18 +594,20 @@ class WatchIndexResponse(_message.Message):
     def __init__(self, changes: _Optional[_Iterable[_Union[WatchChange, _Mapping]]] = ..., keepalive: _Optional[_Union[WatchKeepalive, _Mapping]] = ...) -> None: ...
 
 class PredictPlacementRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "instance", "block_keys", "ttl_ms")
+    __slots__ = ("model", "lora_name", "instance", "block_keys", "ttl_ms", "pending_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     instance: InstanceRef
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     ttl_ms: int
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    pending_ms: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., instance: _Optional[_Union[InstanceRef, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ..., pending_ms: _Optional[int] = ...) -> None: ...
 
 class PredictPlacementResponse(_message.Message):
     __slots__ = ("predicted_blocks", "ttl_ms")

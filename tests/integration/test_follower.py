@@ -333,7 +333,7 @@ class _DropsRemovals(IndexFollower):
 
 
 async def test_a_follower_that_drops_removals_fails_the_comparison() -> None:
-    assert sum([await _run(seed, _DropsRemovals) for seed in (1, 2)]) > 0
+    assert await _run(1, _DropsRemovals) > 0  # some hundreds of wrong answers
 
 
 class _DropsPredictions(IndexFollower):
@@ -372,7 +372,7 @@ class _IgnoresPendingDeadlines(IndexFollower):
 async def test_a_follower_that_misses_predictions_fails_the_comparison(
     broken: type[IndexFollower],
 ) -> None:
-    assert sum([await _run(seed, broken) for seed in (1, 2)]) > 0
+    assert await _run(1, broken) > 0  # some hundreds of wrong answers
 
 
 async def test_predictions_reach_the_follower_and_end_with_their_engines_events() -> None:

@@ -178,7 +178,17 @@ class _DropsPredictions(RedisWatchFeed):
         await super()._apply(mirror, f)
 
 
-@pytest.mark.parametrize("broken", [_DropsRemovals, _DropsPredictions])
+class _IgnoresPendingDeadlines(RedisWatchFeed):
+    """Broken on purpose: the copy counts each prediction as pending prefill
+    while it lives, whatever its pending deadline ('q')."""
+
+    async def _apply(self, mirror: Any, f: dict[bytes, bytes]) -> None:
+        if f.get(b"k") == b"p":
+            f = {k: v for k, v in f.items() if k != b"q"}
+        await super()._apply(mirror, f)
+
+
+@pytest.mark.parametrize("broken", [_DropsRemovals, _DropsPredictions, _IgnoresPendingDeadlines])
 async def test_a_copy_that_drops_changes_fails_the_comparison(
     pair: _Pair, broken: type[RedisWatchFeed]
 ) -> None:
@@ -187,7 +197,8 @@ async def test_a_copy_that_drops_changes_fails_the_comparison(
         feed.index, max_followers=8, buffer=4096, backlog=feed.backlog
     )
     try:
-        assert sum([await _run(pair, seed) for seed in (1, 2)]) > 0
+        # One seed: each broken copy gives some hundreds of wrong answers in it.
+        assert await _run(pair, 1) > 0
     finally:
         await pair.b.server.servicer.watch_feed.close()
 

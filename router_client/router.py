@@ -579,7 +579,7 @@ class Router:
                 wl = load.load(worker) if pending is None else self.seen_load(worker, pending)
                 tokens = costmod.uncached_tokens(req.input_tokens or n_blocks * bs, counted, bs)
                 rate = costmod.prefill_rate(wl, cfg.prefill_tokens_per_s)
-                end_s = costmod.predicted_ttft_s(wl.pending_prefill_tokens, tokens, rate)
+                end_s = costmod.predicted_ttft_s(wl.pending_prefill_tokens, tokens, rate, 1.0)
             return Choice(
                 stage, worker, reason, dom.id, 1, confirmed, most, counted, best_cost, end_s
             )

@@ -1499,6 +1499,10 @@ class MemoryIndex(Index):
             inst.pend_heap = []
             inst.settled = set()
         pend_heap, settled = inst.pend_heap, inst.settled
+        if pend_heap:
+            # Deadlines come due here too, not only where the figure is read: the
+            # heap holds the predictions of one pending window, read or not.
+            self._settle(inst, now)
         watch = self.watch
         told: list[int] | None = [] if watch is not None and watch.predicting else None
         for key in keys:

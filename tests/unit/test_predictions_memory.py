@@ -374,3 +374,16 @@ def test_match_cost_does_not_grow_with_expired_predictions() -> None:
         )
     )
     assert cost / 200 < 1e-3
+
+
+def test_pending_deadlines_come_due_without_a_read() -> None:
+    """A router that predicts and never reads the pending figure: the deadlines
+    come due at its predictions, so what the index keeps for them is one
+    pending window's, not every prediction's."""
+    index, t = _index()
+    for i in range(2000):
+        t[0] += 0.01
+        index.predict_sync(NS, WORKERS[0], [i % 50], 10.0, pending_s=0.05)
+    inst = index._instances[WORKERS[0]]
+    assert inst.pend_heap is not None and len(inst.pend_heap) <= 10
+    assert index.pending_predicted_sync(NS.model) == {WORKERS[0]: 5}

@@ -225,9 +225,7 @@ def test_the_prefill_end_is_the_queue_then_the_uncached_prefill() -> None:
     assert pending_ms(choice) == math.ceil(6 * BS)
     # Every router's pending prefill on a is its queue now: a's end would be
     # (2 + 6) blocks' time, b's (1 + 10) and c's 10: c.
-    outcome = MatchOutcome(
-        MatchStatus.OK, {"a": WorkerMatch(4, 4, 0, 0)}, {"a": 8, "b": 1}
-    )
+    outcome = MatchOutcome(MatchStatus.OK, {"a": WorkerMatch(4, 4, 0, 0)}, {"a": 8, "b": 1})
     choice = r.decide(request, outcome, n_blocks=10, decode=False).prefill
     assert choice.worker == "c" and choice.prefill_end_s == pytest.approx(10 * BS / 1000)
     outcome = MatchOutcome(MatchStatus.OK, {"a": WorkerMatch(4, 4, 0, 0)}, {"a": 2, "c": 5})

@@ -83,6 +83,17 @@ class RedisSettings(StrictModel):
         "call beyond it waits for a free connection within its deadline instead of failing: "
         "ingest and Match share the connections.",
     )
+    max_writes_in_flight: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000,
+        description="Most write scripts (applies, registrations, predictions, purges) this "
+        "replica has in flight at once; the others wait their turn here, where a Match does "
+        "not queue behind them. Redis runs one script at a time and a Match sent behind 64 "
+        "applies of long engine events waits for all of them. None: 1 over a standalone "
+        "Redis, no bound of its own over a Cluster (its masters apply in parallel); 0: no "
+        "bound of its own (only max_connections).",
+    )
     instance_cache_ttl_s: float = Field(
         default=0.25,
         gt=0,

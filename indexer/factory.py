@@ -29,6 +29,7 @@ def build_index(config: IndexerConfig) -> Index:
         socket_timeout_s=r.socket_timeout_s,
         write_timeout_s=r.write_timeout_s,
         max_connections=r.max_connections,
+        max_writes_in_flight=r.max_writes_in_flight,
         instance_cache_ttl_s=r.instance_cache_ttl_s,
         parent_cache_size=r.parent_cache_size,
         cluster=r.cluster,

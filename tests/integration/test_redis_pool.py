@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from indexer.model import InstanceId, InstanceSpec
+from indexer.model import InstanceId, InstanceSpec, Namespace
 from indexer.redis.backend import RedisIndex
 
 
@@ -61,3 +61,100 @@ async def test_the_default_pool_takes_a_burst_larger_than_redis_pys_default(
         assert all(s.live for s in states)
     finally:
         await idx.close()
+
+
+@pytest.mark.parametrize("bound", [1, 0], ids=["one-write", "unbounded"])
+async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them(
+    redis_server: Any, monkeypatch: pytest.MonkeyPatch, bound: int
+) -> None:
+    """``max_writes_in_flight``: 30 applies at once reach Redis one at a time,
+    and a Match sent after them reaches it at once and is answered while most
+    still wait. Unbounded, they are all sent together (the count can fail)."""
+    from redis.asyncio import Redis
+
+    from indexer.model import BlockStored, EventBatch
+
+    real = Redis.execute_command
+    names: dict[Any, str] = {}
+    now = {"apply": 0, "most": 0, "done": 0}
+    match_done_at: list[int] = []
+
+    async def counting(self: Any, *args: Any, **kw: Any) -> Any:
+        name = names.get(args[1]) if args and args[0] == "EVALSHA" else None
+        if name != "apply":
+            res = await real(self, *args, **kw)
+            if name == "match":
+                match_done_at.append(now["done"])
+            return res
+        now["apply"] += 1
+        now["most"] = max(now["most"], now["apply"])
+        try:
+            return await real(self, *args, **kw)
+        finally:
+            now["apply"] -= 1
+            now["done"] += 1
+
+    monkeypatch.setattr(Redis, "execute_command", counting)
+    idx = RedisIndex(
+        redis_server.url, prefix=f"wg{uuid.uuid4().hex[:8]}", max_writes_in_flight=bound
+    )
+    names.update({s.sha: s.name for s in idx._scripts.values()})
+    try:
+        ids = [InstanceId(f"w{i}", 0) for i in range(30)]
+        for iid in ids:
+            await idx.register(InstanceSpec(iid, model="m", address="a", incarnation="i"))
+        keys = tuple(range(1, 401))
+        stored = BlockStored(block_hashes=keys, block_keys=keys)
+        applies = [asyncio.ensure_future(idx.apply(EventBatch(iid, 1, (stored,)))) for iid in ids]
+        await asyncio.sleep(0)  # every apply is on its way (or at the gate)
+        hits = await idx.match(Namespace("m"), keys[:32])
+        await asyncio.gather(*applies)
+        assert len(hits) >= 1 and now["done"] >= 30  # (and any check the apply script runs)
+        if bound:
+            assert now["most"] == 1
+            # Answered before half of the applies sent ahead of it were.
+            assert match_done_at and match_done_at[0] < 15
+        else:
+            assert now["most"] > 1
+    finally:
+        await idx.close()
+
+
+async def test_a_stalled_redis_fails_the_queued_writes_after_one_timeout() -> None:
+    """Writes waiting their turn give up after ``write_timeout_s`` of waiting,
+    unsent: five applies against a Redis that answers nobody fail within about
+    one timeout, not five one after the other."""
+    import signal
+    import time
+
+    from indexer.model import BlockStored, EventBatch
+    from kvmesh.errors import Unavailable
+    from lab.redisproc import RedisProcess
+
+    with RedisProcess() as server:
+        idx = RedisIndex(
+            server.url,
+            prefix="stall",
+            socket_timeout_s=0.5,
+            write_timeout_s=1.0,
+            max_writes_in_flight=1,
+        )
+        try:
+            ids = [InstanceId(f"w{i}", 0) for i in range(5)]
+            for iid in ids:
+                await idx.register(InstanceSpec(iid, model="m", address="a", incarnation="i"))
+            stored = BlockStored(block_hashes=(1, 2), block_keys=(1, 2))
+            assert server._child is not None
+            server._child.signal_group(signal.SIGSTOP)  # it answers nobody
+            t0 = time.monotonic()
+            got = await asyncio.gather(
+                *(idx.apply(EventBatch(iid, 1, (stored,))) for iid in ids),
+                return_exceptions=True,
+            )
+            took = time.monotonic() - t0
+            assert all(isinstance(g, Unavailable) for g in got), got
+            assert took < 3.0, took
+            assert any("no turn to write" in str(g) for g in got)
+        finally:
+            server._child.signal_group(signal.SIGCONT)
+            await idx.close()

@@ -399,7 +399,8 @@ def _turns(
 #: --backend redis``, two runs each way: with one, Match p50 during ingest 34 to 51
 #: ms against 80 to 98 unbounded, p99 0.53 to 1.4 s against 1.2 to 2.1 s, no probe past its
 #: 1 s timeout (219 unbounded in one run), ingest the same within run-to-run noise
-#: (with 2 and 4: p50 59 and 130 ms).
+#: (with 2 and 4: p50 59 and 130 ms). At 512-token blocks, one run each: Match p50
+#: 42.6 ms against 3,110, ingest 17,030 blocks/s against 18,200.
 DEFAULT_WRITES_IN_FLIGHT = 1
 
 

@@ -202,13 +202,19 @@ class Decision:
     decode: Choice | None
 
 
+#: PredictPlacementRequest.pending_ms is a uint32.
+_MAX_PENDING_MS = float(2**32 - 1)
+
+
 def pending_ms(choice: Choice) -> int:
     """How long, in ms, a route-time prediction of ``choice`` counts as its
     worker's pending prefill: to the predicted end of the request's prefill
-    (at least 1 ms), or 0 (as long as the prediction lives) when not predicted."""
-    if choice.prefill_end_s <= 0:
+    (at least 1 ms), or 0 (as long as the prediction lives) when not predicted
+    or beyond what the field holds (no ttl is that long)."""
+    end_ms = choice.prefill_end_s * 1000
+    if not 0 < end_ms < _MAX_PENDING_MS:  # also NaN and infinity
         return 0
-    return max(1, math.ceil(choice.prefill_end_s * 1000))
+    return max(1, math.ceil(end_ms))
 
 
 class Router:

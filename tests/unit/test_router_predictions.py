@@ -233,6 +233,9 @@ def test_the_prefill_end_is_the_queue_then_the_uncached_prefill() -> None:
     assert choice.worker == "a" and choice.prefill_end_s == pytest.approx((2 + 6) * BS / 1000)
     assert pending_ms(replace(choice, prefill_end_s=0.0)) == 0
     assert pending_ms(replace(choice, prefill_end_s=1e-9)) == 1
+    # Past what the field holds (a worker reporting no rate): pending while predicted.
+    for end in (1e12, math.inf, math.nan):
+        assert pending_ms(replace(choice, prefill_end_s=end)) == 0
 
 
 async def test_pending_predictions_are_bounded(channel: grpc.aio.Channel) -> None:

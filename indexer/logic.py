@@ -986,8 +986,6 @@ class IndexerLogic:
         pending_s = prediction.pending_s
         if pending_s is not None and not (math.isfinite(pending_s) and pending_s >= 0):
             raise InvalidArgument(f"must be >= 0, got {pending_s}", field="pending_ms")
-        if pending_s is not None and pending_s * 1000 >= ttl_ms:
-            pending_s = None  # pending as long as it lives
         n = await self.index.predict(
             ns,
             prediction.instance,

@@ -583,9 +583,7 @@ class Router:
             end_s = 0.0
             if prefill:
                 wl = load.load(worker) if pending is None else self.seen_load(worker, pending)
-                tokens = costmod.uncached_tokens(req.input_tokens or n_blocks * bs, counted, bs)
-                rate = costmod.prefill_rate(wl, cfg.prefill_tokens_per_s)
-                end_s = costmod.predicted_ttft_s(wl.pending_prefill_tokens, tokens, rate, 1.0)
+                end_s = self._ttft_s(wl, req, n_blocks, counted, 1.0)
             return Choice(
                 stage, worker, reason, dom.id, 1, confirmed, most, counted, best_cost, end_s
             )
@@ -617,13 +615,20 @@ class Router:
             return costmod.load_blocks(wl, bs)
         cfg = self.config
         if cfg.cost == "ttft":
-            tokens = costmod.uncached_tokens(req.input_tokens or n_blocks * bs, cached, bs)
-            rate = costmod.prefill_rate(wl, cfg.prefill_tokens_per_s)
-            return costmod.predicted_ttft_s(
-                wl.pending_prefill_tokens, tokens, rate, cfg.prefill_weight
-            )
+            return self._ttft_s(wl, req, n_blocks, cached, cfg.prefill_weight)
         uncached = max(0.0, n_blocks - cached)
         return costmod.cost(uncached, costmod.load_blocks(wl, bs), self._balance)
+
+    def _ttft_s(
+        self, wl: WorkerLoad, req: RouteRequest, n_blocks: int, cached: float, weight: float
+    ) -> float:
+        """Predicted seconds to ``req``'s first token on a worker with load ``wl``
+        holding ``cached`` blocks, its own prefill weighted ``weight``
+        (:func:`router_client.cost.predicted_ttft_s`)."""
+        bs = self.block_size
+        tokens = costmod.uncached_tokens(req.input_tokens or n_blocks * bs, cached, bs)
+        rate = costmod.prefill_rate(wl, self.config.prefill_tokens_per_s)
+        return costmod.predicted_ttft_s(wl.pending_prefill_tokens, tokens, rate, weight)
 
     def _pass2(
         self,

@@ -340,17 +340,16 @@ class RedisWatchFeed:
                     keys = [int.from_bytes(blob[i : i + 8], "big") for i in range(0, len(blob), 8)]
                     # Recorded as Redis did, at the writer's time (the copy's
                     # clock while an entry applies): the same expiry and
-                    # pending deadline ('q', absent from an older writer's).
-                    expiry = float(f[b"e"])
-                    until = float(f[b"q"]) if f.get(b"q") else expiry
+                    # pending deadline ('q', absent from an older writer's; one
+                    # at the expiry is none, as predict_sync takes it).
                     with contextlib.suppress(KvmeshError):
                         mirror.predict_sync(
                             Namespace(model, f[b"l"].decode("utf-8")),
                             iid,
                             keys,
-                            expiry - at,
+                            float(f[b"e"]) - at,
                             int(f[b"c"]),
-                            pending_s=until - at if until < expiry else None,
+                            pending_s=float(f[b"q"]) - at if f.get(b"q") else None,
                         )
             else:
                 raise _Resync(f"entry {n} of unknown kind {kind!r}")

@@ -87,3 +87,66 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
             "child process (python -m grpc_tools.protoc)",
             pytrace=False,
         )
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    try:
+        return float(item.config.getini("timeout") or 0)
+    except (ValueError, TypeError):
+        return 0.0
+
+
+def _dump_tasks(nodeid: str) -> None:
+    """Print the stack of every pending asyncio task (pytest-timeout prints only
+    threads, and an async test that hangs shows just the loop's select)."""
+    import asyncio
+    import sys
+
+    for _ in range(5):
+        try:
+            # every loop's tasks: the test's loop runs in this process's main thread
+            every = list(asyncio.tasks._all_tasks)  # type: ignore[attr-defined]
+            tasks = [t for t in every if not t.done()]
+            break
+        except RuntimeError:  # the set changed while being copied
+            continue
+    else:
+        return
+    print(f"\n+++ {nodeid}: {len(tasks)} pending asyncio task(s) +++", file=sys.stderr)
+    for t in tasks:
+        lines = [f"task {t.get_name()}:"]
+        try:  # the whole await chain (Task.print_stack shows its outer frame only)
+            aw: Any = t.get_coro()
+            while aw is not None and len(lines) < 40:
+                frame = getattr(aw, "cr_frame", None) or getattr(aw, "ag_frame", None)
+                if frame is not None:
+                    code = frame.f_code
+                    lines.append(f"  {code.co_filename}:{frame.f_lineno} {code.co_name}")
+                aw = getattr(aw, "cr_await", None) or getattr(aw, "ag_await", None)
+            if aw is not None:
+                lines.append(f"  awaiting {aw!r}")
+        except Exception as e:  # a task finishing as it is walked
+            lines.append(f"  {e!r}")
+        print("\n".join(lines), file=sys.stderr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Shortly before pytest-timeout ends a test, print what its asyncio tasks
+    wait on, so a hang in CI names its line."""
+    import threading
+
+    timeout = _timeout_of(item)
+    timer = None
+    if timeout > 15:
+        timer = threading.Timer(timeout - 5, _dump_tasks, args=(item.nodeid,))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()

@@ -732,6 +732,10 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        # shutdown wakes the accept thread (a close from another thread does
+        # not, on Linux: the thread stayed blocked for the life of the process)
+        with contextlib.suppress(OSError):
+            self._lsock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._lsock.close()
         for name in list(self._peers):

@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import ssl
 import struct
 import time
@@ -112,6 +113,7 @@ from indexer.redis.connection import (
     BackendAuthError,
     Credentials,
     PasswordFileError,
+    client_cert_refusal,
     glob_escape,
     redact_url,
     split_url_credentials,
@@ -507,10 +509,23 @@ class RedisIndex(Index):
             "ssl_keyfile": tls_key_file,
         }
         self._tls_without_client_cert = False
+        #: Whether the server refuses our client certificate, asked where a
+        #: first contact ends in a reset (connection.client_cert_refusal).
+        self._cert_probe: Callable[[], Awaitable[BaseException | None]] | None = None
         if url.lower().startswith("rediss://"):
             conn.update({k: v for k, v in tls_files.items() if v})
             conn["ssl_check_hostname"] = tls_check_hostname
             self._tls_without_client_cert = not tls_cert_file
+            if tls_cert_file:
+                self._cert_probe = functools.partial(
+                    client_cert_refusal,
+                    url,
+                    ca_file=tls_ca_file,
+                    cert_file=tls_cert_file,
+                    key_file=tls_key_file,
+                    check_hostname=tls_check_hostname,
+                    timeout_s=min(socket_timeout_s, 2.0),
+                )
         elif any(tls_files.values()):
             raise ValueError(f"TLS files are set but {self.where} is not a rediss:// URL")
         self._clock = clock
@@ -1231,7 +1246,17 @@ class RedisIndex(Index):
         """Claim the key schema for this version, or refuse an index written by another."""
         key = K.schema_key(self._ctl_prefix)
         mine = str(K.SCHEMA_VERSION).encode()
-        _, got = await self._pipe([("SET", key, mine, "NX"), ("GET", key)])
+        try:
+            _, got = await self._pipe([("SET", key, mine, "NX"), ("GET", key)])
+        except Unavailable as e:
+            if self._cert_probe is None or "reset by peer" not in str(e):
+                raise
+            # The first contact: a refused client certificate can read as a
+            # reset (client_cert_refusal says when); ask once, sending nothing.
+            refused = await self._cert_probe()
+            if refused is None:
+                raise
+            raise (self._refusal(refused) or e) from e
         if got != mine:
             raise FailedPrecondition(
                 f"the index at this key prefix has key schema {got.decode(errors='replace')}, "

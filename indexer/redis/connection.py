@@ -14,6 +14,9 @@ the standard library; :mod:`indexer.config` uses them to check and print a URL.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ssl
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -205,3 +208,48 @@ def tls_reason(text: str) -> str:
     if start < 0:
         return text
     return text[start:].split(" (_ssl.c", 1)[0].rstrip(".")
+
+
+async def client_cert_refusal(
+    url: str,
+    *,
+    ca_file: str | None,
+    cert_file: str,
+    key_file: str | None,
+    check_hostname: bool,
+    timeout_s: float,
+) -> BaseException | None:
+    """The TLS error a server at ``url`` sends when it refuses our client
+    certificate, found by a TLS connection that sends nothing; None when it
+    keeps the connection open for ``timeout_s`` (or cannot be reached at all).
+
+    In TLS 1.3 the server checks the client's certificate after the client has
+    finished its handshake: the client's first command is on its way when the
+    alert comes, and a server closing with that command unread resets the
+    connection, which can discard the alert before it is read. Under load a
+    refused certificate then reads as "connection reset by peer", an outage to
+    retry forever. A connection that sends nothing closes cleanly and reads
+    the alert.
+    """
+    parts = urlsplit(url)
+    host, port = parts.hostname or "localhost", parts.port or 6379
+    ctx = ssl.create_default_context(cafile=ca_file)
+    ctx.check_hostname = check_hostname
+    ctx.load_cert_chain(cert_file, key_file)
+    writer = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=ctx, server_hostname=host
+            )
+            await reader.read(1)
+    except ssl.SSLError as e:
+        return e
+    except (OSError, TimeoutError):
+        return None
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+    return None

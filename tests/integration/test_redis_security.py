@@ -355,6 +355,44 @@ async def test_tls_client_certificate_of_another_ca_is_refused(
     assert "refused our client certificate" in str(err)
 
 
+async def test_a_refused_client_certificate_is_read_on_a_connection_that_sends_nothing(
+    tls_redis: RedisProcess, certs: dict[str, Path]
+) -> None:
+    """Under load the first command's connection can read only a reset where the
+    server refused our certificate (TLS 1.3 checks it after the client's
+    handshake ends, and a server closing with the command unread resets); the
+    first contact then asks on a connection that sends nothing, which reads the
+    alert. Ours is kept open; another CA's is refused and named."""
+    index = index_of(
+        make_config(
+            tls_redis.url,
+            username=USER,
+            password=PASSWORD,
+            tls_ca_file=str(certs["ca"]),
+            tls_cert_file=str(certs["other_client"]),
+            tls_key_file=str(certs["other_client_key"]),
+        )
+    )
+    try:
+        probe = index._cert_probe
+        assert probe is not None
+        got = await probe()
+        assert got is not None
+        named = index._refusal(got)
+        assert named is not None and "refused our client certificate" in str(named)
+    finally:
+        await index.close()
+    ours = index_of(
+        make_config(tls_redis.url, username=USER, password=PASSWORD, **client_tls(certs))
+    )
+    try:
+        probe = ours._cert_probe
+        assert probe is not None
+        assert await probe() is None
+    finally:
+        await ours.close()
+
+
 async def test_tls_hostname_check_follows_the_setting(certs: dict[str, Path]) -> None:
     """A server whose certificate names another host: refused unless the check is off."""
     tls = TlsFiles(str(certs["elsewhere"]), str(certs["elsewhere_key"]), str(certs["ca"]), "no")

@@ -63,9 +63,14 @@ setup: $(STAMP) $(VLLM_STAMP) $(DYNAMO_STAMP) $(SGLANG_STAMP) node_modules/.bin/
 run: $(STAMP)
 	$(BIN)/kvmesh up
 
-## The whole test suite (what CI runs).
+## The whole test suite (what CI runs), two files at a time (pytest-xdist): most
+## of a test's time is waiting (leases, timeouts, child processes, round trips),
+## so two workers on two cores take about half the time of one. A file runs
+## whole on one worker, so its module fixtures (the conformance engines) start
+## once. TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= 2
 test: $(STAMP) $(VLLM_STAMP) $(DYNAMO_STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 ## Lint + format check + type check + buf lint + buf breaking + stub freshness.
 check: setup

@@ -233,9 +233,12 @@ async def client_cert_refusal(
     """
     parts = urlsplit(url)
     host, port = parts.hostname or "localhost", parts.port or 6379
-    ctx = ssl.create_default_context(cafile=ca_file)
-    ctx.check_hostname = check_hostname
-    ctx.load_cert_chain(cert_file, key_file)
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+        ctx.check_hostname = check_hostname
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ValueError):  # files the connection itself fails on, and says so
+        return None
     writer = None
     try:
         async with asyncio.timeout(timeout_s):

@@ -419,7 +419,7 @@ class _ParentCache:
     __slots__ = ("_half", "_old", "_young")
 
     def __init__(self, cap: int) -> None:
-        self._half = max(1, cap // 2)
+        self._half = cap // 2  # 0: nothing is kept
         self._young: dict[tuple[bytes, int], tuple[bytes, int]] = {}
         self._old: dict[tuple[bytes, int], tuple[bytes, int]] = {}
 
@@ -436,6 +436,8 @@ class _ParentCache:
         return v
 
     def put(self, name: bytes, written: dict[int, tuple[bytes, int]]) -> None:
+        if not self._half:
+            return
         keys = zip(itertools.repeat(name), written)
         self._young.update(zip(keys, written.values(), strict=False))
         self._rotate()
@@ -495,7 +497,7 @@ class RedisIndex(Index):
     is read again once the bound allows), and an instance that expired, was
     removed or was registered again is never answered with its old id,
     address or flags past it (KEYS.md, "Instance table, leases, staleness").
-    ``parent_cache_size`` caps the local engine-hash LRU; ``ns_cache_size``
+    ``parent_cache_size`` caps the local engine-hash cache; ``ns_cache_size``
     the namespaces whose constants are kept (:data:`NS_CACHE_SIZE`).
     ``cluster`` talks to a Redis Cluster through ``url`` (any node);
     ``anchor_depth`` is then the depth of the block whose tag places a chain

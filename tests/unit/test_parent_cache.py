@@ -48,3 +48,9 @@ def test_a_removed_mapping_is_forgotten_in_both_generations() -> None:
     c.pop((N, 5))
     assert c.get((N, 1)) is None and c.get((N, 5)) is None
     assert c.get((N, 2)) == (NID, 2)
+
+
+def test_a_capacity_of_0_keeps_nothing() -> None:
+    c = _ParentCache(0)
+    c.put(N, {1: (NID, 1)})
+    assert len(c) == 0 and c.get((N, 1)) is None

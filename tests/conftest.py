@@ -108,7 +108,8 @@ def _dump_tasks(nodeid: str) -> None:
     for _ in range(5):
         try:
             # every loop's tasks: the test's loop runs in this process's main thread
-            every = list(asyncio.tasks._all_tasks)  # type: ignore[attr-defined]
+            # (a private WeakSet through 3.13; where it is gone, nothing is printed)
+            every = list(getattr(asyncio.tasks, "_all_tasks", ()))
             tasks = [t for t in every if not t.done()]
             break
         except RuntimeError:  # the set changed while being copied

@@ -1569,17 +1569,17 @@ class RedisIndex(Index):
         inst: _Inst,
         batch: EventBatch,
         fetched: dict[int, bytes | None],
-        use_lru: bool,
+        use_cache: bool,
     ) -> tuple[list[Any], set[int], dict[int, tuple[bytes, int]]]:
         """Build the apply ARGV tail; return (args, parents to fetch, mappings written).
 
         Parent mappings come from, in order: this batch's earlier stores, the
-        LRU (when ``use_lru``), ``fetched`` (HMGET). Those from the last two
+        cache (when ``use_cache``), ``fetched`` (HMGET). Those from the last two
         are "beliefs" the script checks before writing anything.
         """
         model = inst.spec.model
         name = inst.name
-        lru = self._parents
+        cache = self._parents
         overlay: dict[int, tuple[bytes, int]] = {}
         beliefs: dict[int, bytes] = {}
         missing: set[int] = set()
@@ -1610,7 +1610,7 @@ class RedisIndex(Index):
                         value = None
                     elif parent in beliefs:
                         value = _mapping(beliefs[parent])
-                    elif use_lru and (value := lru.get((name, parent))) is not None:
+                    elif use_cache and (value := cache.get((name, parent))) is not None:
                         beliefs[parent] = value[0] + K.u64(value[1])
                     elif parent in fetched:
                         got = fetched[parent]
@@ -1647,7 +1647,7 @@ class RedisIndex(Index):
                 op = _OP_REMOVE_COPY if batch.counts_copies else _OP_REMOVE
                 ops += (op, mask, _pack(ev.block_hashes, "block_hashes"))
                 for h in ev.block_hashes:
-                    lru.pop((name, h))
+                    cache.pop((name, h))
             elif isinstance(ev, AllBlocksCleared):
                 ops.append(_OP_CLEAR)
                 overlay.clear()
@@ -1690,9 +1690,6 @@ class RedisIndex(Index):
         except ValueError as exc:  # TokenIdError is a ValueError
             raise InvalidArgument(str(exc), field="token_ids") from None
 
-    def _remember(self, name: bytes, written: dict[int, tuple[bytes, int]]) -> None:
-        self._parents.put(name, written)
-
     async def apply(self, batch: EventBatch) -> ApplyResult:
         """Apply one batch atomically (see :mod:`indexer.index`); one EVALSHA when warm."""
         if self.cluster:
@@ -1710,19 +1707,19 @@ class RedisIndex(Index):
             if inst is None:
                 raise FailedPrecondition(f"instance {instance} is not registered", field="instance")
         fetched: dict[int, bytes | None] = {}
-        use_lru = True
+        use_cache = True
         watched: tuple[bytes, bytes] | tuple[()] = ()
         if self._watched:
             watched = self._watch_op(batch)
         for _attempt in range(_APPLY_ATTEMPTS):
             quota_args = self._quota_args(batch.quota, inst.spec.model)
-            args, missing, written = self._encode(inst, batch, fetched, use_lru)
+            args, missing, written = self._encode(inst, batch, fetched, use_cache)
             while missing:
                 emap = K.emap_key(self._ctl_prefix, inst.int_id)
                 order = sorted(missing)
                 vals = await self._cmd("HMGET", emap, *(K.u64(h) for h in order))
                 fetched.update(zip(order, vals, strict=True))
-                args, missing, written = self._encode(inst, batch, fetched, use_lru)
+                args, missing, written = self._encode(inst, batch, fetched, use_cache)
             now = self._clock()
             res = await self._eval(
                 self._s_apply,
@@ -1772,7 +1769,7 @@ class RedisIndex(Index):
                     self._excl_dirty = True
                 if not over:
                     # (A store cut by a quota did not write every mapping it chained.)
-                    self._remember(inst.name, written)
+                    self._parents.put(inst.name, written)
                 if writes:
                     # The data-node half; acknowledged only once it is written. On
                     # failure the writes stay pending (KEYS.md, "Apply: two phases").
@@ -1820,7 +1817,7 @@ class RedisIndex(Index):
             if status == b"noreg" or got is None:
                 raise FailedPrecondition(f"instance {instance} is not registered", field="instance")
             inst = got
-            use_lru = False
+            use_cache = False
             fetched = {}
         raise Unavailable(f"apply for {instance}: concurrent updates, retry later")
 

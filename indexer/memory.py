@@ -121,6 +121,7 @@ from indexer.model import (
     QuotaUsage,
     Tier,
     encoded_extras,
+    event_piece,
     fenced_out,
 )
 from indexer.pacing import loop_pacer
@@ -831,26 +832,11 @@ class MemoryIndex(Index):
             bs = ev.block_size if ev.block_keys is None else 0
             step = max(1, SLICE_WORK // (1 + bs // TOKENS_PER_WORK))
             for i in range(0, n, step):
-                j = min(n, i + step)
-                if i == 0 and j == n:
-                    yield ev
-                    return
-                yield replace(
-                    ev,
-                    block_hashes=ev.block_hashes[i:j],
-                    parent_block_hash=ev.block_hashes[i - 1] if i else ev.parent_block_hash,
-                    token_ids=ev.token_ids[i * bs : (j * bs if j < n else None)] if bs else (),
-                    block_keys=None if ev.block_keys is None else ev.block_keys[i:j],
-                    extras=None if ev.extras is None else ev.extras[i:j],
-                )
+                yield event_piece(ev, i, i + step)
         elif isinstance(ev, BlockRemoved):
             n = len(ev.block_hashes)
             for i in range(0, n, SLICE_WORK):
-                yield (
-                    ev
-                    if n <= SLICE_WORK
-                    else replace(ev, block_hashes=ev.block_hashes[i : i + SLICE_WORK])
-                )
+                yield event_piece(ev, i, i + SLICE_WORK)
         elif isinstance(ev, AllBlocksCleared):
             entries = list(inst.engine_hashes.values())
             for i in range(0, len(entries), SLICE_WORK):

@@ -8,6 +8,7 @@ engine block hashes are unsigned 64-bit ints; see docs/spec/block-keys.md.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -205,6 +206,28 @@ class AllBlocksCleared:
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def event_piece(ev: BlockStored | BlockRemoved, i: int, j: int) -> BlockStored | BlockRemoved:
+    """Blocks ``i`` to ``j`` of ``ev`` as an event of their own (``ev`` itself
+    when that is all of it). A stored chain's piece is chained after the block
+    before it (its parent), with its own token ids, keys and extras; the last
+    piece keeps a trailing partial block's tokens. Applied one after the
+    other, the pieces of an event are the event."""
+    n = len(ev.block_hashes)
+    if i == 0 and j >= n:
+        return ev
+    if isinstance(ev, BlockRemoved):
+        return dataclasses.replace(ev, block_hashes=ev.block_hashes[i:j])
+    bs = ev.block_size if ev.block_keys is None else 0
+    return dataclasses.replace(
+        ev,
+        block_hashes=ev.block_hashes[i:j],
+        parent_block_hash=ev.block_hashes[i - 1] if i else ev.parent_block_hash,
+        token_ids=ev.token_ids[i * bs : (j * bs if j < n else None)] if bs else (),
+        block_keys=None if ev.block_keys is None else ev.block_keys[i:j],
+        extras=None if ev.extras is None else ev.extras[i:j],
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,16 @@ class RedisSettings(StrictModel):
         "saves the extra round trip for a stored block's parent. About 200 bytes each; a "
         "miss costs one HMGET, never a wrong key (the apply script checks every belief).",
     )
+    apply_part_blocks: int = Field(
+        default=1024,
+        ge=0,
+        description="Most blocks one apply script writes (standalone Redis): a longer batch "
+        "goes in parts, one script each (about 5 ms of Redis time at 1,024), so that no "
+        "script holds the server, and every other client's command, for long. Each part "
+        "applies once whichever replica sends it; the batch's sequence is recorded by its "
+        "last (KEYS.md, 'Apply in parts'). 0: every batch in one script. A batch with "
+        "AllBlocksCleared, and every batch on a Cluster, goes in one script.",
+    )
     cluster: bool = Field(
         default=False,
         description="Talk to a Redis Cluster (url names any node). Block keys are tagged by "

@@ -32,6 +32,7 @@ def build_index(config: IndexerConfig) -> Index:
         max_writes_in_flight=r.max_writes_in_flight,
         instance_cache_ttl_s=r.instance_cache_ttl_s,
         parent_cache_size=r.parent_cache_size,
+        apply_part_blocks=r.apply_part_blocks,
         cluster=r.cluster,
         anchor_depth=config.cluster_anchor_for,
         anchor_rule=config.cluster_anchor_rule,

@@ -922,6 +922,8 @@ class IndexerServer:
                 max_pairs=config.watch.redis_max_pairs,
             )
             self.metrics.watch_counters(self.servicer.watch_feed.counters)
+        if isinstance(index, RedisIndex):
+            self.metrics.watch_counters(index.part_counters)
         add_servicer(self.servicer, self._server, self.guard)
         #: Names whose health follows the backend ("" is the whole server).
         self._health_names = ["", SERVICE_NAME]

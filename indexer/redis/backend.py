@@ -92,6 +92,7 @@ from indexer.model import (
     BatchOutcome,
     BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     IndexDump,
     IndexStats,
@@ -105,6 +106,7 @@ from indexer.model import (
     QuotaUsage,
     Tier,
     encoded_extras,
+    event_piece,
     fenced_out,
 )
 from indexer.redis import keys as K
@@ -157,6 +159,10 @@ PURGE_CHUNK = 512
 #: attempt reads everything from Redis, so more than two is only ever needed
 #: under concurrent writes to the same instance.
 _APPLY_ATTEMPTS = 4
+#: Blocks one apply script handles at most (standalone Redis): a longer batch
+#: goes in parts, so that no script holds the server for long (KEYS.md, "Apply
+#: in parts"; about 5 µs of Redis time a block). 0: every batch in one script.
+APPLY_PART_BLOCKS = 1024
 
 #: Namespaces whose constants (id, block-name prefix, registry value) a
 #: replica keeps, least recently used first out. One costs about 520 bytes, so
@@ -483,6 +489,66 @@ def _pack(values: Sequence[int], what: str) -> bytes:
         raise InvalidArgument("values must be unsigned 64-bit integers", field=what) from None
 
 
+def _event_blocks(ev: Event) -> int:
+    return len(ev.block_hashes) if isinstance(ev, BlockStored | BlockRemoved) else 0
+
+
+def _blocks_of(batch: EventBatch) -> int:
+    return sum(map(_event_blocks, batch.events))
+
+
+def _in_parts(batch: EventBatch, limit: int) -> bool:
+    """Whether ``batch`` goes in parts: more than ``limit`` blocks, and no
+    clear (a clear rotates the instance's id mid-script; KEYS.md, "Apply in parts")."""
+    events = batch.events
+    if len(events) <= limit and _blocks_of(batch) <= limit:
+        return False
+    return not any(isinstance(ev, AllBlocksCleared) for ev in events)
+
+
+def _cut(
+    events: Sequence[Event], start: tuple[int, int], limit: int
+) -> tuple[tuple[Event, ...], tuple[int, int]]:
+    """The part of ``events`` from position ``start`` (event, block) holding
+    at most ``limit`` blocks (an event without any counts as one), and the
+    position after it."""
+    i, o = start
+    left = limit
+    part: list[Event] = []
+    while i < len(events) and left > 0:
+        ev = events[i]
+        n = _event_blocks(ev)
+        if n == 0:
+            part.append(ev)
+            i, o, left = i + 1, 0, left - 1
+            continue
+        take = min(n - o, left)
+        assert isinstance(ev, BlockStored | BlockRemoved)
+        part.append(event_piece(ev, o, o + take))
+        left -= take
+        o += take
+        if o >= n:
+            i, o = i + 1, 0
+    return tuple(part), (i, o)
+
+
+def _position(got: bytes, events: Sequence[Event]) -> tuple[int, int]:
+    """A position Redis holds for a batch (``b'event:block'``), checked against ``events``."""
+    try:
+        i, o = (int(x) for x in got.split(b":"))
+    except ValueError:
+        i, o = -1, -1
+    if not (0 <= i < len(events) and 0 <= o < max(1, _event_blocks(events[i]))) and (i, o) != (
+        0,
+        0,
+    ):
+        raise Unavailable(
+            f"apply: Redis holds position {got!r} of this batch, which it does not have "
+            "(another batch sent with the same sequence?)"
+        )
+    return i, o
+
+
 class RedisIndex(Index):
     """The Redis backend (see the module docstring and indexer/redis/KEYS.md).
 
@@ -531,6 +597,7 @@ class RedisIndex(Index):
         max_writes_in_flight: int | None = None,
         parent_cache_size: int = 200_000,
         ns_cache_size: int = NS_CACHE_SIZE,
+        apply_part_blocks: int = APPLY_PART_BLOCKS,
         cluster: bool = False,
         anchor_depth: int | Callable[[str], int] = 1,
         anchor_rule: str = "",
@@ -584,6 +651,13 @@ class RedisIndex(Index):
         self._clock = clock
         self._prefix = prefix
         self.cluster = cluster
+        if apply_part_blocks < 0:
+            raise ValueError(f"apply_part_blocks must be >= 0, got {apply_part_blocks}")
+        #: Blocks per apply script (:data:`APPLY_PART_BLOCKS`; not in cluster mode).
+        self.apply_part_blocks = 0 if cluster else apply_part_blocks
+        #: Batches applied in parts, and their parts (figures for the metrics).
+        self.batches_in_parts = 0
+        self.apply_parts = 0
         self._anchor_depth = anchor_depth
         #: How this replica places chains, as recorded in the index (the first
         #: replica's rule is kept; another refuses): ``anchor_rule``, else the depth.
@@ -1691,14 +1765,76 @@ class RedisIndex(Index):
             raise InvalidArgument(str(exc), field="token_ids") from None
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
-        """Apply one batch atomically (see :mod:`indexer.index`); one EVALSHA when warm."""
+        """Apply one batch (see :mod:`indexer.index`); one EVALSHA when warm, a
+        long one in parts of :attr:`apply_part_blocks` (KEYS.md, "Apply in parts")."""
         if self.cluster:
             # A clear's old id must be purged from the data nodes, and the
             # batch's data-node half written, even when the caller gives up.
-            return await _shielded(self._apply(batch))
-        return await self._apply(batch)
+            return cast(ApplyResult, await _shielded(self._apply(batch)))
+        if self.apply_part_blocks and _in_parts(batch, self.apply_part_blocks):
+            return await self._apply_parts(batch, (0, 0))
+        got = await self._apply(batch)
+        if isinstance(got, bytes):
+            # Parts of it are in (a replica that cut it otherwise was cut off): go on.
+            return await self._apply_parts(batch, _position(got, batch.events))
+        return got
 
-    async def _apply(self, batch: EventBatch) -> ApplyResult:
+    def part_counters(self) -> dict[str, int | dict[str, int]]:
+        """Batches applied in parts and their parts, for the replica's metrics
+        (``kvmesh_indexer_<name>_total``)."""
+        return {
+            "redis_batches_in_parts": self.batches_in_parts,
+            "redis_apply_parts": self.apply_parts,
+        }
+
+    async def _apply_parts(self, batch: EventBatch, pos: tuple[int, int]) -> ApplyResult:
+        """Apply ``batch`` a part at a time, each part one script.
+
+        Redis keeps how far the batch got (``pp``), so each part applies once
+        whichever replica sends it, and a retry of a batch cut off midway (the
+        caller gave up, a connection failed) goes on where it stopped: a part
+        that does not start there is answered with the position. Readers
+        meanwhile see the batch applied up to some part, as on a replica
+        applying a long batch a slice at a time. The sequence, the gap and the
+        stale flag are recorded by the last part; counts are the sum of the
+        parts this call applied. ``pos``: where to start (event, block).
+        """
+        self.batches_in_parts += 1
+        limit = self.apply_part_blocks or APPLY_PART_BLOCKS
+        events = batch.events
+        stored = removed = orphaned = over = 0
+        for _ in range(4 * _blocks_of(batch) // limit + 2 * _APPLY_ATTEMPTS + 8):
+            part, end = _cut(events, pos, limit)
+            last = end[0] >= len(events)
+            stop = "end" if last else f"{end[0]}:{end[1]}"
+            marker = f"{batch.sequence} {pos[0]}:{pos[1]} {stop}"
+            self.apply_parts += 1
+            got = await self._apply(dataclasses.replace(batch, events=part), marker)
+            if isinstance(got, bytes):
+                # Where the batch stands (another replica's parts, a retry).
+                pos = _position(got, events)
+                continue
+            if got.outcome is BatchOutcome.DUPLICATE:
+                return got
+            stored += got.blocks_stored
+            removed += got.blocks_removed
+            orphaned += got.blocks_orphaned
+            over += got.blocks_over_quota
+            if last:
+                return dataclasses.replace(
+                    got,
+                    blocks_stored=stored,
+                    blocks_removed=removed,
+                    blocks_orphaned=orphaned,
+                    blocks_over_quota=over,
+                )
+            pos = end
+        raise Unavailable(f"apply for {batch.instance}: its parts did not go in order, retry later")
+
+    async def _apply(self, batch: EventBatch, part: str = "") -> ApplyResult | bytes:
+        """Apply ``batch`` in one script: the whole batch, or one ``part`` of a
+        long one (``'seq start stop'``, see :meth:`_apply_parts`; then the
+        position Redis holds for the batch, where the part does not start there)."""
         instance = batch.instance
         inst = self._by_name.get(instance)
         if inst is None:
@@ -1727,7 +1863,7 @@ class RedisIndex(Index):
                 K.instance_key(self._ctl_prefix, inst.name),
                 self._base,
                 repr(float(now)),
-                str(batch.sequence),
+                part or str(batch.sequence),
                 inst.spec.model.encode(),
                 inst.name,
                 batch.incarnation.encode(),
@@ -1752,7 +1888,8 @@ class RedisIndex(Index):
                     self._excl_dirty = True  # a lapsed lease was renewed
                 inst.exp = float(exp)
                 inst.bits = int(bits)
-                inst.seq = batch.sequence
+                if not part or part.endswith(" end"):  # (the last part records it)
+                    inst.seq = batch.sequence
                 if batch.address and batch.address != inst.spec.address:
                     # The address fence held: Redis has this address, which
                     # another replica registered since our read. This replica's
@@ -1785,6 +1922,11 @@ class RedisIndex(Index):
                     stale=bool(stale),
                     blocks_over_quota=int(over),
                 )
+            if status == b"part":
+                if inst.exp <= now:
+                    self._excl_dirty = True
+                inst.exp = float(res[2])
+                return bytes(res[1])
             if status == b"watch":
                 # A replica watches: the batch goes to the change stream with it.
                 self._watched = True

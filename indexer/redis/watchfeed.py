@@ -17,7 +17,9 @@ someone watches (indexer/redis/KEYS.md, "Watching"):
 3. the feed reads the stream after the id of step 1 and applies each entry:
    ``b`` a batch as applied, ``g`` a registration, ``h`` a renewal, ``x`` a
    removal or reap, ``r`` "read the instance again" (a batch the quotas cut:
-   not the batch its writer sent), ``p`` route-time predictions recorded
+   not the batch its writer sent), ``q`` one part of a long batch (kept
+   until the last part, then applied as the whole batch: :class:`_Parts`),
+   ``p`` route-time predictions recorded
    (the feed asks for them with ``P:wp``, and step 2 reads each instance's
    unexpired ones, so that the copy answers followers' Matches with
    predictions as Redis does). A writer that does not know yet that
@@ -45,15 +47,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from indexer import convert
 from indexer.memory import MemoryIndex
-from indexer.model import InstanceId, InstanceSpec, Namespace
+from indexer.model import Event, InstanceId, InstanceSpec, Namespace
 from indexer.redis.backend import RedisIndex
 from indexer.watch import WatchHub
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
@@ -89,6 +93,24 @@ class _Resync(Exception):
 
 class _TooLarge(Exception):
     """The copy holds more pairs than its bound: drop it, refuse followers a while."""
+
+
+@dataclass(slots=True)
+class _Parts:
+    """The parts of one instance's long batch the copy holds until its last
+    (KEYS.md, "Apply in parts"): applied then as one batch, so the copy and
+    its followers see the batch whole, as a memory replica publishes it.
+
+    ``at`` is the position in the batch the next part starts at; None after
+    the instance was read in the middle of the batch (the read holds the
+    parts before; the stream's next part of the batch goes on from there)."""
+
+    seq: int
+    at: bytes | None
+    events: list[Event] = field(default_factory=list)
+
+
+_NO_PARTS = _Parts(0, None)
 
 
 def _iid(name: bytes) -> InstanceId:
@@ -137,6 +159,8 @@ class RedisWatchFeed:
         self.position = 0
         self._after = b"0-0"
         self._skip: dict[bytes, int] = {}
+        #: Long batches being applied in parts, by instance name.
+        self._parts: dict[bytes, _Parts] = {}
         self._wanted_at = 0.0  # time.monotonic() of the last demand
         self._hub: WatchHub | None = None  # the copy's hub (served or not yet)
         self._hub_end = 0  # the last position of the copies before
@@ -238,6 +262,7 @@ class RedisWatchFeed:
         )
         self._hub = mirror.watch
         self._skip = {}
+        self._parts = {}
         for name in await idx.watch_names():
             await self._load(mirror, name, publish=False)
             self._bound(mirror)
@@ -309,7 +334,18 @@ class RedisWatchFeed:
         at = float(f[b"t"])
         self._at = at
         try:
-            if kind == b"b":
+            if kind == b"q":
+                await self._take_part(mirror, name, f)
+                kind = b"s"
+            elif kind in (b"b", b"g") and self._parts.pop(name, _NO_PARTS).events:
+                # Parts of a batch left midway in Redis (its writer gave up and
+                # the engine went on): read the instance as Redis holds it, this
+                # entry's change included.
+                await self._load(mirror, name)
+                kind = b"s"
+            if kind == b"s":
+                pass
+            elif kind == b"b":
                 batch = convert.batch_from_pb(pb.EventBatch.FromString(f[b"x"]))
                 try:
                     await mirror.apply(batch)
@@ -328,9 +364,11 @@ class RedisWatchFeed:
                 with contextlib.suppress(NotFound):
                     await mirror.heartbeat(_iid(name))
             elif kind == b"x":
+                self._parts.pop(name, None)
                 with contextlib.suppress(NotFound):
                     await mirror.remove_instance(_iid(name))
             elif kind == b"r":
+                self._parts.pop(name, None)
                 await self._load(mirror, name)
             elif kind == b"p":
                 iid = _iid(name)
@@ -360,6 +398,34 @@ class RedisWatchFeed:
         self.lag_s.append(lag)
         if self._on_lag is not None:
             self._on_lag(max(0.0, lag))
+
+    async def _take_part(self, mirror: MemoryIndex, name: bytes, f: dict[bytes, bytes]) -> None:
+        """Keep part entry ``f`` of a long batch; its last part applies the batch."""
+        seq, start, stop = f[b"z"].split(b" ")
+        held = self._parts.get(name)
+        if held is not None and int(seq) == held.seq and held.at in (None, start):
+            pass  # the batch's next part
+        elif start == b"0:0" and (held is None or not held.events):
+            held = self._parts[name] = _Parts(int(seq), start)
+        else:
+            # The batch's earlier parts are not kept here: they are in a read
+            # of the instance made after them (the copy's start, an 'r'), or
+            # were those of a batch left midway. Read the instance again
+            # (this part included) and keep the batch's later parts.
+            self._parts.pop(name, None)
+            await self._load(mirror, name)
+            if stop != b"end":
+                self._parts[name] = _Parts(int(seq), None)
+            return
+        part = convert.batch_from_pb(pb.EventBatch.FromString(f[b"x"]))
+        held.events += part.events
+        held.at = stop
+        if stop == b"end":
+            del self._parts[name]
+            try:
+                await mirror.apply(dataclasses.replace(part, events=tuple(held.events)))
+            except (FailedPrecondition, NotFound):
+                await self._load(mirror, name)
 
     async def _load(self, mirror: MemoryIndex, name: bytes, *, publish: bool = True) -> None:
         """Copy instance ``name`` as Redis holds it now; its entries up to then are skipped."""

@@ -30,12 +30,14 @@ from typing import Any
 import grpc
 import pytest
 
+from indexer.model import BatchOutcome, BlockStored, EventBatch, InstanceId, InstanceSpec, Namespace
 from indexer.redis.backend import RedisIndex
 from indexer.redis.watchfeed import RedisWatchFeed
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
+from kvmesh.blockkeys import block_keys
 from router_client.follower import IndexFollower
 from tests.grpc.conftest import Harness, close_harness, expect_status, make_config, open_harness
-from tests.integration.test_follower import _compare, _step, _World
+from tests.integration.test_follower import BLOCK, _compare, _step, _World
 from tests.integration.test_zmq_subscriber import eventually
 
 
@@ -64,12 +66,15 @@ class _Pair:
 
 @pytest.fixture(params=["standalone", "cluster"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[_Pair]:
-    """Two replicas over one standalone Redis, or over one 3-master Cluster."""
+    """Two replicas over one standalone Redis, or over one 3-master Cluster
+    (``parts``: standalone, every batch of three blocks or more applied in
+    parts of two, KEYS.md "Apply in parts")."""
     cluster = request.param == "cluster"
     server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    ra = RedisIndex(server.url, prefix=prefix, cluster=cluster)
-    rb = RedisIndex(server.url, prefix=prefix, cluster=cluster)
+    part = {"apply_part_blocks": 2} if request.param == "parts" else {}
+    ra = RedisIndex(server.url, prefix=prefix, cluster=cluster, **part)
+    rb = RedisIndex(server.url, prefix=prefix, cluster=cluster, **part)
     a = await open_harness(make_config(), ra)
     b = await open_harness(make_config(), rb)
     try:
@@ -146,6 +151,7 @@ async def _run(p: _Pair, seed: int, follower_cls: type[IndexFollower] = IndexFol
         await f.close()
 
 
+@pytest.mark.parametrize("pair", ["standalone", "cluster", "parts"], indirect=True)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_a_follower_of_a_redis_replica_answers_what_the_replicas_answer(
     pair: _Pair, seed: int
@@ -154,6 +160,107 @@ async def test_a_follower_of_a_redis_replica_answers_what_the_replicas_answer(
     # Every registration, batch and removal reached the copy through the stream
     # (not by reading instances again: the writers knew someone watched).
     assert pair.feed.copies == 1
+    if pair.ra.apply_part_blocks == 2:
+        assert pair.ra.batches_in_parts + pair.rb.batches_in_parts > 20
+
+
+def _long(seq: int, seed: int, blocks: int = 0) -> EventBatch:
+    """Two chains of 100 to 200 blocks (one of ``blocks``, when given)."""
+    rng = random.Random(seed)
+    events = []
+    for _ in range(1 if blocks else 2):
+        n = blocks or rng.randrange(100, 200)
+        hashes = tuple(rng.getrandbits(63) for _ in range(n))
+        tokens = tuple(rng.randrange(1, 30_000) for _ in range(BLOCK * n))
+        events.append(BlockStored(hashes, None, tokens, BLOCK))
+    return EventBatch(LONG, seq, tuple(events), counts_copies=True)
+
+
+LONG = InstanceId("long", 0)
+
+
+async def _same_in_copy(p: _Pair, *batches: EventBatch) -> None:
+    """Once B's copy holds the whole stream: its Match of each chain equals Redis's."""
+    feed = p.feed
+
+    async def caught_up() -> bool:
+        top = await p.ra._cmd("GET", p.ra._base + b"wn")
+        return feed.mirror is not None and top is not None and feed.position >= int(top)
+
+    await eventually(caught_up, within=15)
+    assert feed.mirror is not None
+    for batch in batches:
+        for ev in batch.events:
+            assert isinstance(ev, BlockStored)
+            keys = block_keys(ev.token_ids, BLOCK, "m")
+            want = await p.ra.match(Namespace("m"), keys, include_stale=True)
+            got = await feed.mirror.match(Namespace("m"), keys, include_stale=True)
+            assert [(m.instance, m.depth, m.stale) for m in got] == [
+                (m.instance, m.depth, m.stale) for m in want
+            ]
+
+
+class _CutOff(RedisIndex):
+    """A writer whose connection fails after ``parts`` parts of a batch."""
+
+    parts = 0
+
+    async def _apply(self, batch: EventBatch, part: str = "") -> Any:
+        if part:
+            if self.parts == 0:
+                raise ConnectionError("cut off between two parts")
+            self.parts -= 1
+        return await super()._apply(batch, part)
+
+
+@pytest.mark.parametrize("pair", ["parts"], indirect=True)
+async def test_a_batch_in_parts_reaches_the_copy_whole_cut_off_or_not(
+    pair: _Pair, redis_server: Any
+) -> None:
+    """The copy keeps a batch's parts until its last, whichever replica sends
+    them; a batch left midway (the engine went on) makes it read the instance."""
+    w = _World(random.Random(4))
+    _, f = await _start(pair, w)
+    cut = _CutOff(redis_server.url, prefix=pair.ra._prefix, apply_part_blocks=50)
+    try:
+        await pair.ra.register(InstanceSpec(LONG, "m", "http://long", 3600.0, "x"))
+        one = _long(1, 1)
+        cut.parts = 2
+        with pytest.raises(ConnectionError):
+            await cut.apply(one)
+        assert pair.rb.apply_part_blocks == 2
+        assert (await pair.rb.apply(one)).outcome is BatchOutcome.APPLIED
+        await _same_in_copy(pair, one)
+        assert pair.feed.reloads == 0
+        # ... and the follower of the copy: the whole chain, from its own copy.
+        chain = one.events[0]
+        assert isinstance(chain, BlockStored)
+        keys = block_keys(chain.token_ids, BLOCK, "m")
+
+        def followed() -> bool:
+            got = f.match("m", "", keys)
+            return got is not None and any(m.depth == len(keys) for m in got.matches.values())
+
+        await eventually(followed, within=10)
+        # Left midway: batch 2 never finishes; batch 3 comes after (a gap), whole
+        # (two blocks); then batch 4 is left midway, and batch 5 comes in parts.
+        two, three, four, five = _long(2, 2), _long(3, 3, 1), _long(4, 4), _long(5, 5)
+        cut.parts = 1
+        with pytest.raises(ConnectionError):
+            await cut.apply(two)
+        assert (await pair.ra.apply(three)).outcome is BatchOutcome.APPLIED_AFTER_GAP
+        await _same_in_copy(pair, one, two, three)
+        assert pair.feed.reloads == 1
+        cut.parts = 1
+        with pytest.raises(ConnectionError):
+            await cut.apply(four)
+        assert (await pair.ra.apply(five)).outcome is BatchOutcome.APPLIED_AFTER_GAP
+        await _same_in_copy(pair, one, two, three, four, five)
+        assert pair.feed.reloads == 2
+        assert await _compare_with_a(pair, w, f) == 0
+    finally:
+        await cut.close()
+        await f.close()
 
 
 class _DropsRemovals(RedisWatchFeed):

@@ -1,6 +1,7 @@
 -- Apply one event batch atomically.
 -- KEYS: instance hash.
--- ARGV: base, now, seq (decimal, any uint64), model, name, incarnation
+-- ARGV: base, now, seq (decimal, any uint64; or 'seq start stop' for one part
+--   of a long batch, see below), model, name, incarnation
 --   fence ('' = none), address fence ('' = none), the quota (lib.lua q_begin:
 --   5 values), nb, then nb pairs (parent engine hash, value the caller assumed; '' = absent),
 --   nn, then nn pairs (ns id, model \0 lora) to register,
@@ -9,13 +10,20 @@
 --   | 'W' batch: the batch as applied (an EventBatch message) for the watch
 --   stream (lib.lua watch_pub; without it a watched apply tells readers to
 --   read the instance again).
+-- A long batch is applied in parts (KEYS.md, "Apply in parts"): ARGV[3] is then
+--   'seq start stop', the part's first and next positions in the batch as
+--   'event:block' ('end' after the last part). A part applies only where the
+--   instance's progress on the batch (field 'pp': id, seq, position reached)
+--   says the batch stands; else {'part', position} says where it stands (also
+--   to a whole batch of which parts are in). Only the last part records the
+--   sequence and the stale flag.
 -- Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'watch'} |
---   {'dup', seq, stale, exp, n} |
+--   {'dup', seq, stale, exp, n} | {'part', position, exp} |
 --   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota,
 --    watched (1: a replica watches, P:wl), retired ids...}
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
-local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a')
+local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a', 'pp')
 if not h[1] then
   return {'noreg'}
 end
@@ -40,15 +48,35 @@ local revived = tonumber(h[6]) <= now
 local stale = h[5] == '1'
 -- Sequences stay decimal strings: compared exactly (lib.lua seq_le).
 local last = h[4] or nil -- HMGET gives false for a missing field
-local seq = ARGV[3]
+local seq, pstart, pstop = string.match(ARGV[3], '^(%d+) (%S+) (%S+)$')
+if not seq then
+  seq = ARGV[3]
+end
 if last and seq_le(seq, last) then
   if revived then
     bump_gen()
   end
   return {'dup', h[4], stale and 1 or 0, exp, h[7]}
 end
-local gap = last ~= nil and last ~= seq_dec(seq)
 local id = h[1]
+-- Parts: each applies once, in order, whichever replica sends it; the whole
+-- batch, where parts of it are in, goes on in parts from there.
+local partial = pstart ~= nil and pstop ~= 'end'
+local at = nil
+if h[10] then
+  local pid, pseq, ppos = string.match(h[10], '^(%S+) (%S+) (%S+)$')
+  if pid == id and pseq == seq then
+    at = ppos
+  end
+end
+if (pstart and pstart ~= (at or '0:0')) or (not pstart and at) then
+  if revived then
+    bump_gen()
+  end
+  return {'part', at or '0:0', exp}
+end
+-- The gap and the stale flag are the whole batch's: decided by its last part.
+local gap = not partial and last ~= nil and last ~= seq_dec(seq)
 local ek = B .. 'e:' .. id
 local p = parents_hold(ek, q_begin(meta, 8, id, tonumber(h[7])))
 if not p then
@@ -179,7 +207,14 @@ while p <= #ARGV do
 end
 ns_flush()
 local nstale = (stale or gap) and not cleared
-redis.call('HSET', meta, 'seq', ARGV[3], 'st', nstale and 1 or 0, 'n', n)
+if partial then
+  redis.call('HSET', meta, 'pp', id .. ' ' .. seq .. ' ' .. pstop, 'n', n)
+else
+  redis.call('HSET', meta, 'seq', seq, 'st', nstale and 1 or 0, 'n', n)
+  if pstart then
+    redis.call('HDEL', meta, 'pp')
+  end
+end
 q_end(meta, id, n)
 if revived or cleared or nstale ~= stale then
   bump_gen()
@@ -189,10 +224,13 @@ local watched = 0
 if wl then
   watched = 1
   -- A batch the quotas cut is not the batch applied: readers read the instance.
-  if Q.over == 0 then
-    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', wblob)
-  else
+  if Q.over ~= 0 then
     watch_pub(wl, 'r', ARGV[5], ARGV[2])
+  elseif pstart then
+    -- A part: its events, and where it lies in the batch ('z': ARGV[3]).
+    watch_pub(wl, 'q', ARGV[5], ARGV[2], 'x', wblob, 'z', ARGV[3])
+  else
+    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', wblob)
   end
 end
 local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over,

@@ -804,6 +804,28 @@ def _store_figures(client: Any) -> tuple[float, float]:
     return mem, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
+#: Commands Redis logs in its SLOWLOG during the probed ingest: those over this.
+SLOWLOG_OVER_US = 10_000
+
+
+def _slowlog_start(client: Any) -> None:
+    """Log every command over :data:`SLOWLOG_OVER_US` from now (Redis's own timing)."""
+    client.config_set("slowlog-max-len", 8192)
+    client.config_set("slowlog-log-slower-than", SLOWLOG_OVER_US)
+    client.slowlog_reset()
+
+
+def _slowlog_figures(client: Any) -> dict[str, float]:
+    """The longest command Redis ran since :func:`_slowlog_start` (every other
+    client waited for it: a script holds the server) and how many took over
+    :data:`SLOWLOG_OVER_US`."""
+    got = [int(e["duration"]) for e in client.slowlog_get(8192)]
+    return {
+        "store_longest_command_ms": max(got, default=0) / 1e3,
+        "store_commands_over_10ms": float(len(got)),
+    }
+
+
 def _wait_registered(side: KvmeshSide, rounds: dict[int, str], n: int) -> None:
     """kvmesh registers an instance once its subscriber's socket connects."""
     deadline = time.perf_counter() + 120.0
@@ -943,7 +965,11 @@ def _measure(
     examples = seq.tokens.examples + seq.keys.examples
     if p.probe:
         probes = Probes(side, run.expected, p.probe_interval_s, 60.0)
+        if isinstance(store, redis.Redis):
+            _slowlog_start(store)
         during = ingest(side, run.fleet, probed, rounds[probed], s, p, meter, probes)
+        if isinstance(store, redis.Redis):
+            f.update(_slowlog_figures(store))
         f["ingest_probed_blocks_per_s"] = s.pairs / during.seconds
         f.update(during.kernel_figures(s.pairs, "_probed"))
         if during.cpu.get("indexer"):
@@ -1007,6 +1033,8 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("health p50 during ingest", "health_during_ingest_p50_ms", "ms"),
     ("health p99 during ingest", "health_during_ingest_p99_ms", "ms"),
     ("wrong answers during ingest", "wrong_during_ingest", ""),
+    ("longest Redis command, ingest", "store_longest_command_ms", "ms"),
+    ("Redis commands over 10 ms", "store_commands_over_10ms", ""),
     ("failed probes", "probe_errors", ""),
     ("indexer RSS after ingest", "rss_mb", "MB"),
     ("RSS growth / (block, inst)", "rss_bytes_per_block_instance", "B"),

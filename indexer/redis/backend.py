@@ -377,6 +377,12 @@ def _gated(
 
 #: Scripts that only read, which a router waits on: ``socket_timeout_s`` bounds them.
 _READ_SCRIPTS = frozenset({"match", "snapshot"})
+#: Writes of a few commands that do not take turns with the applies
+#: (``redis.max_writes_in_flight``): a lease renewal or a registration waits for
+#: the script Redis runs, not for every engine's batch queued before it (an
+#: idle engine whose renewals waited out ``write_timeout_s`` behind a burst of
+#: other engines' batches lost its lease, and dropped out of every Match).
+_PROMPT_SCRIPTS = frozenset({"heartbeat", "register"})
 
 
 def _turns(
@@ -895,7 +901,14 @@ class RedisIndex(Index):
         self.round_trips += 1
         try:
             try:
-                run = self._read if script.name in _READ_SCRIPTS else self._write
+                name = script.name
+                run = (
+                    self._read
+                    if name in _READ_SCRIPTS
+                    else self._exec
+                    if name in _PROMPT_SCRIPTS
+                    else self._write
+                )
                 res = await run("EVALSHA", script.sha, numkeys, *args)
             except NoScriptError:
                 # Redis restarted or SCRIPT FLUSH: load and run again.

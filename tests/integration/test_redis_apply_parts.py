@@ -22,7 +22,9 @@ Against a real redis-server:
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 import uuid
 from typing import Any
 
@@ -189,3 +191,40 @@ async def test_a_batch_cut_off_midway_goes_on_where_it_stopped(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_heartbeat_does_not_wait_for_the_queue_of_applies(redis_server: Any) -> None:
+    """Applies take turns to write (``redis.max_writes_in_flight``), and one
+    waiting longer than ``write_timeout_s`` for its turn fails. A lease renewal
+    of an idle engine must not be one of them: behind sixteen engines' long
+    batches it waited past the timeout, and an engine whose renewals fail
+    while others ingest drops out of every Match when its lease runs out. It
+    now waits for the script Redis is running at most."""
+    idx = RedisIndex(
+        redis_server.url,
+        prefix=f"t{uuid.uuid4().hex[:8]}",
+        apply_part_blocks=0,  # whole batches: the queue is long
+        max_writes_in_flight=1,
+        write_timeout_s=1.0,
+    )
+    rng = random.Random(2)
+    busy = [InstanceId(f"b{i}", 0) for i in range(16)]
+    try:
+        for i in (INST, *busy):
+            await idx.register(InstanceSpec(i, "m", f"http://{i.worker_id}", 3600.0, "x"))
+        batches = []
+        for i in busy:
+            hashes, tokens = _chain(rng, 12_000)
+            batches.append(EventBatch(i, 1, (BlockStored(hashes, None, tokens, BLOCK),)))
+        tasks = [asyncio.ensure_future(idx.apply(b)) for b in batches]
+        await asyncio.sleep(0.3)  # the applies are queued, one of them in Redis
+        assert not all(t.done() for t in tasks)
+        t0 = time.perf_counter()
+        await idx.heartbeat(INST)
+        waited = time.perf_counter() - t0
+        done = sum(t.done() for t in tasks)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert waited < 0.8, (waited, done)
+        assert all(not isinstance(r, BaseException) for r in results), results
+    finally:
+        await idx.close()

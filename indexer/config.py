@@ -92,9 +92,9 @@ class RedisSettings(StrictModel):
         "not queue behind them. Redis runs one script at a time and a Match sent behind 64 "
         "applies of long engine events waits for all of them. Lease renewals and "
         "registrations (a few commands each) do not take turns: an idle engine's renewal "
-        "must not wait out write_timeout_s behind other engines' batches. None: 1 over a standalone "
-        "Redis, no bound of its own over a Cluster (its masters apply in parallel); 0: no "
-        "bound of its own (only max_connections).",
+        "must not wait out write_timeout_s behind other engines' batches. None: 1 over a "
+        "standalone Redis, no bound of its own over a Cluster (its masters apply in "
+        "parallel); 0: no bound of its own (only max_connections).",
     )
     instance_cache_ttl_s: float = Field(
         default=0.25,
@@ -113,12 +113,12 @@ class RedisSettings(StrictModel):
     apply_part_blocks: int = Field(
         default=1024,
         ge=0,
-        description="Most blocks one apply script writes (standalone Redis): a longer batch "
-        "goes in parts, one script each (about 5 ms of Redis time at 1,024), so that no "
-        "script holds the server, and every other client's command, for long. Each part "
-        "applies once whichever replica sends it; the batch's sequence is recorded by its "
-        "last (KEYS.md, 'Apply in parts'). 0: every batch in one script. A batch with "
-        "AllBlocksCleared, and every batch on a Cluster, goes in one script.",
+        description="Most blocks one apply script writes: a longer batch goes in parts, one "
+        "script each (about 5 ms of Redis time at 1,024), so that no script holds the "
+        "server (a Cluster's control master), and every other client's command, for long. "
+        "Each part applies once whichever replica sends it; the batch's sequence is "
+        "recorded by its last (KEYS.md, 'Apply in parts'). 0: every batch in one script. "
+        "A batch with AllBlocksCleared goes in one script.",
     )
     cluster: bool = Field(
         default=False,

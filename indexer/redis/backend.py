@@ -159,9 +159,10 @@ PURGE_CHUNK = 512
 #: attempt reads everything from Redis, so more than two is only ever needed
 #: under concurrent writes to the same instance.
 _APPLY_ATTEMPTS = 4
-#: Blocks one apply script handles at most (standalone Redis): a longer batch
-#: goes in parts, so that no script holds the server for long (KEYS.md, "Apply
-#: in parts"; about 5 µs of Redis time a block). 0: every batch in one script.
+#: Blocks one apply script handles at most: a longer batch goes in parts, so
+#: that no script holds the server (a Cluster's control master) for long
+#: (KEYS.md, "Apply in parts"; about 5 µs of Redis time a block). 0: every
+#: batch in one script.
 APPLY_PART_BLOCKS = 1024
 
 #: Namespaces whose constants (id, block-name prefix, registry value) a
@@ -659,8 +660,8 @@ class RedisIndex(Index):
         self.cluster = cluster
         if apply_part_blocks < 0:
             raise ValueError(f"apply_part_blocks must be >= 0, got {apply_part_blocks}")
-        #: Blocks per apply script (:data:`APPLY_PART_BLOCKS`; not in cluster mode).
-        self.apply_part_blocks = 0 if cluster else apply_part_blocks
+        #: Blocks per apply script (:data:`APPLY_PART_BLOCKS`).
+        self.apply_part_blocks = apply_part_blocks
         #: Batches applied in parts, and their parts (figures for the metrics).
         self.batches_in_parts = 0
         self.apply_parts = 0
@@ -1783,7 +1784,10 @@ class RedisIndex(Index):
         if self.cluster:
             # A clear's old id must be purged from the data nodes, and the
             # batch's data-node half written, even when the caller gives up.
-            return cast(ApplyResult, await _shielded(self._apply(batch)))
+            return await _shielded(self._apply_batch(batch))
+        return await self._apply_batch(batch)
+
+    async def _apply_batch(self, batch: EventBatch) -> ApplyResult:
         if self.apply_part_blocks and _in_parts(batch, self.apply_part_blocks):
             return await self._apply_parts(batch, (0, 0))
         got = await self._apply(batch)
@@ -1939,6 +1943,9 @@ class RedisIndex(Index):
                 if inst.exp <= now:
                     self._excl_dirty = True
                 inst.exp = float(res[2])
+                if self.cluster:
+                    # The data-node writes an earlier part left pending, first.
+                    await self._drive(res[3])
                 return bytes(res[1])
             if status == b"watch":
                 # A replica watches: the batch goes to the change stream with it.

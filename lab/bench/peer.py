@@ -815,15 +815,31 @@ def _slowlog_start(client: Any) -> None:
     client.slowlog_reset()
 
 
-def _slowlog_figures(client: Any) -> dict[str, float]:
+def _slowlog_figures(client: Any) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The longest command Redis ran since :func:`_slowlog_start` (every other
     client waited for it: a script holds the server) and how many took over
-    :data:`SLOWLOG_OVER_US`."""
-    got = [int(e["duration"]) for e in client.slowlog_get(8192)]
-    return {
+    :data:`SLOWLOG_OVER_US`; and by command (a script by its name): how many,
+    the longest in ms."""
+    from indexer.redis.scripts import load_scripts
+
+    names = {s.sha.encode(): s.name for s in load_scripts().values()}
+    got: list[int] = []
+    by: dict[str, list[float]] = {}
+    for e in client.slowlog_get(8192):
+        us = int(e["duration"])
+        got.append(us)
+        words = bytes(e["command"]).split(b" ")
+        name = words[0].decode(errors="replace").upper()
+        if name == "EVALSHA" and len(words) > 1:
+            name = names.get(words[1], "EVALSHA")
+        row = by.setdefault(name, [0.0, 0.0])
+        row[0] += 1
+        row[1] = max(row[1], us / 1e3)
+    figures = {
         "store_longest_command_ms": max(got, default=0) / 1e3,
         "store_commands_over_10ms": float(len(got)),
     }
+    return figures, by
 
 
 def _wait_registered(side: KvmeshSide, rounds: dict[int, str], n: int) -> None:
@@ -969,7 +985,10 @@ def _measure(
             _slowlog_start(store)
         during = ingest(side, run.fleet, probed, rounds[probed], s, p, meter, probes)
         if isinstance(store, redis.Redis):
-            f.update(_slowlog_figures(store))
+            slow, by = _slowlog_figures(store)
+            f.update(slow)
+            if by:
+                run.notes[f"redis_commands_over_10ms_{side.name}"] = by
         f["ingest_probed_blocks_per_s"] = s.pairs / during.seconds
         f.update(during.kernel_figures(s.pairs, "_probed"))
         if during.cpu.get("indexer"):
@@ -1347,6 +1366,10 @@ def _notes(run_params: dict[str, Any]) -> list[str]:
             out.append(f"sentinel polls refused during ingest ({side}): {value}")
         if key.startswith("failed_"):
             out.append(f"FAILED ({key.removeprefix('failed_')}): {value}")
+        if key.startswith("redis_commands_over_10ms_"):
+            side = key.removeprefix("redis_commands_over_10ms_")
+            rows = ", ".join(f"{k} {int(n)} (longest {ms:.1f} ms)" for k, (n, ms) in value.items())
+            out.append(f"Redis commands over 10 ms during the probed ingest ({side}): {rows}")
     return out
 
 

@@ -327,6 +327,27 @@ def test_broken_parts_are_caught(private_redis: Any, monkeypatch: pytest.MonkeyP
     find_counterexample(lambda case: run_case(_parts_of_one(private_redis), case), case_st, 500)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=case_st)
+def test_redis_cluster_backend_in_parts_matches_reference(case: Any, redis_cluster: Any) -> None:
+    """The same on a 3-master Cluster: each part a control-slot script and its
+    data-node writes."""
+    import uuid
+
+    from indexer.redis.backend import RedisIndex
+
+    run_case(
+        lambda clock: RedisIndex(
+            redis_cluster.url,
+            prefix=f"p{uuid.uuid4().hex[:8]}",
+            clock=clock,
+            cluster=True,
+            apply_part_blocks=1,
+        ),
+        case,
+    )
+
+
 @pytest.mark.parametrize("anchor_depth", [1, 2])
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=case_st)

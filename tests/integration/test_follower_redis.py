@@ -67,12 +67,12 @@ class _Pair:
 @pytest.fixture(params=["standalone", "cluster"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[_Pair]:
     """Two replicas over one standalone Redis, or over one 3-master Cluster
-    (``parts``: standalone, every batch of three blocks or more applied in
-    parts of two, KEYS.md "Apply in parts")."""
-    cluster = request.param == "cluster"
+    (``parts``, ``cluster-parts``: every batch of three blocks or more applied
+    in parts of two, KEYS.md "Apply in parts")."""
+    cluster = request.param.startswith("cluster")
     server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    part = {"apply_part_blocks": 2} if request.param == "parts" else {}
+    part = {"apply_part_blocks": 2} if request.param.endswith("parts") else {}
     ra = RedisIndex(server.url, prefix=prefix, cluster=cluster, **part)
     rb = RedisIndex(server.url, prefix=prefix, cluster=cluster, **part)
     a = await open_harness(make_config(), ra)
@@ -161,7 +161,7 @@ async def test_a_follower_of_a_redis_replica_answers_what_the_replicas_answer(
     assert pair.feed.copies == 1
 
 
-@pytest.mark.parametrize("pair", ["parts"], indirect=True)
+@pytest.mark.parametrize("pair", ["parts", "cluster-parts"], indirect=True)
 async def test_the_same_with_batches_in_parts(pair: _Pair) -> None:
     """Every batch of three blocks or more in parts of two: the copy keeps
     each batch's parts and applies it whole at its last part."""

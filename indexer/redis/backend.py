@@ -1788,12 +1788,15 @@ class RedisIndex(Index):
         return await self._apply_batch(batch)
 
     async def _apply_batch(self, batch: EventBatch) -> ApplyResult:
+        # A batch in parts goes on to its last even when the caller gives up (a
+        # deadline, a closed stream), as a memory replica's sliced apply does:
+        # only a replica that dies leaves one midway.
         if self.apply_part_blocks and _in_parts(batch, self.apply_part_blocks):
-            return await self._apply_parts(batch, (0, 0))
+            return await _shielded(self._apply_parts(batch, (0, 0)))
         got = await self._apply(batch)
         if isinstance(got, bytes):
             # Parts of it are in (a replica that cut it otherwise was cut off): go on.
-            return await self._apply_parts(batch, _position(got, batch.events))
+            return await _shielded(self._apply_parts(batch, _position(got, batch.events)))
         return got
 
     def part_counters(self) -> dict[str, int | dict[str, int]]:

@@ -187,6 +187,7 @@ class Replica:
                 instance_cache_ttl_s=r.instance_cache_ttl_s,
                 socket_timeout_s=r.socket_timeout_s,
                 write_timeout_s=r.write_timeout_s,
+                apply_part_blocks=f.part_blocks[self.n % len(f.part_blocks)],
             )
         return f.wrap(index, self.n) if f.wrap is not None else index
 
@@ -220,6 +221,13 @@ class Replica:
         return self.server.subscribers.subscribers[engine]
 
 
+#: Blocks per apply script of each replica over Redis, in turn (indexer/redis/
+#: KEYS.md, "Apply in parts"): the harness's batches are a few 8-block chains, so
+#: small parts cut most of them, replicas cut them differently, and a batch cut
+#: off midway (a deadline, a restart) goes on through another replica.
+PART_BLOCKS = (3, 2, 0)
+
+
 class Fleet:
     """The replicas of one run over one target, with the run's clock and engines."""
 
@@ -234,6 +242,7 @@ class Fleet:
         cache_ttl_s: float = CACHE_TTL_S,
         wrap: IndexWrapper | None = None,
         zmq_policy: str = "reset",
+        part_blocks: Sequence[int] = PART_BLOCKS,
     ) -> None:
         if target.kind == "memory" and replicas != 1:
             raise ValueError("the memory backend is one replica's own index: replicas=1")
@@ -244,6 +253,8 @@ class Fleet:
         self.cache_ttl_s = cache_ttl_s if target.kind != "memory" else 0.0
         self.wrap = wrap
         self.zmq_policy = zmq_policy
+        #: Replica ``n`` applies batches in parts of ``part_blocks[n % len]`` blocks.
+        self.part_blocks = tuple(part_blocks) or (0,)
         self.replicas = [Replica(self, i) for i in range(replicas)]
 
     async def start(self) -> None:

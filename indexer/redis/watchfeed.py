@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 from indexer import convert
 from indexer.memory import MemoryIndex
-from indexer.model import Event, InstanceId, InstanceSpec, Namespace
+from indexer.model import BlockRemoved, BlockStored, Event, InstanceId, InstanceSpec, Namespace
 from indexer.redis.backend import RedisIndex
 from indexer.watch import WatchHub
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
@@ -101,16 +101,44 @@ class _Parts:
     (KEYS.md, "Apply in parts"): applied then as one batch, so the copy and
     its followers see the batch whole, as a memory replica publishes it.
 
-    ``at`` is the position in the batch the next part starts at; None after
-    the instance was read in the middle of the batch (the read holds the
-    parts before; the stream's next part of the batch goes on from there)."""
+    ``at`` is the position in the batch the next part starts at (None: any,
+    the first part after a read of the instance). ``whole``: kept from the
+    batch's first part; else the instance was read in the middle of the batch
+    (the read holds the parts before), nothing is kept, and the batch's last
+    part reads the instance again."""
 
     seq: int
     at: bytes | None
     events: list[Event] = field(default_factory=list)
+    whole: bool = True
+
+    @property
+    def missed(self) -> bool:
+        """Whether Redis holds parts of the batch the copy does not (kept, or
+        seen and not kept since a read)."""
+        return bool(self.events) or (not self.whole and self.at is not None)
 
 
-_NO_PARTS = _Parts(0, None)
+_NO_PARTS = _Parts(0, None, whole=False)
+
+
+def _joined(a: Event, b: Event) -> Event:
+    """Two consecutive pieces of one event (:func:`indexer.model.event_piece`) as one."""
+    if isinstance(a, BlockRemoved) and isinstance(b, BlockRemoved):
+        return dataclasses.replace(a, block_hashes=a.block_hashes + b.block_hashes)
+    if not (isinstance(a, BlockStored) and isinstance(b, BlockStored)):
+        raise _Resync(f"a part goes on with {type(b).__name__} after {type(a).__name__}")
+    na, nb = len(a.block_hashes), len(b.block_hashes)
+    extras = None
+    if a.extras is not None or b.extras is not None:
+        extras = tuple(a.extras or (None,) * na) + tuple(b.extras or (None,) * nb)
+    return dataclasses.replace(
+        a,
+        block_hashes=a.block_hashes + b.block_hashes,
+        token_ids=tuple(a.token_ids) + tuple(b.token_ids),
+        block_keys=None if a.block_keys is None else a.block_keys + (b.block_keys or ()),
+        extras=extras,
+    )
 
 
 def _iid(name: bytes) -> InstanceId:
@@ -337,7 +365,7 @@ class RedisWatchFeed:
             if kind == b"q":
                 await self._take_part(mirror, name, f)
                 kind = b"s"
-            elif kind in (b"b", b"g") and self._parts.pop(name, _NO_PARTS).events:
+            elif kind in (b"b", b"g") and self._parts.pop(name, _NO_PARTS).missed:
                 # Parts of a batch left midway in Redis (its writer gave up and
                 # the engine went on): read the instance as Redis holds it, this
                 # entry's change included.
@@ -405,7 +433,7 @@ class RedisWatchFeed:
         held = self._parts.get(name)
         if held is not None and int(seq) == held.seq and held.at in (None, start):
             pass  # the batch's next part
-        elif start == b"0:0" and (held is None or not held.events):
+        elif start == b"0:0" and (held is None or not held.missed):
             held = self._parts[name] = _Parts(int(seq), start)
         else:
             # The batch's earlier parts are not kept here: they are in a read
@@ -415,10 +443,24 @@ class RedisWatchFeed:
             self._parts.pop(name, None)
             await self._load(mirror, name)
             if stop != b"end":
-                self._parts[name] = _Parts(int(seq), None)
+                self._parts[name] = _Parts(int(seq), None, whole=False)
+            return
+        if not held.whole:
+            # Going on after a read of the instance: the read holds the parts
+            # before, and may end inside an event, so the parts after it are
+            # not events of their own: at the batch's last part, read it again.
+            held.at = stop
+            if stop == b"end":
+                del self._parts[name]
+                await self._load(mirror, name)
             return
         part = convert.batch_from_pb(pb.EventBatch.FromString(f[b"x"]))
-        held.events += part.events
+        events = list(part.events)
+        if not start.endswith(b":0") and held.events and events:
+            # The part goes on with the last event of the one before: one
+            # event again (an event whose parent is unknown is an orphan whole).
+            held.events[-1] = _joined(held.events[-1], events.pop(0))
+        held.events += events
         held.at = stop
         if stop == b"end":
             del self._parts[name]

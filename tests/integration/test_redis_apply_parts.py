@@ -235,3 +235,63 @@ async def test_a_heartbeat_does_not_wait_for_the_queue_of_applies(redis_server: 
         assert waited < 0.8, (waited, done)
     finally:
         await idx.close()
+
+
+@pytest.mark.parametrize("layout", ["standalone", "cluster"])
+async def test_an_event_whose_parent_is_unknown_is_orphaned_whole_across_parts(
+    request: pytest.FixtureRequest, layout: str
+) -> None:
+    """Found by the fault harness: a store whose parent the instance does not
+    hold is an orphan, every block of it, even where a later block's engine
+    hash is one the instance holds (another chain stored it). Cut into parts,
+    the piece after an orphaned piece names that block as its parent: it must
+    be an orphan too, whichever replica sends it."""
+    cluster = layout == "cluster"
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    rng = random.Random(8)
+    ha, ta = _chain(rng, 3)
+    hb, tb = _chain(rng, 3)
+    # Chain B's first block is chain A's (same tokens, same engine hash).
+    hb, tb = (ha[0], *hb[1:]), ta[:BLOCK] + tb[BLOCK:]
+    batch = EventBatch(
+        INST,
+        1,
+        (
+            BlockStored(ha, None, ta, BLOCK),
+            BlockStored(hb, 12345, tb, BLOCK),  # a parent nobody stored
+        ),
+    )
+    ref = MemoryIndex()
+    await ref.register(SPEC)
+    want = await ref.apply(batch)
+    assert (want.blocks_stored, want.blocks_orphaned) == (3, 3)
+    for part in (2, 4):
+        idx = RedisIndex(
+            server.url, prefix=f"{prefix}{part}", apply_part_blocks=part, cluster=cluster
+        )
+        try:
+            await idx.register(SPEC)
+            got = await idx.apply(batch)
+            assert (got.blocks_stored, got.blocks_orphaned) == (3, 3), (part, got)
+            keys = block_keys(tb, BLOCK, "m")
+            assert [m.depth for m in await idx.match(Namespace("m"), keys)] == [
+                m.depth for m in await ref.match(Namespace("m"), keys)
+            ]
+        finally:
+            await idx.close()
+    # Cut off after the orphaned piece, and sent again by a replica that cuts otherwise.
+    a = _CutOff(server.url, prefix=f"{prefix}c", apply_part_blocks=4, cluster=cluster)
+    b = RedisIndex(server.url, prefix=f"{prefix}c", apply_part_blocks=1, cluster=cluster)
+    try:
+        await a.register(SPEC)
+        a.parts = 1  # 3 blocks of A and the first of B (an orphan), then cut off
+        with pytest.raises(ConnectionError):
+            await a.apply(batch)
+        got = await b.apply(batch)
+        assert got.blocks_stored == 0 and got.blocks_orphaned == 2, got
+        keys = block_keys(tb, BLOCK, "m")
+        assert [m.depth for m in await b.match(Namespace("m"), keys)] == [1]
+    finally:
+        await a.close()
+        await b.close()

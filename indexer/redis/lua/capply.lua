@@ -223,12 +223,17 @@ if last and seq_le(seq, last) then
 end
 local partial = pstart ~= nil and pstop ~= 'end'
 local at = nil
+-- A part that goes on with an event whose piece before was an orphan (its
+-- parent unknown): the whole event is, as when it is applied whole.
+local carry = false
 if h[10] then
-  local pid, pseq, ppos = string.match(h[10], '^(%S+) (%S+) (%S+)$')
+  local pid, pseq, ppos, pflag = string.match(h[10], '^(%S+) (%S+) (%S+) ?(%S*)$')
   if pid == id and pseq == seq then
     at = ppos
+    carry = pflag == 'o' and pstart ~= nil and string.match(pstart, ':0$') == nil
   end
 end
+local lastorph = false -- the last stored op was an orphan
 if (pstart and pstart ~= (at or '0:0')) or (not pstart and at) then
   if revived then
     bump_gen()
@@ -313,13 +318,18 @@ while p <= #ARGV do
     p = p + 7
     hb, kb = q_admit(ns, hb, kb, id)
     local ok = true
-    if check ~= '' then
+    if carry then
+      ok = false
+      orphaned = orphaned + #hb / 8
+    elseif check ~= '' then
       local v = redis.call('HGET', ek, check)
       if not v or sub(v, 1, 8) ~= ns then
         ok = false
         orphaned = orphaned + #hb / 8
       end
     end
+    carry = false
+    lastorph = not ok
     if ok then
       -- Where the chain continues: after the parent's location, at the root,
       -- or nowhere known ('u': a parent this instance does not map, in this
@@ -383,6 +393,7 @@ while p <= #ARGV do
   elseif op == 'R' or op == 'Q' then
     local rmask, hb = tonumber(ARGV[p + 1]), ARGV[p + 2]
     p = p + 3
+    carry, lastorph = false, false
     for i = 1, #hb / 8 do
       local eh = sub(hb, 8 * i - 7, 8 * i)
       local suf = redis.call('HGET', ek, eh)
@@ -449,7 +460,7 @@ end
 ns_flush()
 local nstale = (stale or gap) and not cleared
 if partial then
-  redis.call('HSET', meta, 'pp', id .. ' ' .. seq .. ' ' .. pstop, 'n', n)
+  redis.call('HSET', meta, 'pp', id .. ' ' .. seq .. ' ' .. pstop .. ' ' .. (lastorph and 'o' or '-'), 'n', n)
 else
   redis.call('HSET', meta, 'seq', seq, 'st', nstale and 1 or 0, 'n', n)
   if pstart then

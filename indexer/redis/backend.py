@@ -1816,13 +1816,13 @@ class RedisIndex(Index):
         that does not start there is answered with the position. Readers
         meanwhile see the batch applied up to some part, as on a replica
         applying a long batch a slice at a time. The sequence, the gap and the
-        stale flag are recorded by the last part; counts are the sum of the
-        parts this call applied. ``pos``: where to start (event, block).
+        stale flag are recorded by the last part, which answers the whole
+        batch's counts (Redis adds each part's to ``pp``, whichever replica
+        applied it). ``pos``: where to start (event, block).
         """
         self.batches_in_parts += 1
         limit = self.apply_part_blocks or APPLY_PART_BLOCKS
         events = batch.events
-        stored = removed = orphaned = over = 0
         for _ in range(4 * _blocks_of(batch) // limit + 2 * _APPLY_ATTEMPTS + 8):
             part, end = _cut(events, pos, limit)
             last = end[0] >= len(events)
@@ -1834,20 +1834,9 @@ class RedisIndex(Index):
                 # Where the batch stands (another replica's parts, a retry).
                 pos = _position(got, events)
                 continue
-            if got.outcome is BatchOutcome.DUPLICATE:
+            if got.outcome is BatchOutcome.DUPLICATE or last:
+                # (The last part's counts are the whole batch's, every part's.)
                 return got
-            stored += got.blocks_stored
-            removed += got.blocks_removed
-            orphaned += got.blocks_orphaned
-            over += got.blocks_over_quota
-            if last:
-                return dataclasses.replace(
-                    got,
-                    blocks_stored=stored,
-                    blocks_removed=removed,
-                    blocks_orphaned=orphaned,
-                    blocks_over_quota=over,
-                )
             pos = end
         raise Unavailable(f"apply for {batch.instance}: its parts did not go in order, retry later")
 

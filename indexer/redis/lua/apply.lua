@@ -19,7 +19,8 @@
 --   sequence and the stale flag.
 -- Returns {'noreg'} | {'model'} | {'inc'} | {'addr'} | {'retry'} | {'watch'} |
 --   {'dup', seq, stale, exp, n} | {'part', position, exp} |
---   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota,
+--   {'ok', gap, stale, exp, n, stored, removed, orphaned, id, over quota (a part:
+--    the batch's so far, its parts before included),
 --    watched (1: a replica watches, P:wl), retired ids...}
 local meta = KEYS[1]
 local now = tonumber(ARGV[2])
@@ -66,11 +67,19 @@ local at = nil
 -- A part that goes on with an event whose piece before was an orphan (its
 -- parent unknown): the whole event is, as when it is applied whole.
 local carry = false
+-- The batch's counts so far (stored, removed, orphaned, over quota), whichever
+-- replica applied its parts: the last part answers the whole batch's.
+local base = {0, 0, 0, 0}
 if h[10] then
-  local pid, pseq, ppos, pflag = string.match(h[10], '^(%S+) (%S+) (%S+) ?(%S*)$')
+  local pid, pseq, ppos, pflag, pc = string.match(h[10], '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
   if pid == id and pseq == seq then
     at = ppos
     carry = pflag == 'o' and pstart ~= nil and string.match(pstart, ':0$') == nil
+    local i = 1
+    for c in string.gmatch(pc or '', '%d+') do
+      base[i] = tonumber(c)
+      i = i + 1
+    end
   end
 end
 local lastorph = false -- the last stored op was an orphan
@@ -220,7 +229,8 @@ end
 ns_flush()
 local nstale = (stale or gap) and not cleared
 if partial then
-  redis.call('HSET', meta, 'pp', id .. ' ' .. seq .. ' ' .. pstop .. ' ' .. (lastorph and 'o' or '-'), 'n', n)
+  local counts = table.concat({base[1] + stored, base[2] + removed, base[3] + orphaned, base[4] + Q.over}, ',')
+  redis.call('HSET', meta, 'pp', id .. ' ' .. seq .. ' ' .. pstop .. ' ' .. (lastorph and 'o' or '-') .. ' ' .. counts, 'n', n)
 else
   redis.call('HSET', meta, 'seq', seq, 'st', nstale and 1 or 0, 'n', n)
   if pstart then
@@ -245,7 +255,8 @@ if wl then
     watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', wblob)
   end
 end
-local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, stored, removed, orphaned, id, Q.over,
+local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, base[1] + stored, base[2] + removed,
+  base[3] + orphaned, id, base[4] + Q.over,
   watched}
 for _, r in ipairs(retired) do
   out[#out + 1] = r

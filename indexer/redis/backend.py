@@ -545,10 +545,8 @@ def _position(got: bytes, events: Sequence[Event]) -> tuple[int, int]:
         i, o = (int(x) for x in got.split(b":"))
     except ValueError:
         i, o = -1, -1
-    if not (0 <= i < len(events) and 0 <= o < max(1, _event_blocks(events[i]))) and (i, o) != (
-        0,
-        0,
-    ):
+    inside = 0 <= i < len(events) and 0 <= o < max(1, _event_blocks(events[i]))
+    if not inside and (i, o) != (0, 0):
         raise Unavailable(
             f"apply: Redis holds position {got!r} of this batch, which it does not have "
             "(another batch sent with the same sequence?)"

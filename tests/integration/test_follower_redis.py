@@ -39,6 +39,7 @@ from kvmesh.blockkeys import block_keys
 from router_client.follower import IndexFollower
 from tests.grpc.conftest import Harness, close_harness, expect_status, make_config, open_harness
 from tests.integration.test_follower import BLOCK, _compare, _step, _World
+from tests.integration.test_redis_apply_parts import CutOff
 from tests.integration.test_zmq_subscriber import eventually
 
 
@@ -207,19 +208,6 @@ async def _same_in_copy(p: _Pair, *batches: EventBatch) -> None:
             ]
 
 
-class _CutOff(RedisIndex):
-    """A writer whose connection fails after ``parts`` parts of a batch."""
-
-    parts = 0
-
-    async def _apply(self, batch: EventBatch, part: str = "") -> Any:
-        if part:
-            if self.parts == 0:
-                raise ConnectionError("cut off between two parts")
-            self.parts -= 1
-        return await super()._apply(batch, part)
-
-
 @pytest.mark.parametrize("pair", ["parts"], indirect=True)
 async def test_a_batch_in_parts_reaches_the_copy_whole_cut_off_or_not(
     pair: _Pair, redis_server: Any
@@ -228,7 +216,7 @@ async def test_a_batch_in_parts_reaches_the_copy_whole_cut_off_or_not(
     them; a batch left midway (the engine went on) makes it read the instance."""
     w = _World(random.Random(4))
     _, f = await _start(pair, w)
-    cut = _CutOff(redis_server.url, prefix=pair.ra._prefix, apply_part_blocks=50)
+    cut = CutOff(redis_server.url, prefix=pair.ra._prefix, apply_part_blocks=50)
     try:
         await pair.ra.register(InstanceSpec(LONG, "m", "http://long", 3600.0, "x"))
         one = _long(1, 1)

@@ -110,7 +110,7 @@ async def test_a_long_batch_never_holds_redis_long(redis_server: Any) -> None:
     assert longest < 50 and longest < whole / 4, (longest, whole)
 
 
-class _CutOff(RedisIndex):
+class CutOff(RedisIndex):
     """A writer whose connection fails after ``parts`` parts of a batch."""
 
     parts = 3
@@ -163,7 +163,7 @@ async def test_a_batch_cut_off_midway_goes_on_where_it_stopped(
     cluster = layout == "cluster"
     server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    a = _CutOff(server.url, prefix=prefix, apply_part_blocks=100, cluster=cluster)
+    a = CutOff(server.url, prefix=prefix, apply_part_blocks=100, cluster=cluster)
     b = RedisIndex(server.url, prefix=prefix, apply_part_blocks=part_b, cluster=cluster)
     ref = MemoryIndex()
     try:
@@ -283,7 +283,7 @@ async def test_an_event_whose_parent_is_unknown_is_orphaned_whole_across_parts(
         finally:
             await idx.close()
     # Cut off after the orphaned piece, and sent again by a replica that cuts otherwise.
-    a = _CutOff(server.url, prefix=f"{prefix}c", apply_part_blocks=4, cluster=cluster)
+    a = CutOff(server.url, prefix=f"{prefix}c", apply_part_blocks=4, cluster=cluster)
     b = RedisIndex(server.url, prefix=f"{prefix}c", apply_part_blocks=1, cluster=cluster)
     try:
         await a.register(SPEC)

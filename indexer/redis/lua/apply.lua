@@ -49,10 +49,9 @@ local revived = tonumber(h[6]) <= now
 local stale = h[5] == '1'
 -- Sequences stay decimal strings: compared exactly (lib.lua seq_le).
 local last = h[4] or nil -- HMGET gives false for a missing field
-local seq, pstart, pstop = string.match(ARGV[3], '^(%d+) (%S+) (%S+)$')
-if not seq then
-  seq = ARGV[3]
-end
+-- A part of a long batch, or the whole (lib.lua part_begin).
+local P = part_begin(ARGV[3], h[10], h[1])
+local seq, pstart, pstop = P.seq, P.start, P.stop
 if last and seq_le(seq, last) then
   if revived then
     bump_gen()
@@ -63,31 +62,13 @@ local id = h[1]
 -- Parts: each applies once, in order, whichever replica sends it; the whole
 -- batch, where parts of it are in, goes on in parts from there.
 local partial = pstart ~= nil and pstop ~= 'end'
-local at = nil
--- A part that goes on with an event whose piece before was an orphan (its
--- parent unknown): the whole event is, as when it is applied whole.
-local carry = false
--- The batch's counts so far (stored, removed, orphaned, over quota), whichever
--- replica applied its parts: the last part answers the whole batch's.
-local base = {0, 0, 0, 0}
-if h[10] then
-  local pid, pseq, ppos, pflag, pc = string.match(h[10], '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
-  if pid == id and pseq == seq then
-    at = ppos
-    carry = pflag == 'o' and pstart ~= nil and string.match(pstart, ':0$') == nil
-    local i = 1
-    for c in string.gmatch(pc or '', '%d+') do
-      base[i] = tonumber(c)
-      i = i + 1
-    end
-  end
-end
+local carry, base = P.carry, P.base
 local lastorph = false -- the last stored op was an orphan
-if (pstart and pstart ~= (at or '0:0')) or (not pstart and at) then
+if part_elsewhere(P) then
   if revived then
     bump_gen()
   end
-  return {'part', at or '0:0', exp}
+  return {'part', P.at or '0:0', exp}
 end
 -- The gap and the stale flag are the whole batch's: decided by its last part.
 local gap = not partial and last ~= nil and last ~= seq_dec(seq)
@@ -228,15 +209,7 @@ while p <= #ARGV do
 end
 ns_flush()
 local nstale = (stale or gap) and not cleared
-if partial then
-  local counts = table.concat({base[1] + stored, base[2] + removed, base[3] + orphaned, base[4] + Q.over}, ',')
-  redis.call('HSET', meta, 'pp', id .. ' ' .. seq .. ' ' .. pstop .. ' ' .. (lastorph and 'o' or '-') .. ' ' .. counts, 'n', n)
-else
-  redis.call('HSET', meta, 'seq', seq, 'st', nstale and 1 or 0, 'n', n)
-  if pstart then
-    redis.call('HDEL', meta, 'pp')
-  end
-end
+batch_end(meta, P, id, n, nstale, lastorph, stored, removed, orphaned, Q.over)
 q_end(meta, id, n)
 if revived or cleared or nstale ~= stale then
   bump_gen()
@@ -245,15 +218,7 @@ local wl = watch_on()
 local watched = 0
 if wl then
   watched = 1
-  -- A batch the quotas cut is not the batch applied: readers read the instance.
-  if Q.over ~= 0 then
-    watch_pub(wl, 'r', ARGV[5], ARGV[2])
-  elseif pstart then
-    -- A part: its events, and where it lies in the batch ('z': ARGV[3]).
-    watch_pub(wl, 'q', ARGV[5], ARGV[2], 'x', wblob, 'z', ARGV[3])
-  else
-    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', wblob)
-  end
+  watch_batch(wl, P, Q.over, wblob)
 end
 local out = {'ok', gap and 1 or 0, nstale and 1 or 0, exp, n, base[1] + stored, base[2] + removed,
   base[3] + orphaned, id, base[4] + Q.over,

@@ -389,3 +389,66 @@ local function watch_pub(wl, kind, name, now, ...)
   local n = redis.call('INCR', k)
   redis.call('XADD', B .. 'w', 'MAXLEN', '~', wl, '*', 'n', n, 'k', kind, 'i', name, 't', now, ...)
 end
+
+-- Apply in parts (KEYS.md, "Apply in parts"): a part's ARGV[3] is 'seq start
+-- stop'; the instance field 'pp' is 'id seq position flag counts' while a long
+-- batch is applied in parts. part_begin reads both: {seq, start, stop, at,
+-- carry, base} with at the position Redis holds for this batch (nil: none),
+-- carry whether the part's first store goes on with an orphaned event (its
+-- piece before was an orphan: the whole event is, as when applied whole) and
+-- base the batch's counts so far (stored, removed, orphaned, over quota),
+-- whichever replica applied its parts.
+local function part_begin(arg, pp, id)
+  local P = {base = {0, 0, 0, 0}, carry = false}
+  P.seq, P.start, P.stop = string.match(arg, '^(%d+) (%S+) (%S+)$')
+  if not P.seq then
+    P.seq = arg
+  end
+  if pp then
+    local pid, pseq, ppos, pflag, pc = string.match(pp, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
+    if pid == id and pseq == P.seq then
+      P.at = ppos
+      P.carry = pflag == 'o' and P.start ~= nil and string.match(P.start, ':0$') == nil
+      local i = 1
+      for c in string.gmatch(pc or '', '%d+') do
+        P.base[i] = tonumber(c)
+        i = i + 1
+      end
+    end
+  end
+  return P
+end
+-- Whether the call does not go where the batch stands: a part that does not
+-- start there, or a whole batch of which parts are in (answered {'part', at}).
+local function part_elsewhere(P)
+  return (P.start and P.start ~= (P.at or '0:0')) or (not P.start and P.at)
+end
+-- The end of an apply (apply.lua, capply.lua): a part before the last records
+-- where the batch stands (for the next part, with the counts so far); the last
+-- part or a whole batch records the sequence and the stale flag.
+local function batch_end(meta, P, id, n, nstale, lastorph, stored, removed, orphaned, over)
+  if P.start and P.stop ~= 'end' then
+    local b = P.base
+    local counts = table.concat({b[1] + stored, b[2] + removed, b[3] + orphaned, b[4] + over}, ',')
+    redis.call('HSET', meta, 'n', n, 'pp',
+      id .. ' ' .. P.seq .. ' ' .. P.stop .. ' ' .. (lastorph and 'o' or '-') .. ' ' .. counts)
+    return
+  end
+  redis.call('HSET', meta, 'seq', P.seq, 'st', nstale and 1 or 0, 'n', n)
+  if P.start then
+    redis.call('HDEL', meta, 'pp')
+  end
+end
+-- An apply's entry in the change stream, while a replica watches: the batch
+-- as applied ('b'), one part of a long batch ('q', with ARGV[3] as 'z'), or,
+-- for a batch the quotas cut (not the batch its writer sent), 'r': readers
+-- read the instance.
+local function watch_batch(wl, P, over, blob)
+  if over ~= 0 then
+    watch_pub(wl, 'r', ARGV[5], ARGV[2])
+  elseif P.start then
+    watch_pub(wl, 'q', ARGV[5], ARGV[2], 'x', blob, 'z', ARGV[3])
+  else
+    watch_pub(wl, 'b', ARGV[5], ARGV[2], 'x', blob)
+  end
+end

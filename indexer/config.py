@@ -87,12 +87,13 @@ class RedisSettings(StrictModel):
         default=None,
         ge=0,
         le=10_000,
-        description="Most write scripts (applies, predictions, purges, removals) this "
+        description="Most write scripts (applies, registrations, predictions, purges, "
+        "removals) this "
         "replica has in flight at once; the others wait their turn here, where a Match does "
         "not queue behind them. Redis runs one script at a time and a Match sent behind 64 "
-        "applies of long engine events waits for all of them. Lease renewals and "
-        "registrations (a few commands each) do not take turns: an idle engine's renewal "
-        "must not wait out write_timeout_s behind other engines' batches. None: 1 over a "
+        "applies of long engine events waits for all of them. Lease renewals (a few "
+        "commands each) do not take turns: an idle engine's renewal must not wait out "
+        "write_timeout_s behind other engines' batches. None: 1 over a "
         "standalone Redis, no bound of its own over a Cluster (its masters apply in "
         "parallel); 0: no bound of its own (only max_connections).",
     )

@@ -379,11 +379,12 @@ def _gated(
 #: Scripts that only read, which a router waits on: ``socket_timeout_s`` bounds them.
 _READ_SCRIPTS = frozenset({"match", "snapshot"})
 #: Writes of a few commands that do not take turns with the applies
-#: (``redis.max_writes_in_flight``): a lease renewal or a registration waits for
-#: the script Redis runs, not for every engine's batch queued before it (an
-#: idle engine whose renewals waited out ``write_timeout_s`` behind a burst of
-#: other engines' batches lost its lease, and dropped out of every Match).
-_PROMPT_SCRIPTS = frozenset({"heartbeat", "register"})
+#: (``redis.max_writes_in_flight``): a lease renewal waits for the script Redis
+#: runs, not for every engine's batch queued before it (an idle engine whose
+#: renewals waited out ``write_timeout_s`` behind a burst of other engines'
+#: batches lost its lease, and dropped out of every Match). A registration
+#: still takes its turn: it may reset an instance whose batches are queued.
+_PROMPT_SCRIPTS = frozenset({"heartbeat"})
 
 
 def _turns(

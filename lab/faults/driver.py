@@ -156,6 +156,9 @@ CALL_TIMEOUT_S = 5.0
 #: UNAVAILABLE: a socket timeout (0.25 s), a cluster topology reload and a
 #: channel's reconnect backoff each fit many times over.
 RECOVERY_S = 5.0
+#: How much longer a follower that missed RECOVERY_S is waited for, only to say
+#: in the violation whether it was late or stuck.
+LATE_SYNC_S = 10.0
 
 #: Slack added to every lag bound: the event loop of a loaded 2-core machine
 #: can delay a call by this much between its timestamp and its work.
@@ -1268,7 +1271,21 @@ class Driver:
         if link.stalled:
             link.resume()
         if not await link.f.wait_synced(RECOVERY_S):
-            self.violate("not_recovered", f"the follower did not sync within {RECOVERY_S:g} s")
+            f = link.f
+            t0 = time.monotonic()
+            late = await f.wait_synced(LATE_SYNC_S)
+            after = (
+                f"it synced {RECOVERY_S + time.monotonic() - t0:.1f} s after the stream flowed"
+                if late
+                else f"nor within {RECOVERY_S + LATE_SYNC_S:g} s"
+            )
+            self.violate(
+                "not_recovered",
+                f"the follower did not sync within {RECOVERY_S:g} s ({after}; "
+                f"reconnects {f.reconnects}, resyncs {f.resyncs}, snapshots {f.snapshots}, "
+                f"stalls {f.stalls}, gaps {f.gaps}, replica run {link.replica.run}, "
+                f"proxy's newest connection in run {link.proxy.newest_run})",
+            )
         spaces = [(m, "") for m in MODELS] + [(MODELS[0], "l"), (SG_MODEL, "")]
         for model, lora in spaces:
             for chain in range(CHAINS):

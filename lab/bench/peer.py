@@ -66,6 +66,11 @@ Per side, in order:
    client on the others, as when the indexer has a node of its own: on two
    cores, 64 publisher threads otherwise take the indexer's CPU share too.
 
+   With ``--query-replica`` (Redis or Cluster) a second kvmesh replica over
+   the same store, subscribed to no engine, answers the probes (and the
+   sentinel polls): a fleet whose routers call replicas that do not ingest.
+   Its CPU is counted apart (``query_replica_cpu_s_probed``).
+
 5. **Redis's own limit** (standalone Redis only): the same number of
    (block, instance) pairs (at most 2 M) written as plain pipelined HSETs by
    ``redis-cli --pipe`` into the same server (:mod:`lab.bench.rawwrite`):
@@ -174,6 +179,9 @@ class PeerParams:
     probe_interval_s: float = 0.01
     #: kvmesh's probe Matches over one MatchStream (router_client's default path).
     probe_stream: bool = False
+    #: Over Redis or a Cluster: the probes ask a second replica that ingests
+    #: nothing (``--query-replica``), as a fleet with ingest and query replicas.
+    query_replica: bool = False
     ingest_timeout_s: float = 900.0
     dynamo_threads: int = 2
     #: kvmesh config settings over the bench's (``--kvmesh-set``): (dotted key, value).
@@ -570,6 +578,7 @@ class CpuMeter:
         out = {"client": time.process_time()}
         parts: dict[str, float | None] = {
             "indexer": self.side.cpu_seconds(),
+            "query": getattr(self.side, "query_cpu_seconds", lambda: None)(),
             "publishers": self.fleet.cpu_seconds(),
             "machine": machine_busy_s(),
         }
@@ -877,7 +886,11 @@ def run_side(run: Run, kind: str, index: int, f: dict[str, float]) -> None:
                 side = DynamoSide(run.work, p.block_size, p.dynamo_threads)
             else:
                 side = KvmeshSide(
-                    kind, kvmesh_config(run, kind, url, list(rounds)), run.work, p.block_size
+                    kind,
+                    kvmesh_config(run, kind, url, list(rounds)),
+                    run.work,
+                    p.block_size,
+                    query_replica=p.query_replica and kind != "memory",
                 )
                 side.probe_stream = p.probe_stream
             with side:
@@ -993,6 +1006,8 @@ def _measure(
         f.update(during.kernel_figures(s.pairs, "_probed"))
         if during.cpu.get("indexer"):
             f["ingest_probed_blocks_per_cpu_s"] = s.pairs / during.cpu["indexer"]
+        if "query" in during.cpu:
+            f["query_replica_cpu_s_probed"] = during.cpu["query"]
         if "others" in during.cpu:
             f["others_cpu_share_probed"] = during.cpu["others"] / (during.seconds * cpus)
         if during.poll_errors:
@@ -1044,6 +1059,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("ingest while probed", "ingest_probed_blocks_per_s", "blocks/s"),
     ("  per indexer CPU-s", "ingest_probed_blocks_per_cpu_s", "blocks/s"),
     ("  others' share of the CPUs", "others_cpu_share_probed", ""),
+    ("  query replica's CPU", "query_replica_cpu_s_probed", "s"),
     ("  indexer CPU in the kernel", "kernel_cpu_share_probed", ""),
     ("  page faults / (block, inst)", "page_faults_per_block_instance_probed", ""),
     ("  kernel time / page fault", "kernel_us_per_page_fault_probed", "µs"),
@@ -1244,6 +1260,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[PeerParams, str | None, str | No
         help="kvmesh's probe Matches over one MatchStream, as router_client sends them "
         "(default: one unary Match each, as Dynamo's are one HTTP request each)",
     )
+    p.add_argument(
+        "--query-replica",
+        action="store_true",
+        help="over redis or cluster, the probes during an ingest ask a second replica "
+        "that subscribes to no engine (ingest and routers' calls on separate replicas)",
+    )
     p.add_argument("--dynamo-threads", type=int, default=2, help="dynamo.indexer --threads")
     p.add_argument(
         "--pin",
@@ -1298,6 +1320,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[PeerParams, str | None, str | No
         probe=not args.no_probe,
         probe_interval_s=args.probe_interval,
         probe_stream=args.probe_stream,
+        query_replica=args.query_replica,
         dynamo_threads=args.dynamo_threads,
         kvmesh_set=tuple(kvmesh_set),
         pin=args.pin,

@@ -321,7 +321,14 @@ class KvmeshSide:
     as ``python -m kvmesh.cli indexer serve --config FILE``.
     """
 
-    def __init__(self, name: str, config: dict[str, Any], work: Path, block_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: dict[str, Any],
+        work: Path,
+        block_size: int,
+        query_replica: bool = False,
+    ) -> None:
         self.name = name
         self.block_size = block_size
         self.port = free_port()
@@ -335,6 +342,31 @@ class KvmeshSide:
             die_with_parent=True,
         )
         self.target = f"127.0.0.1:{self.port}"
+        #: With ``query_replica`` (a shared store only): a second replica over the
+        #: same store that subscribes to no engine, as a fleet that keeps its
+        #: ingest and its routers' calls on separate replicas runs; the probes
+        #: during an ingest ask it. Its CPU is counted apart (query_cpu_seconds).
+        self.query_child: ChildProcess | None = None
+        self.query_target = self.target
+        if query_replica:
+            if config.get("backend") != "redis":
+                raise ValueError("a query replica needs a shared store (redis or cluster)")
+            qport = free_port()
+            qconfig = {
+                **self.config,
+                "port": qport,
+                "metrics_port": free_port(),
+                "engine_events": {"endpoints": []},
+            }
+            qpath = work / f"indexer-{name}-query.json"
+            qpath.write_text(json.dumps(qconfig, indent=2), encoding="utf-8")
+            self.query_child = ChildProcess(
+                python_module("kvmesh.cli", "indexer", "serve", "--config", str(qpath)),
+                name=f"kvmesh indexer ({name}, query replica)",
+                log_path=work / f"indexer-{name}-query.log",
+                die_with_parent=True,
+            )
+            self.query_target = f"127.0.0.1:{qport}"
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.IndexerServiceStub | None = None
         self._reqs_tokens: list[pb.MatchRequest] = []
@@ -352,12 +384,11 @@ class KvmeshSide:
         try:
             self._channel = grpc.insecure_channel(self.target)
             self._stub = pb_grpc.IndexerServiceStub(self._channel)
-            health = health_pb2_grpc.HealthStub(self._channel)
-            serving = health_pb2.HealthCheckResponse.SERVING
-            self.child.wait_ready(
-                lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == serving,
-                START_TIMEOUT_S,
-            )
+            _wait_serving(self.child, self._channel)
+            if self.query_child is not None:
+                self.query_child.start()
+                with grpc.insecure_channel(self.query_target) as channel:
+                    _wait_serving(self.query_child, channel)
         except BaseException:
             self.__exit__()
             raise
@@ -367,6 +398,8 @@ class KvmeshSide:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self.query_child is not None:
+            self.query_child.stop()
         self.child.stop()
 
     @property
@@ -424,6 +457,10 @@ class KvmeshSide:
     def cpu_seconds(self) -> float | None:
         return self.child.cpu_seconds()
 
+    def query_cpu_seconds(self) -> float | None:
+        """CPU seconds of the query replica so far (None: there is none)."""
+        return None if self.query_child is None else self.query_child.cpu_seconds()
+
     def proc_times(self) -> ProcTimes | None:
         return self.child.proc_times()
 
@@ -432,7 +469,7 @@ class KvmeshSide:
         return None if mb is None else mb * 1024 * 1024
 
     async def aopen(self) -> None:
-        self._achannel = grpc.aio.insecure_channel(self.target)
+        self._achannel = grpc.aio.insecure_channel(self.query_target)
         self._astub = pb_grpc.IndexerServiceStub(self._achannel)
         self._ahealth = health_pb2_grpc.HealthStub(self._achannel)
         if self.probe_stream:
@@ -462,6 +499,15 @@ class KvmeshSide:
     async def aholders(self, model: str, tokens: Sequence[int]) -> Answer:
         req = pb.MatchRequest(model=model, token_ids=tokens)
         return self._answer(await self._astub.Match(req))
+
+
+def _wait_serving(child: ChildProcess, channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    child.wait_ready(
+        lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == serving,
+        START_TIMEOUT_S,
+    )
 
 
 def dynamo_instance_id(r: int, i: int) -> int:

@@ -77,6 +77,28 @@ def test_bench_peer_tiny(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     assert params["cpus_bench_memory"] == params["cpus_bench_dynamo"] == cpus[1:]
 
 
+def test_bench_peer_asks_a_query_replica_that_ingests_nothing(tmp_path: Path) -> None:
+    out, logs = tmp_path / "peer.json", tmp_path / "logs"
+    args = ["--publishers", "4", "--publisher-procs", "2", "--requests", "120", "--queries", "40"]
+    args += ["--prompts", "10", "--backend", "redis", "--block-size", "64", "--peer", "none"]
+    args += ["--duration", "2", "--query-replica", "--log-dir", str(logs)]
+    assert main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    figures, params = doc["figures"], doc["params"]
+    assert params["query_replica"] is True
+    for name in WRONG:
+        assert figures[f"peer_redis_{name}"] == 0, name
+    assert figures["peer_redis_match_during_ingest_p50_ms"] > 0
+    # The query replica subscribes to no engine; the other to every one.
+    query = json.loads((logs / "indexer-redis-query.json").read_text())
+    ingest = json.loads((logs / "indexer-redis.json").read_text())
+    assert query["engine_events"]["endpoints"] == []
+    assert len(ingest["engine_events"]["endpoints"]) == 2 * 4
+    assert query["redis"] == ingest["redis"] and query["port"] != ingest["port"]
+    # It answered the probes: an idle replica spends far less than this.
+    assert figures["peer_redis_query_replica_cpu_s_probed"] > 0.05
+
+
 def test_stream_and_reference_model() -> None:
     trace = load_mooncake(limit=300)
     stream = build_stream(trace, 4, 8, 16)

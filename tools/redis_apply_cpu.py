@@ -23,6 +23,8 @@ import asyncio
 import random
 import time
 
+import redis
+
 from indexer.model import BlockStored, EventBatch, InstanceId, InstanceSpec
 from indexer.redis.backend import RedisIndex
 from lab.redisproc import RedisProcess
@@ -56,18 +58,26 @@ async def run(batches: int, seed: int, per_store: int, part_blocks: int | None) 
         try:
             for inst in insts:
                 await idx.register(InstanceSpec(inst, "m", f"http://{inst.worker_id}", 3600.0, "x"))
-            c0, w0 = time.process_time(), time.perf_counter()
-            for batch in todo:
-                await idx.apply(batch)
-            cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+            with redis.Redis.from_url(proc.url) as plain:
+                r0 = _redis_cpu(plain)
+                c0, w0 = time.process_time(), time.perf_counter()
+                for batch in todo:
+                    await idx.apply(batch)
+                cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+                rcpu = _redis_cpu(plain) - r0
         finally:
             await idx.close()
     blocks = batches * STORES_PER_BATCH * per_store
     print(
         f"{blocks:,} blocks: apply CPU {cpu:.2f} s, wall {wall:.2f} s, "
         f"{blocks / cpu:,.0f} blocks per CPU-second, {idx.round_trips:,} round trips, "
-        f"{idx.apply_parts:,} parts"
+        f"{idx.apply_parts:,} parts; Redis CPU {rcpu:.2f} s, {rcpu / blocks * 1e6:.2f} µs a block"
     )
+
+
+def _redis_cpu(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def main() -> None:

@@ -367,6 +367,45 @@ def sequential(side: Side, expected: Sequence[Answer], calls: int, duration_s: f
     return out
 
 
+async def _stream_sequential(
+    side: KvmeshSide, expected: Sequence[Answer], calls: int, duration_s: float
+) -> Sequential:
+    out = Sequential()
+    n = len(expected)
+    await side.stream_open()
+    try:
+        for c in range(min(_WARM_CALLS, calls)):
+            out.tokens.check("tokens", c % n, await side.stream_tokens(c % n), expected[c % n])
+            out.keys.check("keys", c % n, await side.stream_keys(c % n), expected[c % n])
+        clock = time.perf_counter_ns
+        stop_at = time.perf_counter() + duration_s
+        for c in range(calls):
+            k = c % n
+            t0 = clock()
+            a = await side.stream_tokens(k)
+            t1 = clock()
+            b = await side.stream_keys(k)
+            t2 = clock()
+            out.tokens_us.append((t1 - t0) / 1000)
+            out.keys_us.append((t2 - t1) / 1000)
+            out.tokens.check("tokens", k, a, expected[k])
+            out.keys.check("keys", k, b, expected[k])
+            if time.perf_counter() > stop_at:
+                break
+    finally:
+        await side.stream_close()
+    return out
+
+
+def stream_sequential(
+    side: KvmeshSide, expected: Sequence[Answer], calls: int, duration_s: float
+) -> Sequential:
+    """The sequential Matches again, one at a time over one MatchStream with
+    router_client's own stream code (its default path), each awaited before
+    the next: the per-call floor of a stream against a unary call's."""
+    return asyncio.run(_stream_sequential(side, expected, calls, duration_s))
+
+
 def _error_kind(e: Exception) -> str:
     """A failed call's gRPC status (with the start of its details), or its exception type."""
     code = getattr(e, "code", None)
@@ -992,6 +1031,15 @@ def _measure(
     f["wrong_keys"] = float(seq.keys.wrong)
     f["answers_checked"] = float(seq.tokens.checked + seq.keys.checked)
     examples = seq.tokens.examples + seq.keys.examples
+    if isinstance(side, KvmeshSide):
+        st = stream_sequential(side, run.expected, p.queries, p.duration_s)
+        for name, lat in (("tokens", st.tokens_us), ("keys", st.keys_us)):
+            f[f"match_{name}_stream_p50_us"] = percentile(lat, 0.5)
+            f[f"match_{name}_stream_p99_us"] = percentile(lat, 0.99)
+        f["wrong_tokens"] += st.tokens.wrong
+        f["wrong_keys"] += st.keys.wrong
+        f["answers_checked"] += st.tokens.checked + st.keys.checked
+        examples += st.tokens.examples + st.keys.examples
     if p.probe:
         probes = Probes(side, run.expected, p.probe_interval_s, 60.0)
         if isinstance(store, redis.Redis):
@@ -1054,6 +1102,10 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("Match by token ids p99", "match_tokens_p99_us", "µs"),
     ("Match by keys p50 (by hash)", "match_keys_p50_us", "µs"),
     ("Match by keys p99", "match_keys_p99_us", "µs"),
+    ("MatchStream, token ids p50", "match_tokens_stream_p50_us", "µs"),
+    ("MatchStream, token ids p99", "match_tokens_stream_p99_us", "µs"),
+    ("MatchStream, keys p50", "match_keys_stream_p50_us", "µs"),
+    ("MatchStream, keys p99", "match_keys_stream_p99_us", "µs"),
     ("wrong answers, token ids", "wrong_tokens", ""),
     ("wrong answers, keys", "wrong_keys", ""),
     ("ingest while probed", "ingest_probed_blocks_per_s", "blocks/s"),
@@ -1082,6 +1134,13 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 #: Figures that get a ``ratio_`` (kvmesh ÷ Dynamo): rates, latencies, memory.
+#: kvmesh's Matches over a MatchStream against Dynamo's over HTTP (it has no
+#: stream): each call one request, awaited before the next, on both sides.
+STREAM_VS_UNARY = {
+    f"match_{kind}_stream_{q}_us": f"match_{kind}_{q}_us"
+    for kind in ("tokens", "keys")
+    for q in ("p50", "p99")
+}
 RATIO_FIGURES = tuple(
     name
     for _, name, unit in _ROWS
@@ -1101,7 +1160,8 @@ def ratios(figures: dict[str, float], backends: Sequence[str]) -> dict[str, floa
     out: dict[str, float] = {}
     for b in backends:
         for name in RATIO_FIGURES:
-            ours, theirs = figures.get(f"peer_{b}_{name}"), figures.get(f"peer_dynamo_{name}")
+            theirs = figures.get(f"peer_dynamo_{STREAM_VS_UNARY.get(name, name)}")
+            ours = figures.get(f"peer_{b}_{name}")
             if ours is not None and theirs:
                 out[f"ratio_{b}_{name}"] = ours / theirs
     return out

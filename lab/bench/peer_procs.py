@@ -378,6 +378,8 @@ class KvmeshSide:
         #: (its own stream code), instead of one unary call each.
         self.probe_stream = False
         self._astream: Any = None
+        self._schannel: grpc.aio.Channel | None = None
+        self._sstream: Any = None
 
     def __enter__(self) -> KvmeshSide:
         self.child.start()
@@ -477,6 +479,34 @@ class KvmeshSide:
 
             self._astream = _MatchStream(self._achannel, lambda s, code: None, lambda s: None)
 
+    async def stream_open(self) -> None:
+        """A MatchStream to the replica under test, for sequential Matches."""
+        from router_client.indexer_client import _MatchStream
+
+        self._schannel = grpc.aio.insecure_channel(self.target)
+        self._sstream = _MatchStream(self._schannel, lambda s, code: None, lambda s: None)
+
+    async def stream_close(self) -> None:
+        if self._sstream is not None:
+            await self._sstream.close()
+            self._sstream = None
+        if self._schannel is not None:
+            await self._schannel.close()
+            self._schannel = None
+
+    async def _stream_ask(self, req: pb.MatchRequest) -> Answer:
+        assert self._sstream is not None, "stream_open first"
+        reply = await self._sstream.ask(req, STREAM_ASK_TIMEOUT_S)
+        if reply.code:
+            raise RuntimeError(f"MatchStream reply {reply.code}: {reply.message[:60]}")
+        return self._answer(reply.match)
+
+    async def stream_tokens(self, k: int) -> Answer:
+        return await self._stream_ask(self._reqs_tokens[k])
+
+    async def stream_keys(self, k: int) -> Answer:
+        return await self._stream_ask(self._reqs_keys[k])
+
     async def aclose(self) -> None:
         if self._astream is not None:
             await self._astream.close()
@@ -499,6 +529,10 @@ class KvmeshSide:
     async def aholders(self, model: str, tokens: Sequence[int]) -> Answer:
         req = pb.MatchRequest(model=model, token_ids=tokens)
         return self._answer(await self._astub.Match(req))
+
+
+#: A sequential Match over a MatchStream fails past this.
+STREAM_ASK_TIMEOUT_S = 10.0
 
 
 def _wait_serving(child: ChildProcess, channel: grpc.Channel) -> None:

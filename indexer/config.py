@@ -94,8 +94,9 @@ class RedisSettings(StrictModel):
         "applies of long engine events waits for all of them. Lease renewals (a few "
         "commands each) do not take turns: an idle engine's renewal must not wait out "
         "write_timeout_s behind other engines' batches. None: 1 over a "
-        "standalone Redis, no bound of its own over a Cluster (its masters apply in "
-        "parallel); 0: no bound of its own (only max_connections).",
+        "standalone Redis, 3 over a Cluster (about one per master of three: its masters "
+        "apply in parallel; raise it with more masters); 0: no bound of its own (only "
+        "max_connections).",
     )
     instance_cache_ttl_s: float = Field(
         default=0.25,

@@ -419,6 +419,16 @@ def _turns(
 #: (with 2 and 4: p50 59 and 130 ms). At 512-token blocks, one run each: Match p50
 #: 42.6 ms against 3,110, ingest 17,030 blocks/s against 18,200.
 DEFAULT_WRITES_IN_FLIGHT = 1
+#: The same over a Cluster, about one per master of the usual three. Unbounded,
+#: the 64 engines' applies of ``kvmesh bench peer --block-size 512 --backend
+#: cluster`` were all in flight at once, their decoding and encoding queued on
+#: the replica's loop, and a Match during the ingest waited 5.3 to 6.5 s (p50;
+#: health p50 0.7 to 1.1 s). With 3: Match p50 9 to 14 ms, health p50 5 to 7 ms,
+#: ingest the same (14.0 to 16.5 k blocks/s against 16.1). At 16-token blocks,
+#: one run each: Match p50 19 ms against 333, p99 383 against 1,131, health p99
+#: 87 against 524 ms, ingest 59.7 k against 67.7 k blocks/s (with 6: Match p50
+#: 41 ms, ingest 53.5 k). A cluster of more masters may raise it.
+DEFAULT_CLUSTER_WRITES_IN_FLIGHT = 3
 
 
 class _ParentCache:
@@ -727,12 +737,15 @@ class RedisIndex(Index):
         self.socket_wait_s = max(socket_timeout_s, write_timeout_s)
         self._exec = _gated(self._exec, self._gate)
         #: Write scripts in flight at once (0: no bound of their own; None:
-        #: DEFAULT_WRITES_IN_FLIGHT standalone, none in cluster mode, where the
-        #: masters apply in parallel). Redis runs one script at a time and a read
-        #: queues behind every script sent before it: this bounds how many a
-        #: Match waits for while ingest runs.
+        #: DEFAULT_WRITES_IN_FLIGHT standalone, DEFAULT_CLUSTER_WRITES_IN_FLIGHT
+        #: in cluster mode, where the masters apply in parallel). Redis runs one
+        #: script at a time and a read queues behind every script sent before
+        #: it: this bounds how many a Match waits for while ingest runs, and
+        #: how many engines' batches the replica's loop works on at once.
         if max_writes_in_flight is None:
-            max_writes_in_flight = 0 if cluster else DEFAULT_WRITES_IN_FLIGHT
+            max_writes_in_flight = (
+                DEFAULT_CLUSTER_WRITES_IN_FLIGHT if cluster else DEFAULT_WRITES_IN_FLIGHT
+            )
         self.max_writes_in_flight = max_writes_in_flight
         self._scripts = load_scripts(cluster)
         self._tracer = trace.get_tracer(TRACER_NAME) if tracing_enabled() else None

@@ -135,6 +135,21 @@ class ClusterClient:
                     out[k] = out.get(k, 0) + v
         return out
 
+    def config_set(self, name: str, value: Any) -> None:
+        """``CONFIG SET`` on every master."""
+        for node in self._nodes:
+            node.config_set(name, value)
+
+    def slowlog_reset(self) -> None:
+        """``SLOWLOG RESET`` on every master."""
+        for node in self._nodes:
+            node.slowlog_reset()
+
+    def slowlog_get(self, n: int) -> list[dict[str, Any]]:
+        """Every master's ``SLOWLOG GET n``, one list (each master runs its own
+        scripts: a long one holds that master's callers only)."""
+        return [e for node in self._nodes for e in node.slowlog_get(n)]
+
     def key_share_max(self) -> float:
         """Largest master's share of all keys (DBSIZE)."""
         sizes = [int(node.dbsize()) for node in self._nodes]

@@ -870,7 +870,9 @@ def _slowlog_figures(client: Any) -> tuple[dict[str, float], dict[str, list[floa
     the longest in ms."""
     from indexer.redis.scripts import load_scripts
 
-    names = {s.sha.encode(): s.name for s in load_scripts().values()}
+    names = {
+        s.sha.encode(): s.name for cluster in (False, True) for s in load_scripts(cluster).values()
+    }
     got: list[int] = []
     by: dict[str, list[float]] = {}
     for e in client.slowlog_get(8192):
@@ -1042,10 +1044,10 @@ def _measure(
         examples += st.tokens.examples + st.keys.examples
     if p.probe:
         probes = Probes(side, run.expected, p.probe_interval_s, 60.0)
-        if isinstance(store, redis.Redis):
+        if isinstance(store, (redis.Redis, ClusterClient)):
             _slowlog_start(store)
         during = ingest(side, run.fleet, probed, rounds[probed], s, p, meter, probes)
-        if isinstance(store, redis.Redis):
+        if isinstance(store, (redis.Redis, ClusterClient)):
             slow, by = _slowlog_figures(store)
             f.update(slow)
             if by:

@@ -120,6 +120,59 @@ async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them
         await idx.close()
 
 
+@pytest.mark.parametrize("bound", [None, 0], ids=["default", "unbounded"])
+async def test_a_cluster_replica_bounds_its_writes_in_flight_by_default(
+    redis_cluster: Any, monkeypatch: pytest.MonkeyPatch, bound: int | None
+) -> None:
+    """Over a Cluster, by default, at most DEFAULT_CLUSTER_WRITES_IN_FLIGHT apply
+    scripts are in flight at once (30 engines' batches sent together), so the
+    replica works on a few batches at a time and a Match does not queue behind
+    all of them; with 0, all go at once."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from indexer.model import BlockStored, EventBatch
+    from indexer.redis.backend import DEFAULT_CLUSTER_WRITES_IN_FLIGHT
+
+    real = RedisCluster.execute_command
+    names: dict[Any, str] = {}
+    now = {"apply": 0, "most": 0}
+
+    async def counting(self: Any, *args: Any, **kw: Any) -> Any:
+        if not (args and args[0] == "EVALSHA" and names.get(args[1]) == "capply"):
+            return await real(self, *args, **kw)
+        now["apply"] += 1
+        now["most"] = max(now["most"], now["apply"])
+        try:
+            return await real(self, *args, **kw)
+        finally:
+            now["apply"] -= 1
+
+    monkeypatch.setattr(RedisCluster, "execute_command", counting)
+    idx = RedisIndex(
+        redis_cluster.url,
+        prefix=f"wc{uuid.uuid4().hex[:8]}",
+        cluster=True,
+        max_writes_in_flight=bound,
+    )
+    names.update({s.sha: s.name for s in idx._scripts.values()})
+    try:
+        ids = [InstanceId(f"w{i}", 0) for i in range(30)]
+        for iid in ids:
+            await idx.register(InstanceSpec(iid, model="m", address="a", incarnation="i"))
+        keys = tuple(range(1, 201))
+        stored = BlockStored(block_hashes=keys, block_keys=keys)
+        await asyncio.gather(*(idx.apply(EventBatch(iid, 1, (stored,))) for iid in ids))
+        hits = await idx.match(Namespace("m"), keys[:32])
+        assert len(hits) == 30
+        if bound is None:
+            assert idx.max_writes_in_flight == DEFAULT_CLUSTER_WRITES_IN_FLIGHT
+            assert now["most"] == DEFAULT_CLUSTER_WRITES_IN_FLIGHT
+        else:
+            assert now["most"] > DEFAULT_CLUSTER_WRITES_IN_FLIGHT
+    finally:
+        await idx.close()
+
+
 async def test_a_stalled_redis_fails_the_queued_writes_after_one_timeout() -> None:
     """Writes waiting their turn give up after ``write_timeout_s`` of waiting,
     unsent: five applies against a Redis that answers nobody fail within about

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -76,6 +77,18 @@ async def wait_for_signal() -> None:
             loop.remove_signal_handler(sig)
 
 
+def freeze_startup_objects() -> None:
+    """Take every object alive once a server has started out of the garbage
+    collector's reach (``gc.freeze``, after one collection): the modules,
+    functions, types and descriptors of the import (about 80 k tracked objects
+    in an indexer replica) are never garbage, yet a full collection walked every
+    one of them, 10 ms on an idle core here and 30 to 50 ms while the replica
+    ingests, with every call and health check waiting. A full collection then
+    walks what the server made since."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_until_signal(
     start: Callable[[], Awaitable[S]],
     *,
@@ -98,6 +111,7 @@ async def serve_until_signal(
         return 1
     if ready is not None:
         ready(server)
+    freeze_startup_objects()
     await wait_for_signal()
     if draining:
         log.info("signal received: %s", draining)

@@ -69,7 +69,8 @@ Per side, in order:
    With ``--query-replica`` (Redis or Cluster) a second kvmesh replica over
    the same store, subscribed to no engine, answers the probes (and the
    sentinel polls): a fleet whose routers call replicas that do not ingest.
-   Its CPU is counted apart (``query_replica_cpu_s_probed``).
+   Its CPU is counted apart (``query_replica_cpu_s_probed``), and the
+   Matches it answered (``query_replica_matches_probed``).
 
 5. **Redis's own limit** (standalone Redis only): the same number of
    (block, instance) pairs (at most 2 M) written as plain pipelined HSETs by
@@ -333,6 +334,21 @@ class Sequential:
     tokens: Checked = field(default_factory=Checked)
     keys: Checked = field(default_factory=Checked)
 
+    def record(
+        self,
+        k: int,
+        tokens: Answer,
+        keys: Answer,
+        ns: tuple[int, int, int],
+        expected: Sequence[Answer],
+    ) -> None:
+        """Query ``k``'s two answers, checked, and their latencies from the three
+        clock readings ``ns`` (before, between, after; nanoseconds)."""
+        self.tokens_us.append((ns[1] - ns[0]) / 1000)
+        self.keys_us.append((ns[2] - ns[1]) / 1000)
+        self.tokens.check("tokens", k, tokens, expected[k])
+        self.keys.check("keys", k, keys, expected[k])
+
 
 def sequential(side: Side, expected: Sequence[Answer], calls: int, duration_s: float) -> Sequential:
     """Match by tokens, Match by keys and the floor, alternating call by call.
@@ -356,12 +372,8 @@ def sequential(side: Side, expected: Sequence[Answer], calls: int, duration_s: f
         b = side.match_keys(k)
         t2 = clock()
         side.floor()
-        t3 = clock()
-        out.tokens_us.append((t1 - t0) / 1000)
-        out.keys_us.append((t2 - t1) / 1000)
-        out.floor_us.append((t3 - t2) / 1000)
-        out.tokens.check("tokens", k, a, expected[k])
-        out.keys.check("keys", k, b, expected[k])
+        out.floor_us.append((clock() - t2) / 1000)
+        out.record(k, a, b, (t0, t1, t2), expected)
         if time.perf_counter() > stop_at:
             break
     return out
@@ -385,11 +397,7 @@ async def _stream_sequential(
             a = await side.stream_tokens(k)
             t1 = clock()
             b = await side.stream_keys(k)
-            t2 = clock()
-            out.tokens_us.append((t1 - t0) / 1000)
-            out.keys_us.append((t2 - t1) / 1000)
-            out.tokens.check("tokens", k, a, expected[k])
-            out.keys.check("keys", k, b, expected[k])
+            out.record(k, a, b, (t0, t1, clock()), expected)
             if time.perf_counter() > stop_at:
                 break
     finally:
@@ -1046,7 +1054,10 @@ def _measure(
         probes = Probes(side, run.expected, p.probe_interval_s, 60.0)
         if isinstance(store, (redis.Redis, ClusterClient)):
             _slowlog_start(store)
+        asked0 = side.query_matches() if isinstance(side, KvmeshSide) else None
         during = ingest(side, run.fleet, probed, rounds[probed], s, p, meter, probes)
+        if asked0 is not None and isinstance(side, KvmeshSide):
+            f["query_replica_matches_probed"] = float((side.query_matches() or 0) - asked0)
         if isinstance(store, (redis.Redis, ClusterClient)):
             slow, by = _slowlog_figures(store)
             f.update(slow)

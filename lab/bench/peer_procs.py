@@ -459,6 +459,14 @@ class KvmeshSide:
     def cpu_seconds(self) -> float | None:
         return self.child.cpu_seconds()
 
+    def query_matches(self) -> int | None:
+        """Matches the query replica has answered so far (GetStats; None: no such replica)."""
+        if self.query_child is None:
+            return None
+        with grpc.insecure_channel(self.query_target) as channel:
+            stats = pb_grpc.IndexerServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+        return int(stats.matches)
+
     def query_cpu_seconds(self) -> float | None:
         """CPU seconds of the query replica so far (None: there is none)."""
         return None if self.query_child is None else self.query_child.cpu_seconds()
@@ -494,12 +502,15 @@ class KvmeshSide:
             await self._schannel.close()
             self._schannel = None
 
-    async def _stream_ask(self, req: pb.MatchRequest) -> Answer:
-        assert self._sstream is not None, "stream_open first"
-        reply = await self._sstream.ask(req, STREAM_ASK_TIMEOUT_S)
+    @classmethod
+    def _stream_answer(cls, reply: Any) -> Answer:
         if reply.code:
             raise RuntimeError(f"MatchStream reply {reply.code}: {reply.message[:60]}")
-        return self._answer(reply.match)
+        return cls._answer(reply.match)
+
+    async def _stream_ask(self, req: pb.MatchRequest) -> Answer:
+        assert self._sstream is not None, "stream_open first"
+        return self._stream_answer(await self._sstream.ask(req, STREAM_ASK_TIMEOUT_S))
 
     async def stream_tokens(self, k: int) -> Answer:
         return await self._stream_ask(self._reqs_tokens[k])
@@ -517,10 +528,7 @@ class KvmeshSide:
 
     async def amatch_tokens(self, k: int, timeout_s: float) -> Answer:
         if self._astream is not None:
-            reply = await self._astream.ask(self._reqs_tokens[k], timeout_s)
-            if reply.code:
-                raise RuntimeError(f"MatchStream reply {reply.code}: {reply.message[:60]}")
-            return self._answer(reply.match)
+            return self._stream_answer(await self._astream.ask(self._reqs_tokens[k], timeout_s))
         return self._answer(await self._astub.Match(self._reqs_tokens[k], timeout=timeout_s))
 
     async def ahealth(self, timeout_s: float) -> None:

@@ -63,6 +63,18 @@ async def test_the_default_pool_takes_a_burst_larger_than_redis_pys_default(
         await idx.close()
 
 
+async def _engines(idx: RedisIndex, n: int, blocks: int) -> tuple[list[InstanceId], Any]:
+    """``n`` instances of model ``m`` registered, and one store of ``blocks``
+    blocks (keys 1..blocks) for each to apply."""
+    from indexer.model import BlockStored
+
+    ids = [InstanceId(f"w{i}", 0) for i in range(n)]
+    for iid in ids:
+        await idx.register(InstanceSpec(iid, model="m", address="a", incarnation="i"))
+    keys = tuple(range(1, blocks + 1))
+    return ids, BlockStored(block_hashes=keys, block_keys=keys)
+
+
 @pytest.mark.parametrize("bound", [1, 0], ids=["one-write", "unbounded"])
 async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them(
     redis_server: Any, monkeypatch: pytest.MonkeyPatch, bound: int
@@ -72,7 +84,7 @@ async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them
     still wait. Unbounded, they are all sent together (the count can fail)."""
     from redis.asyncio import Redis
 
-    from indexer.model import BlockStored, EventBatch
+    from indexer.model import EventBatch
 
     real = Redis.execute_command
     names: dict[Any, str] = {}
@@ -100,11 +112,9 @@ async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them
     )
     names.update({s.sha: s.name for s in idx._scripts.values()})
     try:
-        ids = [InstanceId(f"w{i}", 0) for i in range(30)]
-        for iid in ids:
-            await idx.register(InstanceSpec(iid, model="m", address="a", incarnation="i"))
-        keys = tuple(range(1, 401))
-        stored = BlockStored(block_hashes=keys, block_keys=keys)
+        ids, stored = await _engines(idx, 30, 400)
+        keys = stored.block_keys
+        assert keys is not None
         applies = [asyncio.ensure_future(idx.apply(EventBatch(iid, 1, (stored,)))) for iid in ids]
         await asyncio.sleep(0)  # every apply is on its way (or at the gate)
         hits = await idx.match(Namespace("m"), keys[:32])
@@ -130,7 +140,7 @@ async def test_a_cluster_replica_bounds_its_writes_in_flight_by_default(
     all of them; with 0, all go at once."""
     from redis.asyncio.cluster import RedisCluster
 
-    from indexer.model import BlockStored, EventBatch
+    from indexer.model import EventBatch
     from indexer.redis.backend import DEFAULT_CLUSTER_WRITES_IN_FLIGHT
 
     real = RedisCluster.execute_command
@@ -156,11 +166,9 @@ async def test_a_cluster_replica_bounds_its_writes_in_flight_by_default(
     )
     names.update({s.sha: s.name for s in idx._scripts.values()})
     try:
-        ids = [InstanceId(f"w{i}", 0) for i in range(30)]
-        for iid in ids:
-            await idx.register(InstanceSpec(iid, model="m", address="a", incarnation="i"))
-        keys = tuple(range(1, 201))
-        stored = BlockStored(block_hashes=keys, block_keys=keys)
+        ids, stored = await _engines(idx, 30, 200)
+        keys = stored.block_keys
+        assert keys is not None
         await asyncio.gather(*(idx.apply(EventBatch(iid, 1, (stored,))) for iid in ids))
         hits = await idx.match(Namespace("m"), keys[:32])
         assert len(hits) == 30

@@ -625,7 +625,7 @@ class CpuMeter:
         out = {"client": time.process_time()}
         parts: dict[str, float | None] = {
             "indexer": self.side.cpu_seconds(),
-            "query": getattr(self.side, "query_cpu_seconds", lambda: None)(),
+            "query": self.side.query_cpu_seconds(),
             "publishers": self.fleet.cpu_seconds(),
             "machine": machine_busy_s(),
         }

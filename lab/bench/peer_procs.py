@@ -283,6 +283,9 @@ class Side(Protocol):
     def cpu_seconds(self) -> float | None:
         """CPU seconds of the indexer process so far."""
 
+    def query_cpu_seconds(self) -> float | None:
+        """CPU seconds so far of a replica that only answers (None: the side has none)."""
+
     def proc_times(self) -> ProcTimes | None:
         """The indexer process's CPU time (user, kernel) and page faults so far."""
 
@@ -495,12 +498,8 @@ class KvmeshSide:
         self._sstream = _MatchStream(self._schannel, lambda s, code: None, lambda s: None)
 
     async def stream_close(self) -> None:
-        if self._sstream is not None:
-            await self._sstream.close()
-            self._sstream = None
-        if self._schannel is not None:
-            await self._schannel.close()
-            self._schannel = None
+        await _close_stream(self._sstream, self._schannel)
+        self._sstream = self._schannel = None
 
     @classmethod
     def _stream_answer(cls, reply: Any) -> Answer:
@@ -519,12 +518,8 @@ class KvmeshSide:
         return await self._stream_ask(self._reqs_keys[k])
 
     async def aclose(self) -> None:
-        if self._astream is not None:
-            await self._astream.close()
-            self._astream = None
-        if self._achannel is not None:
-            await self._achannel.close()
-            self._achannel = None
+        await _close_stream(self._astream, self._achannel)
+        self._astream = self._achannel = None
 
     async def amatch_tokens(self, k: int, timeout_s: float) -> Answer:
         if self._astream is not None:
@@ -541,6 +536,14 @@ class KvmeshSide:
 
 #: A sequential Match over a MatchStream fails past this.
 STREAM_ASK_TIMEOUT_S = 10.0
+
+
+async def _close_stream(stream: Any, channel: grpc.aio.Channel | None) -> None:
+    """Close a MatchStream (if any), then its channel (if any)."""
+    if stream is not None:
+        await stream.close()
+    if channel is not None:
+        await channel.close()
 
 
 def _wait_serving(child: ChildProcess, channel: grpc.Channel) -> None:
@@ -707,6 +710,9 @@ class DynamoSide:
 
     def cpu_seconds(self) -> float | None:
         return self.child.cpu_seconds()
+
+    def query_cpu_seconds(self) -> float | None:
+        return None
 
     def proc_times(self) -> ProcTimes | None:
         return self.child.proc_times()

@@ -40,7 +40,7 @@ from kvmesh.errors import (
     Unavailable,
 )
 from kvmesh.tls import ChannelFactory, ClientTLS
-from xfer.logic import MAX_BATCH_ENTRIES, AlreadyExists, ChunkRequest, RoomStatus
+from xfer.logic import MAX_BATCH_ENTRIES, AlreadyExists, ChunkRequest, RoomState, RoomStatus
 from xfer.prefetch import ClaimOutcome, PrefetchState
 
 #: gRPC status -> exception raised by the client.
@@ -391,6 +391,31 @@ class XferClient:
         except grpc.RpcError as e:
             raise _raise(e) from None
         return RoomStatus(resp.status), resp.failure_reason, int(resp.bytes)
+
+    def poll_rooms(
+        self,
+        rooms: Sequence[int],
+        wait_s: float = 0.0,
+        known: Sequence[RoomStatus] | None = None,
+    ) -> list[RoomState]:
+        """The states of many rooms in one call, in their order (an unknown room is
+        ``found`` False). With ``wait_s`` the sidecar answers once one room is gone,
+        or differs from ``known`` (the statuses last seen, one per room), or, without
+        ``known``, is terminal or changes status; at the latest after ``wait_s``.
+        The call's deadline is the client's timeout past the wait."""
+        req = pb.PollRoomsRequest(
+            rooms=rooms,
+            wait_ms=max(0, round(wait_s * 1e3)),
+            known=[int(k) for k in known] if known is not None else [],  # type: ignore[misc]
+        )
+        try:
+            resp = self._stub.PollRooms(req, timeout=self.timeout_s + wait_s)
+        except grpc.RpcError as e:
+            raise _raise(e) from None
+        return [
+            RoomState(s.room, s.found, RoomStatus(s.status), s.failure_reason, int(s.bytes))
+            for s in resp.rooms
+        ]
 
     def poll(self, room: int) -> tuple[RoomStatus, str]:
         """``(status, failure reason)`` of a room; :class:`NotFound` if unknown."""

@@ -41,6 +41,7 @@ carrying a reason. Thread-safety: every method may be called from any thread
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -49,8 +50,8 @@ import secrets
 import threading
 import time
 import zlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -90,7 +91,8 @@ class RoomStatus(enum.IntEnum):
     SUCCESS = 4
 
 
-_TERMINAL = (RoomStatus.FAILED, RoomStatus.SUCCESS)
+#: The statuses a room never leaves.
+TERMINAL = (RoomStatus.FAILED, RoomStatus.SUCCESS)
 
 #: Why a sidecar refused what a peer sent: ``kvmesh_xfer_peer_refusals_total{reason}``.
 PEER_REFUSAL_REASONS: dict[str, str] = {
@@ -327,6 +329,17 @@ def _at_entry(index: int, err: KvmeshError) -> KvmeshError:
     return err
 
 
+class RoomState(NamedTuple):
+    """A room as :meth:`XferLogic.poll_rooms` reads it."""
+
+    room: int
+    #: False: the sidecar does not know the room (never registered, or cleared).
+    found: bool
+    status: RoomStatus
+    failure_reason: str
+    bytes: int
+
+
 #: Arguments of one :meth:`XferLogic.add_transfer_request`: room, source pages,
 #: destination slice, is_last, aux slot, chunk id.
 ChunkRequest = tuple[int, Sequence[int], tuple[int, int], bool, int, int]
@@ -370,6 +383,9 @@ class XferLogic:
         #: Notified whenever a room changes state or goes (writes held for a room's
         #: Bootstrap answer wait on it).
         self._changed = threading.Condition(self._lock)
+        #: Room id -> callbacks of PollRooms calls waiting on it (:meth:`watch_rooms`);
+        #: each is called, lock held, when the room changes status or goes.
+        self._watchers: dict[int, list[Callable[[], None]]] = {}
         self._quota = PeerQuota(config.limits.per_peer)
         self._peer_addresses: dict[str, str] = {}  # prefill: peer name -> gRPC address
         # Prefill: peer name -> certificate identity that first bootstrapped with it,
@@ -436,7 +452,7 @@ class XferLogic:
 
     def _set(self, r: Room, status: RoomStatus, reason: str = "") -> bool:
         """Move ``r`` to ``status`` if that is forward (or Failed from non-terminal)."""
-        if r.status in _TERMINAL or (status != RoomStatus.FAILED and status <= r.status):
+        if r.status in TERMINAL or (status != RoomStatus.FAILED and status <= r.status):
             return False
         m = self.metrics
         m.rooms.labels(r.status.name.lower()).dec()
@@ -444,10 +460,11 @@ class XferLogic:
         r.status = status
         r.progress_at = time.monotonic()
         self._changed.notify_all()
+        self._wake(r.room)
         if status == RoomStatus.FAILED:
             r.reason = reason
             log.info("room %d failed: %s", r.room, reason)
-        if status in _TERMINAL:
+        if status in TERMINAL:
             m.rooms_finished.labels(status.name.lower()).inc()
             if status == RoomStatus.SUCCESS and r.first_send is not None:
                 m.transfer_seconds.observe(time.monotonic() - r.first_send)
@@ -470,6 +487,51 @@ class XferLogic:
                 return False
             return self._set(r, RoomStatus.FAILED, reason)
 
+    def _wake(self, room: int) -> None:
+        """Lock held: call the PollRooms waiters of ``room`` (it changed or went)."""
+        watchers = self._watchers.get(room)
+        if watchers:
+            for wake in watchers:
+                wake()
+
+    def _states(self, rooms: Sequence[int]) -> list[RoomState]:
+        """Lock held: the state of each of ``rooms`` (``found`` False for unknown ones)."""
+        out = []
+        for room in rooms:
+            r = self._rooms.get(room)
+            if r is None:
+                out.append(RoomState(room, False, RoomStatus.FAILED, "", 0))
+            else:
+                out.append(RoomState(room, True, r.status, r.reason, r.bytes))
+        return out
+
+    def poll_rooms(self, rooms: Sequence[int]) -> list[RoomState]:
+        """The state of each of ``rooms``, read at one instant (unknown rooms are
+        ``found`` False, never an error)."""
+        with self._lock:
+            return self._states(rooms)
+
+    def watch_rooms(self, rooms: Sequence[int], wake: Callable[[], None]) -> list[RoomState]:
+        """Call ``wake`` (lock held: it must only schedule work) whenever one of
+        ``rooms`` changes status or goes, until :meth:`unwatch_rooms`; returns their
+        states at the instant the watch began, so no change falls between."""
+        with self._lock:
+            for room in rooms:
+                self._watchers.setdefault(room, []).append(wake)
+            return self._states(rooms)
+
+    def unwatch_rooms(self, rooms: Sequence[int], wake: Callable[[], None]) -> None:
+        """End a :meth:`watch_rooms` of the same rooms and callback."""
+        with self._lock:
+            for room in rooms:
+                watchers = self._watchers.get(room)
+                if watchers is None:
+                    continue
+                with contextlib.suppress(ValueError):
+                    watchers.remove(wake)
+                if not watchers:
+                    del self._watchers[room]
+
     def poll(self, room: int) -> tuple[RoomStatus, str, int]:
         """``(status, failure reason, bytes)`` of a room; :class:`NotFound` if unknown."""
         with self._lock:
@@ -485,7 +547,7 @@ class XferLogic:
             if r is None:
                 raise NotFound(f"unknown room {room}", field="room")
             self._forget(r)
-            unfinished = r.status not in _TERMINAL
+            unfinished = r.status not in TERMINAL
             if r.span is not None:
                 r.span.set_attribute("kvmesh.xfer.status", "CLEARED")
                 r.span.end()
@@ -498,6 +560,7 @@ class XferLogic:
         if r.quota_key:
             self._quota.release(r.quota_key, r.room)
         self._changed.notify_all()
+        self._wake(r.room)
 
     def _refused(self, reason: str, err: KvmeshError) -> KvmeshError:
         """Count a refusal of ``reason``; returns ``err`` to raise."""
@@ -535,7 +598,7 @@ class XferLogic:
     def active_peers(self) -> dict[str, str]:
         """Peers with unfinished rooms: key -> gRPC address (for heartbeats)."""
         with self._lock:
-            keys = {r.peer for r in self._rooms.values() if r.peer and r.status not in _TERMINAL}
+            keys = {r.peer for r in self._rooms.values() if r.peer and r.status not in TERMINAL}
         if self.role == "decode":
             return {k: k for k in keys}
         return {k: self._peer_addresses[k] for k in keys if k in self._peer_addresses}
@@ -632,7 +695,7 @@ class XferLogic:
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.bootstrapped:
-                if r.status not in _TERMINAL or r.generation == generation:
+                if r.status not in TERMINAL or r.generation == generation:
                     err = AlreadyExists(f"room {room} is already bootstrapped", field="room")
                     if r.peer != peer_name or r.peer_identity != identity:
                         raise self._refused("not_owner", err)
@@ -710,7 +773,7 @@ class XferLogic:
             if old is None or old.quota_key != quota_key:
                 self._quota.release(quota_key, room)
                 return
-            if old.status in _TERMINAL:
+            if old.status in TERMINAL:
                 del self._rooms[room]
                 self._forget(old)
                 return
@@ -767,7 +830,7 @@ class XferLogic:
         """Lock held: raise unless room ``r`` (``None``: not tracked yet) may take
         ``chunk``, given the chunk ids it holds (``ids``) and its last chunk (``last``)."""
         chunk_id = chunk.chunk_id
-        if r is not None and r.status in _TERMINAL:
+        if r is not None and r.status in TERMINAL:
             what = f"failed: {r.reason}" if r.status == RoomStatus.FAILED else "finished"
             raise FailedPrecondition(f"room {chunk.room} {what}", field="room")
         if chunk_id in ids:
@@ -982,7 +1045,7 @@ class XferLogic:
         """The peer, byte runs and tag of a chunk (``None`` if its room is gone)."""
         with self._lock:
             r = self._rooms.get(chunk.room)
-            if r is None or r.generation != chunk.generation or r.status in _TERMINAL:
+            if r is None or r.generation != chunk.generation or r.status in TERMINAL:
                 return None
             dst = r.dst_pages[chunk.slice_start : chunk.slice_start + len(chunk.src_pages)]
             peer, geo, aux_dst = r.peer, r.peer_geometry, r.aux_index
@@ -1120,7 +1183,7 @@ class XferLogic:
         with self._lock:
             old = self._rooms.get(room)
             if old is not None:
-                if old.status not in _TERMINAL:
+                if old.status not in TERMINAL:
                     raise AlreadyExists(f"room {room} is in use; clear it first", field="room")
                 del self._rooms[room]
                 self._forget(old)
@@ -1185,7 +1248,7 @@ class XferLogic:
     def _arrived(self, agent: str, tag: Tag) -> None:
         m = self.metrics
         r = self._rooms.get(tag.room)
-        if r is None or r.generation != tag.generation or r.status in _TERMINAL:
+        if r is None or r.generation != tag.generation or r.status in TERMINAL:
             m.stale_notifications.inc()
             m.refuse("stale_generation")
             return
@@ -1284,7 +1347,7 @@ class XferLogic:
         aux: set[int] = set()
         for t in tags:
             r = self._rooms.get(t.room)
-            if r is None or r.generation != t.generation or r.status in _TERMINAL:
+            if r is None or r.generation != t.generation or r.status in TERMINAL:
                 return (
                     "stale_generation",
                     f"room {t.room} generation {t.generation} is not expected",

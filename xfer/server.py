@@ -71,7 +71,7 @@ from kvmesh.tls import ChannelFactory, add_port
 from kvmesh.tracing import configure_tracing
 from kvmesh.tracing import register_metrics as register_tracing_metrics
 from xfer.config import XferConfig
-from xfer.logic import Room, XferLogic, XferMetrics
+from xfer.logic import TERMINAL, Room, RoomState, RoomStatus, XferLogic, XferMetrics
 from xfer.peers import SECRET_METADATA, PeerAdmission
 from xfer.pool import KVPool, PoolGeometry
 from xfer.prefetch import ClaimOutcome, Prefetch, PrefetchState, PrefetchTable
@@ -86,6 +86,59 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["XferService"].full_name
 #: peer on a small host, short next to the bootstrap timeout.
 _PEER_CALL_TIMEOUT_S = 5.0
 
+#: Rooms one PollRooms call may name, and its longest wait (ms).
+MAX_POLL_ROOMS = 4096
+MAX_POLL_WAIT_MS = 60_000
+#: A waiting PollRooms answers this long before its call's deadline, so that the
+#: caller gets the statuses rather than DEADLINE_EXCEEDED (seconds).
+POLL_DEADLINE_MARGIN_S = 0.05
+
+_STATUS_VALUES = frozenset(int(s) for s in RoomStatus)
+
+
+def _moved(states: list[RoomState], known: list[RoomStatus | None] | None) -> bool:
+    """Whether a waiting PollRooms answers now: a room is gone, or differs from
+    ``known`` (an unknown enum value differs from every status), or, without
+    ``known``, is terminal."""
+    if known is None:
+        return any(not s.found or s.status in TERMINAL for s in states)
+    return any(not s.found or s.status != k for s, k in zip(states, known, strict=True))
+
+
+async def _wait_rooms(
+    logic: XferLogic, rooms: list[int], known: list[RoomStatus | None] | None, wait_s: float
+) -> list[RoomState]:
+    """The states of ``rooms`` once :func:`_moved` (without ``known``: or once one
+    changes status) or after ``wait_s``. The logic's threads wake this loop
+    through :meth:`XferLogic.watch_rooms`; each wake is followed by a fresh read,
+    so a change between two reads is never lost."""
+    loop = asyncio.get_running_loop()
+    woke = asyncio.Event()
+
+    def wake() -> None:
+        # Called by the logic's threads with its lock held; the loop may be closing.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(woke.set)
+
+    states = logic.watch_rooms(rooms, wake)
+    try:
+        base = known if known is not None else [s.status for s in states]
+        until = loop.time() + wait_s
+        while not _moved(states, known):
+            if known is None and any(s.status != b for s, b in zip(states, base, strict=True)):
+                break
+            left = until - loop.time()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woke.wait(), left)
+            woke.clear()
+            states = logic.poll_rooms(rooms)
+    finally:
+        logic.unwatch_rooms(rooms, wake)
+    return states
+
+
 #: Who may call each XferService method (admin may call all): the engine beside
 #: the sidecar drives rooms; the other side's sidecar bootstraps, aborts and pings.
 XFER_RULES: dict[str, MethodRule] = {
@@ -93,6 +146,7 @@ XFER_RULES: dict[str, MethodRule] = {
     "AddTransferRequest": MethodRule(("engine",)),
     "AddTransferRequests": MethodRule(("engine",)),
     "Poll": MethodRule(("engine",)),
+    "PollRooms": MethodRule(("engine",)),
     "Clear": MethodRule(("engine",)),
     "Bootstrap": MethodRule(("peer",)),
     "Abort": MethodRule(("peer",)),
@@ -195,6 +249,46 @@ class XferServicer(pb_grpc.XferServiceServicer):
         """A room's status, failure reason and bytes moved."""
         status, reason, nbytes = self.logic.poll(request.room)
         return pb.PollResponse(status=int(status), failure_reason=reason, bytes=nbytes)  # type: ignore[arg-type]
+
+    @observed
+    async def PollRooms(
+        self, request: pb.PollRoomsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PollRoomsResponse:
+        """Many rooms' states; with ``wait_ms``, once one of them changes (see the proto)."""
+        rooms = list(request.rooms)
+        if not 0 < len(rooms) <= MAX_POLL_ROOMS:
+            raise InvalidArgument(
+                f"{len(rooms)} rooms; a call names 1 to {MAX_POLL_ROOMS}", field="rooms"
+            )
+        if request.wait_ms > MAX_POLL_WAIT_MS:
+            raise InvalidArgument(
+                f"wait_ms {request.wait_ms} is over {MAX_POLL_WAIT_MS}", field="wait_ms"
+            )
+        known = [RoomStatus(k) if k in _STATUS_VALUES else None for k in request.known]
+        if known and len(known) != len(rooms):
+            raise InvalidArgument(
+                f"{len(known)} known statuses for {len(rooms)} rooms", field="known"
+            )
+        wait = request.wait_ms / 1e3
+        left = context.time_remaining()
+        if left is not None:
+            wait = min(wait, left - POLL_DEADLINE_MARGIN_S)
+        if wait <= 0:
+            states = self.logic.poll_rooms(rooms)
+        else:
+            states = await _wait_rooms(self.logic, rooms, known or None, wait)
+        return pb.PollRoomsResponse(
+            rooms=[
+                pb.RoomState(
+                    room=s.room,
+                    found=s.found,
+                    status=int(s.status),  # type: ignore[arg-type]
+                    failure_reason=s.failure_reason,
+                    bytes=s.bytes,
+                )
+                for s in states
+            ]
+        )
 
     @observed
     async def Clear(

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/xfer/v1/xfer.proto\x12\x0ekvmesh.xfer.v1\"i\n\x13RegisterRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\"*\n\x14RegisterRoomResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xa9\x01\n\x19\x41\x64\x64TransferRequestRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\x12\x19\n\x11index_slice_start\x18\x03 \x01(\r\x12\x17\n\x0findex_slice_end\x18\x04 \x01(\r\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\x12\x11\n\taux_index\x18\x06 \x01(\r\x12\x10\n\x08\x63hunk_id\x18\x07 \x01(\r\"\x1c\n\x1a\x41\x64\x64TransferRequestResponse\"Y\n\x1a\x41\x64\x64TransferRequestsRequest\x12;\n\x08requests\x18\x01 \x03(\x0b\x32).kvmesh.xfer.v1.AddTransferRequestRequest\"\x1d\n\x1b\x41\x64\x64TransferRequestsResponse\"\x1b\n\x0bPollRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"a\n\x0cPollResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.kvmesh.xfer.v1.RoomStatus\x12\x16\n\x0e\x66\x61ilure_reason\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x1c\n\x0c\x43learRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"\x0f\n\rClearResponse\"\x81\x02\n\x10\x42ootstrapRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\x12\x11\n\tpeer_name\x18\x05 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x06 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\x04\x12\x12\n\npage_count\x18\t \x01(\r\x12\x10\n\x08\x61ux_size\x18\n \x01(\x04\x12\x11\n\taux_count\x18\x0b \x01(\r\x12\x11\n\ttransport\x18\x0c \x01(\t\"<\n\x11\x42ootstrapResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\"@\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"%\n\x10HeartbeatRequest\x12\x11\n\tpeer_name\x18\x01 \x01(\t\"(\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x97\x01\n\x0fPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x18\n\x10src_page_indices\x18\x03 \x03(\r\x12\x18\n\x10\x64st_page_indices\x18\x04 \x03(\r\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\"U\n\x10PrefetchResponse\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12,\n\x05state\x18\x02 \x01(\x0e\x32\x1d.kvmesh.xfer.v1.PrefetchState\",\n\x15\x43\x61ncelPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"L\n\x16\x43\x61ncelPrefetchResponse\x12\x32\n\x0bprior_state\x18\x01 \x01(\x0e\x32\x1d.kvmesh.xfer.v1.PrefetchState\"Q\n\x14\x43laimPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\x08\"\xa1\x01\n\x15\x43laimPrefetchResponse\x12-\n\x07outcome\x18\x01 \x01(\x0e\x32\x1c.kvmesh.xfer.v1.ClaimOutcome\x12\x32\n\x0bprior_state\x18\x02 \x01(\x0e\x32\x1d.kvmesh.xfer.v1.PrefetchState\x12\x16\n\x0e\x66\x61ilure_reason\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"y\n\x0fOpenReadRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12\x18\n\x10src_page_indices\x18\x02 \x03(\r\x12\x11\n\tpeer_name\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x04\x12\x11\n\ttransport\x18\x05 \x01(\t\"g\n\x10OpenReadResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x12\n\npage_count\x18\x04 \x01(\r*\x9d\x01\n\nRoomStatus\x12\x16\n\x12ROOM_STATUS_FAILED\x10\x00\x12\x1d\n\x19ROOM_STATUS_BOOTSTRAPPING\x10\x01\x12!\n\x1dROOM_STATUS_WAITING_FOR_INPUT\x10\x02\x12\x1c\n\x18ROOM_STATUS_TRANSFERRING\x10\x03\x12\x17\n\x13ROOM_STATUS_SUCCESS\x10\x04*\xba\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFETCH_STATE_PULLING\x10\x01\x12\x18\n\x14PREFETCH_STATE_READY\x10\x02\x12\x1c\n\x18PREFETCH_STATE_CANCELLED\x10\x03\x12\x19\n\x15PREFETCH_STATE_FAILED\x10\x04\x12\x1a\n\x16PREFETCH_STATE_EXPIRED\x10\x05*\x96\x01\n\x0c\x43laimOutcome\x12\x1d\n\x19\x43LAIM_OUTCOME_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43LAIM_OUTCOME_READY\x10\x01\x12\x18\n\x14\x43LAIM_OUTCOME_WAITED\x10\x02\x12\x1a\n\x16\x43LAIM_OUTCOME_FALLBACK\x10\x03\x12\x18\n\x14\x43LAIM_OUTCOME_FAILED\x10\x04\x32\x95\x08\n\x0bXferService\x12Y\n\x0cRegisterRoom\x12#.kvmesh.xfer.v1.RegisterRoomRequest\x1a$.kvmesh.xfer.v1.RegisterRoomResponse\x12k\n\x12\x41\x64\x64TransferRequest\x12).kvmesh.xfer.v1.AddTransferRequestRequest\x1a*.kvmesh.xfer.v1.AddTransferRequestResponse\x12n\n\x13\x41\x64\x64TransferRequests\x12*.kvmesh.xfer.v1.AddTransferRequestsRequest\x1a+.kvmesh.xfer.v1.AddTransferRequestsResponse\x12\x41\n\x04Poll\x12\x1b.kvmesh.xfer.v1.PollRequest\x1a\x1c.kvmesh.xfer.v1.PollResponse\x12\x44\n\x05\x43lear\x12\x1c.kvmesh.xfer.v1.ClearRequest\x1a\x1d.kvmesh.xfer.v1.ClearResponse\x12P\n\tBootstrap\x12 .kvmesh.xfer.v1.BootstrapRequest\x1a!.kvmesh.xfer.v1.BootstrapResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.kvmesh.xfer.v1.AbortRequest\x1a\x1d.kvmesh.xfer.v1.AbortResponse\x12P\n\tHeartbeat\x12 .kvmesh.xfer.v1.HeartbeatRequest\x1a!.kvmesh.xfer.v1.HeartbeatResponse\x12M\n\x08Prefetch\x12\x1f.kvmesh.xfer.v1.PrefetchRequest\x1a .kvmesh.xfer.v1.PrefetchResponse\x12_\n\x0e\x43\x61ncelPrefetch\x12%.kvmesh.xfer.v1.CancelPrefetchRequest\x1a&.kvmesh.xfer.v1.CancelPrefetchResponse\x12\\\n\rClaimPrefetch\x12$.kvmesh.xfer.v1.ClaimPrefetchRequest\x1a%.kvmesh.xfer.v1.ClaimPrefetchResponse\x12M\n\x08OpenRead\x12\x1f.kvmesh.xfer.v1.OpenReadRequest\x1a .kvmesh.xfer.v1.OpenReadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/xfer/v1/xfer.proto\x12\x0ekvmesh.xfer.v1\"i\n\x13RegisterRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\"*\n\x14RegisterRoomResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xa9\x01\n\x19\x41\x64\x64TransferRequestRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0cpage_indices\x18\x02 \x03(\r\x12\x19\n\x11index_slice_start\x18\x03 \x01(\r\x12\x17\n\x0findex_slice_end\x18\x04 \x01(\r\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\x12\x11\n\taux_index\x18\x06 \x01(\r\x12\x10\n\x08\x63hunk_id\x18\x07 \x01(\r\"\x1c\n\x1a\x41\x64\x64TransferRequestResponse\"Y\n\x1a\x41\x64\x64TransferRequestsRequest\x12;\n\x08requests\x18\x01 \x03(\x0b\x32).kvmesh.xfer.v1.AddTransferRequestRequest\"\x1d\n\x1b\x41\x64\x64TransferRequestsResponse\"\x1b\n\x0bPollRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"a\n\x0cPollResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.kvmesh.xfer.v1.RoomStatus\x12\x16\n\x0e\x66\x61ilure_reason\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"]\n\x10PollRoomsRequest\x12\r\n\x05rooms\x18\x01 \x03(\x04\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\x12)\n\x05known\x18\x03 \x03(\x0e\x32\x1a.kvmesh.xfer.v1.RoomStatus\"{\n\tRoomState\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12*\n\x06status\x18\x03 \x01(\x0e\x32\x1a.kvmesh.xfer.v1.RoomStatus\x12\x16\n\x0e\x66\x61ilure_reason\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\"=\n\x11PollRoomsResponse\x12(\n\x05rooms\x18\x01 \x03(\x0b\x32\x19.kvmesh.xfer.v1.RoomState\"\x1c\n\x0c\x43learRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\"\x0f\n\rClearResponse\"\x81\x02\n\x10\x42ootstrapRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\r\x12\x11\n\taux_index\x18\x04 \x01(\r\x12\x11\n\tpeer_name\x18\x05 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x06 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\x04\x12\x12\n\npage_count\x18\t \x01(\r\x12\x10\n\x08\x61ux_size\x18\n \x01(\x04\x12\x11\n\taux_count\x18\x0b \x01(\r\x12\x11\n\ttransport\x18\x0c \x01(\t\"<\n\x11\x42ootstrapResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\"@\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"%\n\x10HeartbeatRequest\x12\x11\n\tpeer_name\x18\x01 \x01(\t\"(\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x97\x01\n\x0fPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x18\n\x10src_page_indices\x18\x03 \x03(\r\x12\x18\n\x10\x64st_page_indices\x18\x04 \x03(\r\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\"U\n\x10PrefetchResponse\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12,\n\x05state\x18\x02 \x01(\x0e\x32\x1d.kvmesh.xfer.v1.PrefetchState\",\n\x15\x43\x61ncelPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"L\n\x16\x43\x61ncelPrefetchResponse\x12\x32\n\x0bprior_state\x18\x01 \x01(\x0e\x32\x1d.kvmesh.xfer.v1.PrefetchState\"Q\n\x14\x43laimPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\x08\"\xa1\x01\n\x15\x43laimPrefetchResponse\x12-\n\x07outcome\x18\x01 \x01(\x0e\x32\x1c.kvmesh.xfer.v1.ClaimOutcome\x12\x32\n\x0bprior_state\x18\x02 \x01(\x0e\x32\x1d.kvmesh.xfer.v1.PrefetchState\x12\x16\n\x0e\x66\x61ilure_reason\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"y\n\x0fOpenReadRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\x12\x18\n\x10src_page_indices\x18\x02 \x03(\r\x12\x11\n\tpeer_name\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x04\x12\x11\n\ttransport\x18\x05 \x01(\t\"g\n\x10OpenReadResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x12\n\npage_count\x18\x04 \x01(\r*\x9d\x01\n\nRoomStatus\x12\x16\n\x12ROOM_STATUS_FAILED\x10\x00\x12\x1d\n\x19ROOM_STATUS_BOOTSTRAPPING\x10\x01\x12!\n\x1dROOM_STATUS_WAITING_FOR_INPUT\x10\x02\x12\x1c\n\x18ROOM_STATUS_TRANSFERRING\x10\x03\x12\x17\n\x13ROOM_STATUS_SUCCESS\x10\x04*\xba\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFETCH_STATE_PULLING\x10\x01\x12\x18\n\x14PREFETCH_STATE_READY\x10\x02\x12\x1c\n\x18PREFETCH_STATE_CANCELLED\x10\x03\x12\x19\n\x15PREFETCH_STATE_FAILED\x10\x04\x12\x1a\n\x16PREFETCH_STATE_EXPIRED\x10\x05*\x96\x01\n\x0c\x43laimOutcome\x12\x1d\n\x19\x43LAIM_OUTCOME_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43LAIM_OUTCOME_READY\x10\x01\x12\x18\n\x14\x43LAIM_OUTCOME_WAITED\x10\x02\x12\x1a\n\x16\x43LAIM_OUTCOME_FALLBACK\x10\x03\x12\x18\n\x14\x43LAIM_OUTCOME_FAILED\x10\x04\x32\xe7\x08\n\x0bXferService\x12Y\n\x0cRegisterRoom\x12#.kvmesh.xfer.v1.RegisterRoomRequest\x1a$.kvmesh.xfer.v1.RegisterRoomResponse\x12k\n\x12\x41\x64\x64TransferRequest\x12).kvmesh.xfer.v1.AddTransferRequestRequest\x1a*.kvmesh.xfer.v1.AddTransferRequestResponse\x12n\n\x13\x41\x64\x64TransferRequests\x12*.kvmesh.xfer.v1.AddTransferRequestsRequest\x1a+.kvmesh.xfer.v1.AddTransferRequestsResponse\x12\x41\n\x04Poll\x12\x1b.kvmesh.xfer.v1.PollRequest\x1a\x1c.kvmesh.xfer.v1.PollResponse\x12P\n\tPollRooms\x12 .kvmesh.xfer.v1.PollRoomsRequest\x1a!.kvmesh.xfer.v1.PollRoomsResponse\x12\x44\n\x05\x43lear\x12\x1c.kvmesh.xfer.v1.ClearRequest\x1a\x1d.kvmesh.xfer.v1.ClearResponse\x12P\n\tBootstrap\x12 .kvmesh.xfer.v1.BootstrapRequest\x1a!.kvmesh.xfer.v1.BootstrapResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.kvmesh.xfer.v1.AbortRequest\x1a\x1d.kvmesh.xfer.v1.AbortResponse\x12P\n\tHeartbeat\x12 .kvmesh.xfer.v1.HeartbeatRequest\x1a!.kvmesh.xfer.v1.HeartbeatResponse\x12M\n\x08Prefetch\x12\x1f.kvmesh.xfer.v1.PrefetchRequest\x1a .kvmesh.xfer.v1.PrefetchResponse\x12_\n\x0e\x43\x61ncelPrefetch\x12%.kvmesh.xfer.v1.CancelPrefetchRequest\x1a&.kvmesh.xfer.v1.CancelPrefetchResponse\x12\\\n\rClaimPrefetch\x12$.kvmesh.xfer.v1.ClaimPrefetchRequest\x1a%.kvmesh.xfer.v1.ClaimPrefetchResponse\x12M\n\x08OpenRead\x12\x1f.kvmesh.xfer.v1.OpenReadRequest\x1a .kvmesh.xfer.v1.OpenReadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.xfer.v1.xfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROOMSTATUS']._serialized_start=2022
-  _globals['_ROOMSTATUS']._serialized_end=2179
-  _globals['_PREFETCHSTATE']._serialized_start=2182
-  _globals['_PREFETCHSTATE']._serialized_end=2368
-  _globals['_CLAIMOUTCOME']._serialized_start=2371
-  _globals['_CLAIMOUTCOME']._serialized_end=2521
+  _globals['_ROOMSTATUS']._serialized_start=2305
+  _globals['_ROOMSTATUS']._serialized_end=2462
+  _globals['_PREFETCHSTATE']._serialized_start=2465
+  _globals['_PREFETCHSTATE']._serialized_end=2651
+  _globals['_CLAIMOUTCOME']._serialized_start=2654
+  _globals['_CLAIMOUTCOME']._serialized_end=2804
   _globals['_REGISTERROOMREQUEST']._serialized_start=45
   _globals['_REGISTERROOMREQUEST']._serialized_end=150
   _globals['_REGISTERROOMRESPONSE']._serialized_start=152
@@ -53,38 +53,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POLLREQUEST']._serialized_end=547
   _globals['_POLLRESPONSE']._serialized_start=549
   _globals['_POLLRESPONSE']._serialized_end=646
-  _globals['_CLEARREQUEST']._serialized_start=648
-  _globals['_CLEARREQUEST']._serialized_end=676
-  _globals['_CLEARRESPONSE']._serialized_start=678
-  _globals['_CLEARRESPONSE']._serialized_end=693
-  _globals['_BOOTSTRAPREQUEST']._serialized_start=696
-  _globals['_BOOTSTRAPREQUEST']._serialized_end=953
-  _globals['_BOOTSTRAPRESPONSE']._serialized_start=955
-  _globals['_BOOTSTRAPRESPONSE']._serialized_end=1015
-  _globals['_ABORTREQUEST']._serialized_start=1017
-  _globals['_ABORTREQUEST']._serialized_end=1081
-  _globals['_ABORTRESPONSE']._serialized_start=1083
-  _globals['_ABORTRESPONSE']._serialized_end=1098
-  _globals['_HEARTBEATREQUEST']._serialized_start=1100
-  _globals['_HEARTBEATREQUEST']._serialized_end=1137
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1139
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1179
-  _globals['_PREFETCHREQUEST']._serialized_start=1182
-  _globals['_PREFETCHREQUEST']._serialized_end=1333
-  _globals['_PREFETCHRESPONSE']._serialized_start=1335
-  _globals['_PREFETCHRESPONSE']._serialized_end=1420
-  _globals['_CANCELPREFETCHREQUEST']._serialized_start=1422
-  _globals['_CANCELPREFETCHREQUEST']._serialized_end=1466
-  _globals['_CANCELPREFETCHRESPONSE']._serialized_start=1468
-  _globals['_CANCELPREFETCHRESPONSE']._serialized_end=1544
-  _globals['_CLAIMPREFETCHREQUEST']._serialized_start=1546
-  _globals['_CLAIMPREFETCHREQUEST']._serialized_end=1627
-  _globals['_CLAIMPREFETCHRESPONSE']._serialized_start=1630
-  _globals['_CLAIMPREFETCHRESPONSE']._serialized_end=1791
-  _globals['_OPENREADREQUEST']._serialized_start=1793
-  _globals['_OPENREADREQUEST']._serialized_end=1914
-  _globals['_OPENREADRESPONSE']._serialized_start=1916
-  _globals['_OPENREADRESPONSE']._serialized_end=2019
-  _globals['_XFERSERVICE']._serialized_start=2524
-  _globals['_XFERSERVICE']._serialized_end=3569
+  _globals['_POLLROOMSREQUEST']._serialized_start=648
+  _globals['_POLLROOMSREQUEST']._serialized_end=741
+  _globals['_ROOMSTATE']._serialized_start=743
+  _globals['_ROOMSTATE']._serialized_end=866
+  _globals['_POLLROOMSRESPONSE']._serialized_start=868
+  _globals['_POLLROOMSRESPONSE']._serialized_end=929
+  _globals['_CLEARREQUEST']._serialized_start=931
+  _globals['_CLEARREQUEST']._serialized_end=959
+  _globals['_CLEARRESPONSE']._serialized_start=961
+  _globals['_CLEARRESPONSE']._serialized_end=976
+  _globals['_BOOTSTRAPREQUEST']._serialized_start=979
+  _globals['_BOOTSTRAPREQUEST']._serialized_end=1236
+  _globals['_BOOTSTRAPRESPONSE']._serialized_start=1238
+  _globals['_BOOTSTRAPRESPONSE']._serialized_end=1298
+  _globals['_ABORTREQUEST']._serialized_start=1300
+  _globals['_ABORTREQUEST']._serialized_end=1364
+  _globals['_ABORTRESPONSE']._serialized_start=1366
+  _globals['_ABORTRESPONSE']._serialized_end=1381
+  _globals['_HEARTBEATREQUEST']._serialized_start=1383
+  _globals['_HEARTBEATREQUEST']._serialized_end=1420
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1422
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1462
+  _globals['_PREFETCHREQUEST']._serialized_start=1465
+  _globals['_PREFETCHREQUEST']._serialized_end=1616
+  _globals['_PREFETCHRESPONSE']._serialized_start=1618
+  _globals['_PREFETCHRESPONSE']._serialized_end=1703
+  _globals['_CANCELPREFETCHREQUEST']._serialized_start=1705
+  _globals['_CANCELPREFETCHREQUEST']._serialized_end=1749
+  _globals['_CANCELPREFETCHRESPONSE']._serialized_start=1751
+  _globals['_CANCELPREFETCHRESPONSE']._serialized_end=1827
+  _globals['_CLAIMPREFETCHREQUEST']._serialized_start=1829
+  _globals['_CLAIMPREFETCHREQUEST']._serialized_end=1910
+  _globals['_CLAIMPREFETCHRESPONSE']._serialized_start=1913
+  _globals['_CLAIMPREFETCHRESPONSE']._serialized_end=2074
+  _globals['_OPENREADREQUEST']._serialized_start=2076
+  _globals['_OPENREADREQUEST']._serialized_end=2197
+  _globals['_OPENREADRESPONSE']._serialized_start=2199
+  _globals['_OPENREADRESPONSE']._serialized_end=2302
+  _globals['_XFERSERVICE']._serialized_start=2807
+  _globals['_XFERSERVICE']._serialized_end=3934
 # @@protoc_insertion_point(module_scope)

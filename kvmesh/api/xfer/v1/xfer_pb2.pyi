@@ -114,6 +114,36 @@ class PollResponse(_message.Message):
     bytes: int
     def __init__(self, status: _Optional[_Union[RoomStatus, str]] = ..., failure_reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class PollRoomsRequest(_message.Message):
+    __slots__ = ("rooms", "wait_ms", "known")
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    rooms: _containers.RepeatedScalarFieldContainer[int]
+    wait_ms: int
+    known: _containers.RepeatedScalarFieldContainer[RoomStatus]
+    def __init__(self, rooms: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., known: _Optional[_Iterable[_Union[RoomStatus, str]]] = ...) -> None: ...
+
+class RoomState(_message.Message):
+    __slots__ = ("room", "found", "status", "failure_reason", "bytes")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    found: bool
+    status: RoomStatus
+    failure_reason: str
+    bytes: int
+    def __init__(self, room: _Optional[int] = ..., found: _Optional[bool] = ..., status: _Optional[_Union[RoomStatus, str]] = ..., failure_reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class PollRoomsResponse(_message.Message):
+    __slots__ = ("rooms",)
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    rooms: _containers.RepeatedCompositeFieldContainer[RoomState]
+    def __init__(self, rooms: _Optional[_Iterable[_Union[RoomState, _Mapping]]] = ...) -> None: ...
+
 class ClearRequest(_message.Message):
     __slots__ = ("room",)
     ROOM_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class XferServiceStub:
                 request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollResponse.FromString,
                 _registered_method=True)
+        self.PollRooms = channel.unary_unary(
+                '/kvmesh.xfer.v1.XferService/PollRooms',
+                request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRoomsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRoomsResponse.FromString,
+                _registered_method=True)
         self.Clear = channel.unary_unary(
                 '/kvmesh.xfer.v1.XferService/Clear',
                 request_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.ClearRequest.SerializeToString,
@@ -124,6 +129,13 @@ class XferServiceServicer:
 
     def Poll(self, request, context):
         """Status of a room (NOT_FOUND for an unknown one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PollRooms(self, request, context):
+        """Statuses of many rooms; with wait_ms, answered once one of them changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -210,6 +222,11 @@ def add_XferServiceServicer_to_server(servicer, server):
                     servicer.Poll,
                     request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRequest.FromString,
                     response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollResponse.SerializeToString,
+            ),
+            'PollRooms': grpc.unary_unary_rpc_method_handler(
+                    servicer.PollRooms,
+                    request_deserializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRoomsRequest.FromString,
+                    response_serializer=kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRoomsResponse.SerializeToString,
             ),
             'Clear': grpc.unary_unary_rpc_method_handler(
                     servicer.Clear,
@@ -361,6 +378,33 @@ class XferService:
             '/kvmesh.xfer.v1.XferService/Poll',
             kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRequest.SerializeToString,
             kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PollRooms(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.xfer.v1.XferService/PollRooms',
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRoomsRequest.SerializeToString,
+            kvmesh_dot_xfer_dot_v1_dot_xfer__pb2.PollRoomsResponse.FromString,
             options,
             channel_credentials,
             insecure,

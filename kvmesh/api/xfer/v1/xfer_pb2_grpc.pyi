@@ -50,6 +50,8 @@ class XferServiceStub:
     """Prefill: queue many chunks at once, all or nothing; returns at once."""
     Poll: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.PollRequest, _xfer_pb2.PollResponse]
     """Status of a room (NOT_FOUND for an unknown one)."""
+    PollRooms: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.PollRoomsRequest, _xfer_pb2.PollRoomsResponse]
+    """Statuses of many rooms; with wait_ms, answered once one of them changes."""
     Clear: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.ClearRequest, _xfer_pb2.ClearResponse]
     """Forget a room."""
     Bootstrap: _grpc.UnaryUnaryMultiCallable[_xfer_pb2.BootstrapRequest, _xfer_pb2.BootstrapResponse]
@@ -86,6 +88,8 @@ class XferServiceAsyncStub(XferServiceStub):
     """Prefill: queue many chunks at once, all or nothing; returns at once."""
     Poll: _aio.UnaryUnaryMultiCallable[_xfer_pb2.PollRequest, _xfer_pb2.PollResponse]  # type: ignore[assignment]
     """Status of a room (NOT_FOUND for an unknown one)."""
+    PollRooms: _aio.UnaryUnaryMultiCallable[_xfer_pb2.PollRoomsRequest, _xfer_pb2.PollRoomsResponse]  # type: ignore[assignment]
+    """Statuses of many rooms; with wait_ms, answered once one of them changes."""
     Clear: _aio.UnaryUnaryMultiCallable[_xfer_pb2.ClearRequest, _xfer_pb2.ClearResponse]  # type: ignore[assignment]
     """Forget a room."""
     Bootstrap: _aio.UnaryUnaryMultiCallable[_xfer_pb2.BootstrapRequest, _xfer_pb2.BootstrapResponse]  # type: ignore[assignment]
@@ -143,6 +147,14 @@ class XferServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_xfer_pb2.PollResponse, _abc.Awaitable[_xfer_pb2.PollResponse]]:
         """Status of a room (NOT_FOUND for an unknown one)."""
+
+    @_abc_1.abstractmethod
+    def PollRooms(
+        self,
+        request: _xfer_pb2.PollRoomsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_xfer_pb2.PollRoomsResponse, _abc.Awaitable[_xfer_pb2.PollRoomsResponse]]:
+        """Statuses of many rooms; with wait_ms, answered once one of them changes."""
 
     @_abc_1.abstractmethod
     def Clear(

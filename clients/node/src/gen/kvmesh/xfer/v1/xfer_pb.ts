@@ -20,7 +20,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvmesh/xfer/v1/xfer.proto.
  */
 export const file_kvmesh_xfer_v1_xfer: GenFile = /*@__PURE__*/
-  fileDesc("Chlrdm1lc2gveGZlci92MS94ZmVyLnByb3RvEg5rdm1lc2gueGZlci52MSJpChNSZWdpc3RlclJvb21SZXF1ZXN0EgwKBHJvb20YASABKAQSFwoPcHJlZmlsbF9hZGRyZXNzGAIgASgJEhgKEGRzdF9wYWdlX2luZGljZXMYAyADKA0SEQoJYXV4X2luZGV4GAQgASgNIioKFFJlZ2lzdGVyUm9vbVJlc3BvbnNlEhIKCmdlbmVyYXRpb24YASABKAQiqQEKGUFkZFRyYW5zZmVyUmVxdWVzdFJlcXVlc3QSDAoEcm9vbRgBIAEoBBIUCgxwYWdlX2luZGljZXMYAiADKA0SGQoRaW5kZXhfc2xpY2Vfc3RhcnQYAyABKA0SFwoPaW5kZXhfc2xpY2VfZW5kGAQgASgNEg8KB2lzX2xhc3QYBSABKAgSEQoJYXV4X2luZGV4GAYgASgNEhAKCGNodW5rX2lkGAcgASgNIhwKGkFkZFRyYW5zZmVyUmVxdWVzdFJlc3BvbnNlIlkKGkFkZFRyYW5zZmVyUmVxdWVzdHNSZXF1ZXN0EjsKCHJlcXVlc3RzGAEgAygLMikua3ZtZXNoLnhmZXIudjEuQWRkVHJhbnNmZXJSZXF1ZXN0UmVxdWVzdCIdChtBZGRUcmFuc2ZlclJlcXVlc3RzUmVzcG9uc2UiGwoLUG9sbFJlcXVlc3QSDAoEcm9vbRgBIAEoBCJhCgxQb2xsUmVzcG9uc2USKgoGc3RhdHVzGAEgASgOMhoua3ZtZXNoLnhmZXIudjEuUm9vbVN0YXR1cxIWCg5mYWlsdXJlX3JlYXNvbhgCIAEoCRINCgVieXRlcxgDIAEoBCIcCgxDbGVhclJlcXVlc3QSDAoEcm9vbRgBIAEoBCIPCg1DbGVhclJlc3BvbnNlIoECChBCb290c3RyYXBSZXF1ZXN0EgwKBHJvb20YASABKAQSEgoKZ2VuZXJhdGlvbhgCIAEoBBIYChBkc3RfcGFnZV9pbmRpY2VzGAMgAygNEhEKCWF1eF9pbmRleBgEIAEoDRIRCglwZWVyX25hbWUYBSABKAkSFgoOYWdlbnRfbWV0YWRhdGEYBiABKAwSFAoMcGVlcl9hZGRyZXNzGAcgASgJEhEKCXBhZ2Vfc2l6ZRgIIAEoBBISCgpwYWdlX2NvdW50GAkgASgNEhAKCGF1eF9zaXplGAogASgEEhEKCWF1eF9jb3VudBgLIAEoDRIRCgl0cmFuc3BvcnQYDCABKAkiPAoRQm9vdHN0cmFwUmVzcG9uc2USEwoLaW5zdGFuY2VfaWQYASABKAkSEgoKYWdlbnRfbmFtZRgCIAEoCSJACgxBYm9ydFJlcXVlc3QSDAoEcm9vbRgBIAEoBBISCgpnZW5lcmF0aW9uGAIgASgEEg4KBnJlYXNvbhgDIAEoCSIPCg1BYm9ydFJlc3BvbnNlIiUKEEhlYXJ0YmVhdFJlcXVlc3QSEQoJcGVlcl9uYW1lGAEgASgJIigKEUhlYXJ0YmVhdFJlc3BvbnNlEhMKC2luc3RhbmNlX2lkGAEgASgJIpcBCg9QcmVmZXRjaFJlcXVlc3QSEwoLcHJlZmV0Y2hfaWQYASABKAQSFgoOc291cmNlX2FkZHJlc3MYAiABKAkSGAoQc3JjX3BhZ2VfaW5kaWNlcxgDIAMoDRIYChBkc3RfcGFnZV9pbmRpY2VzGAQgAygNEg4KBnR0bF9tcxgFIAEoDRITCgtkZWFkbGluZV9tcxgGIAEoDSJVChBQcmVmZXRjaFJlc3BvbnNlEhMKC3ByZWZldGNoX2lkGAEgASgEEiwKBXN0YXRlGAIgASgOMh0ua3ZtZXNoLnhmZXIudjEuUHJlZmV0Y2hTdGF0ZSIsChVDYW5jZWxQcmVmZXRjaFJlcXVlc3QSEwoLcHJlZmV0Y2hfaWQYASABKAQiTAoWQ2FuY2VsUHJlZmV0Y2hSZXNwb25zZRIyCgtwcmlvcl9zdGF0ZRgBIAEoDjIdLmt2bWVzaC54ZmVyLnYxLlByZWZldGNoU3RhdGUiUQoUQ2xhaW1QcmVmZXRjaFJlcXVlc3QSEwoLcHJlZmV0Y2hfaWQYASABKAQSEgoKdGltZW91dF9tcxgCIAEoDRIQCghmYWxsYmFjaxgDIAEoCCKhAQoVQ2xhaW1QcmVmZXRjaFJlc3BvbnNlEi0KB291dGNvbWUYASABKA4yHC5rdm1lc2gueGZlci52MS5DbGFpbU91dGNvbWUSMgoLcHJpb3Jfc3RhdGUYAiABKA4yHS5rdm1lc2gueGZlci52MS5QcmVmZXRjaFN0YXRlEhYKDmZhaWx1cmVfcmVhc29uGAMgASgJEg0KBWJ5dGVzGAQgASgEInkKD09wZW5SZWFkUmVxdWVzdBITCgtwcmVmZXRjaF9pZBgBIAEoBBIYChBzcmNfcGFnZV9pbmRpY2VzGAIgAygNEhEKCXBlZXJfbmFtZRgDIAEoCRIRCglwYWdlX3NpemUYBCABKAQSEQoJdHJhbnNwb3J0GAUgASgJImcKEE9wZW5SZWFkUmVzcG9uc2USEwoLaW5zdGFuY2VfaWQYASABKAkSEgoKYWdlbnRfbmFtZRgCIAEoCRIWCg5hZ2VudF9tZXRhZGF0YRgDIAEoDBISCgpwYWdlX2NvdW50GAQgASgNKp0BCgpSb29tU3RhdHVzEhYKElJPT01fU1RBVFVTX0ZBSUxFRBAAEh0KGVJPT01fU1RBVFVTX0JPT1RTVFJBUFBJTkcQARIhCh1ST09NX1NUQVRVU19XQUlUSU5HX0ZPUl9JTlBVVBACEhwKGFJPT01fU1RBVFVTX1RSQU5TRkVSUklORxADEhcKE1JPT01fU1RBVFVTX1NVQ0NFU1MQBCq6AQoNUHJlZmV0Y2hTdGF0ZRIeChpQUkVGRVRDSF9TVEFURV9VTlNQRUNJRklFRBAAEhoKFlBSRUZFVENIX1NUQVRFX1BVTExJTkcQARIYChRQUkVGRVRDSF9TVEFURV9SRUFEWRACEhwKGFBSRUZFVENIX1NUQVRFX0NBTkNFTExFRBADEhkKFVBSRUZFVENIX1NUQVRFX0ZBSUxFRBAEEhoKFlBSRUZFVENIX1NUQVRFX0VYUElSRUQQBSqWAQoMQ2xhaW1PdXRjb21lEh0KGUNMQUlNX09VVENPTUVfVU5TUEVDSUZJRUQQABIXChNDTEFJTV9PVVRDT01FX1JFQURZEAESGAoUQ0xBSU1fT1VUQ09NRV9XQUlURUQQAhIaChZDTEFJTV9PVVRDT01FX0ZBTExCQUNLEAMSGAoUQ0xBSU1fT1VUQ09NRV9GQUlMRUQQBDKVCAoLWGZlclNlcnZpY2USWQoMUmVnaXN0ZXJSb29tEiMua3ZtZXNoLnhmZXIudjEuUmVnaXN0ZXJSb29tUmVxdWVzdBokLmt2bWVzaC54ZmVyLnYxLlJlZ2lzdGVyUm9vbVJlc3BvbnNlEmsKEkFkZFRyYW5zZmVyUmVxdWVzdBIpLmt2bWVzaC54ZmVyLnYxLkFkZFRyYW5zZmVyUmVxdWVzdFJlcXVlc3QaKi5rdm1lc2gueGZlci52MS5BZGRUcmFuc2ZlclJlcXVlc3RSZXNwb25zZRJuChNBZGRUcmFuc2ZlclJlcXVlc3RzEioua3ZtZXNoLnhmZXIudjEuQWRkVHJhbnNmZXJSZXF1ZXN0c1JlcXVlc3QaKy5rdm1lc2gueGZlci52MS5BZGRUcmFuc2ZlclJlcXVlc3RzUmVzcG9uc2USQQoEUG9sbBIbLmt2bWVzaC54ZmVyLnYxLlBvbGxSZXF1ZXN0Ghwua3ZtZXNoLnhmZXIudjEuUG9sbFJlc3BvbnNlEkQKBUNsZWFyEhwua3ZtZXNoLnhmZXIudjEuQ2xlYXJSZXF1ZXN0Gh0ua3ZtZXNoLnhmZXIudjEuQ2xlYXJSZXNwb25zZRJQCglCb290c3RyYXASIC5rdm1lc2gueGZlci52MS5Cb290c3RyYXBSZXF1ZXN0GiEua3ZtZXNoLnhmZXIudjEuQm9vdHN0cmFwUmVzcG9uc2USRAoFQWJvcnQSHC5rdm1lc2gueGZlci52MS5BYm9ydFJlcXVlc3QaHS5rdm1lc2gueGZlci52MS5BYm9ydFJlc3BvbnNlElAKCUhlYXJ0YmVhdBIgLmt2bWVzaC54ZmVyLnYxLkhlYXJ0YmVhdFJlcXVlc3QaIS5rdm1lc2gueGZlci52MS5IZWFydGJlYXRSZXNwb25zZRJNCghQcmVmZXRjaBIfLmt2bWVzaC54ZmVyLnYxLlByZWZldGNoUmVxdWVzdBogLmt2bWVzaC54ZmVyLnYxLlByZWZldGNoUmVzcG9uc2USXwoOQ2FuY2VsUHJlZmV0Y2gSJS5rdm1lc2gueGZlci52MS5DYW5jZWxQcmVmZXRjaFJlcXVlc3QaJi5rdm1lc2gueGZlci52MS5DYW5jZWxQcmVmZXRjaFJlc3BvbnNlElwKDUNsYWltUHJlZmV0Y2gSJC5rdm1lc2gueGZlci52MS5DbGFpbVByZWZldGNoUmVxdWVzdBolLmt2bWVzaC54ZmVyLnYxLkNsYWltUHJlZmV0Y2hSZXNwb25zZRJNCghPcGVuUmVhZBIfLmt2bWVzaC54ZmVyLnYxLk9wZW5SZWFkUmVxdWVzdBogLmt2bWVzaC54ZmVyLnYxLk9wZW5SZWFkUmVzcG9uc2ViBnByb3RvMw");
+  fileDesc("Chlrdm1lc2gveGZlci92MS94ZmVyLnByb3RvEg5rdm1lc2gueGZlci52MSJpChNSZWdpc3RlclJvb21SZXF1ZXN0EgwKBHJvb20YASABKAQSFwoPcHJlZmlsbF9hZGRyZXNzGAIgASgJEhgKEGRzdF9wYWdlX2luZGljZXMYAyADKA0SEQoJYXV4X2luZGV4GAQgASgNIioKFFJlZ2lzdGVyUm9vbVJlc3BvbnNlEhIKCmdlbmVyYXRpb24YASABKAQiqQEKGUFkZFRyYW5zZmVyUmVxdWVzdFJlcXVlc3QSDAoEcm9vbRgBIAEoBBIUCgxwYWdlX2luZGljZXMYAiADKA0SGQoRaW5kZXhfc2xpY2Vfc3RhcnQYAyABKA0SFwoPaW5kZXhfc2xpY2VfZW5kGAQgASgNEg8KB2lzX2xhc3QYBSABKAgSEQoJYXV4X2luZGV4GAYgASgNEhAKCGNodW5rX2lkGAcgASgNIhwKGkFkZFRyYW5zZmVyUmVxdWVzdFJlc3BvbnNlIlkKGkFkZFRyYW5zZmVyUmVxdWVzdHNSZXF1ZXN0EjsKCHJlcXVlc3RzGAEgAygLMikua3ZtZXNoLnhmZXIudjEuQWRkVHJhbnNmZXJSZXF1ZXN0UmVxdWVzdCIdChtBZGRUcmFuc2ZlclJlcXVlc3RzUmVzcG9uc2UiGwoLUG9sbFJlcXVlc3QSDAoEcm9vbRgBIAEoBCJhCgxQb2xsUmVzcG9uc2USKgoGc3RhdHVzGAEgASgOMhoua3ZtZXNoLnhmZXIudjEuUm9vbVN0YXR1cxIWCg5mYWlsdXJlX3JlYXNvbhgCIAEoCRINCgVieXRlcxgDIAEoBCJdChBQb2xsUm9vbXNSZXF1ZXN0Eg0KBXJvb21zGAEgAygEEg8KB3dhaXRfbXMYAiABKA0SKQoFa25vd24YAyADKA4yGi5rdm1lc2gueGZlci52MS5Sb29tU3RhdHVzInsKCVJvb21TdGF0ZRIMCgRyb29tGAEgASgEEg0KBWZvdW5kGAIgASgIEioKBnN0YXR1cxgDIAEoDjIaLmt2bWVzaC54ZmVyLnYxLlJvb21TdGF0dXMSFgoOZmFpbHVyZV9yZWFzb24YBCABKAkSDQoFYnl0ZXMYBSABKAQiPQoRUG9sbFJvb21zUmVzcG9uc2USKAoFcm9vbXMYASADKAsyGS5rdm1lc2gueGZlci52MS5Sb29tU3RhdGUiHAoMQ2xlYXJSZXF1ZXN0EgwKBHJvb20YASABKAQiDwoNQ2xlYXJSZXNwb25zZSKBAgoQQm9vdHN0cmFwUmVxdWVzdBIMCgRyb29tGAEgASgEEhIKCmdlbmVyYXRpb24YAiABKAQSGAoQZHN0X3BhZ2VfaW5kaWNlcxgDIAMoDRIRCglhdXhfaW5kZXgYBCABKA0SEQoJcGVlcl9uYW1lGAUgASgJEhYKDmFnZW50X21ldGFkYXRhGAYgASgMEhQKDHBlZXJfYWRkcmVzcxgHIAEoCRIRCglwYWdlX3NpemUYCCABKAQSEgoKcGFnZV9jb3VudBgJIAEoDRIQCghhdXhfc2l6ZRgKIAEoBBIRCglhdXhfY291bnQYCyABKA0SEQoJdHJhbnNwb3J0GAwgASgJIjwKEUJvb3RzdHJhcFJlc3BvbnNlEhMKC2luc3RhbmNlX2lkGAEgASgJEhIKCmFnZW50X25hbWUYAiABKAkiQAoMQWJvcnRSZXF1ZXN0EgwKBHJvb20YASABKAQSEgoKZ2VuZXJhdGlvbhgCIAEoBBIOCgZyZWFzb24YAyABKAkiDwoNQWJvcnRSZXNwb25zZSIlChBIZWFydGJlYXRSZXF1ZXN0EhEKCXBlZXJfbmFtZRgBIAEoCSIoChFIZWFydGJlYXRSZXNwb25zZRITCgtpbnN0YW5jZV9pZBgBIAEoCSKXAQoPUHJlZmV0Y2hSZXF1ZXN0EhMKC3ByZWZldGNoX2lkGAEgASgEEhYKDnNvdXJjZV9hZGRyZXNzGAIgASgJEhgKEHNyY19wYWdlX2luZGljZXMYAyADKA0SGAoQZHN0X3BhZ2VfaW5kaWNlcxgEIAMoDRIOCgZ0dGxfbXMYBSABKA0SEwoLZGVhZGxpbmVfbXMYBiABKA0iVQoQUHJlZmV0Y2hSZXNwb25zZRITCgtwcmVmZXRjaF9pZBgBIAEoBBIsCgVzdGF0ZRgCIAEoDjIdLmt2bWVzaC54ZmVyLnYxLlByZWZldGNoU3RhdGUiLAoVQ2FuY2VsUHJlZmV0Y2hSZXF1ZXN0EhMKC3ByZWZldGNoX2lkGAEgASgEIkwKFkNhbmNlbFByZWZldGNoUmVzcG9uc2USMgoLcHJpb3Jfc3RhdGUYASABKA4yHS5rdm1lc2gueGZlci52MS5QcmVmZXRjaFN0YXRlIlEKFENsYWltUHJlZmV0Y2hSZXF1ZXN0EhMKC3ByZWZldGNoX2lkGAEgASgEEhIKCnRpbWVvdXRfbXMYAiABKA0SEAoIZmFsbGJhY2sYAyABKAgioQEKFUNsYWltUHJlZmV0Y2hSZXNwb25zZRItCgdvdXRjb21lGAEgASgOMhwua3ZtZXNoLnhmZXIudjEuQ2xhaW1PdXRjb21lEjIKC3ByaW9yX3N0YXRlGAIgASgOMh0ua3ZtZXNoLnhmZXIudjEuUHJlZmV0Y2hTdGF0ZRIWCg5mYWlsdXJlX3JlYXNvbhgDIAEoCRINCgVieXRlcxgEIAEoBCJ5Cg9PcGVuUmVhZFJlcXVlc3QSEwoLcHJlZmV0Y2hfaWQYASABKAQSGAoQc3JjX3BhZ2VfaW5kaWNlcxgCIAMoDRIRCglwZWVyX25hbWUYAyABKAkSEQoJcGFnZV9zaXplGAQgASgEEhEKCXRyYW5zcG9ydBgFIAEoCSJnChBPcGVuUmVhZFJlc3BvbnNlEhMKC2luc3RhbmNlX2lkGAEgASgJEhIKCmFnZW50X25hbWUYAiABKAkSFgoOYWdlbnRfbWV0YWRhdGEYAyABKAwSEgoKcGFnZV9jb3VudBgEIAEoDSqdAQoKUm9vbVN0YXR1cxIWChJST09NX1NUQVRVU19GQUlMRUQQABIdChlST09NX1NUQVRVU19CT09UU1RSQVBQSU5HEAESIQodUk9PTV9TVEFUVVNfV0FJVElOR19GT1JfSU5QVVQQAhIcChhST09NX1NUQVRVU19UUkFOU0ZFUlJJTkcQAxIXChNST09NX1NUQVRVU19TVUNDRVNTEAQqugEKDVByZWZldGNoU3RhdGUSHgoaUFJFRkVUQ0hfU1RBVEVfVU5TUEVDSUZJRUQQABIaChZQUkVGRVRDSF9TVEFURV9QVUxMSU5HEAESGAoUUFJFRkVUQ0hfU1RBVEVfUkVBRFkQAhIcChhQUkVGRVRDSF9TVEFURV9DQU5DRUxMRUQQAxIZChVQUkVGRVRDSF9TVEFURV9GQUlMRUQQBBIaChZQUkVGRVRDSF9TVEFURV9FWFBJUkVEEAUqlgEKDENsYWltT3V0Y29tZRIdChlDTEFJTV9PVVRDT01FX1VOU1BFQ0lGSUVEEAASFwoTQ0xBSU1fT1VUQ09NRV9SRUFEWRABEhgKFENMQUlNX09VVENPTUVfV0FJVEVEEAISGgoWQ0xBSU1fT1VUQ09NRV9GQUxMQkFDSxADEhgKFENMQUlNX09VVENPTUVfRkFJTEVEEAQy5wgKC1hmZXJTZXJ2aWNlElkKDFJlZ2lzdGVyUm9vbRIjLmt2bWVzaC54ZmVyLnYxLlJlZ2lzdGVyUm9vbVJlcXVlc3QaJC5rdm1lc2gueGZlci52MS5SZWdpc3RlclJvb21SZXNwb25zZRJrChJBZGRUcmFuc2ZlclJlcXVlc3QSKS5rdm1lc2gueGZlci52MS5BZGRUcmFuc2ZlclJlcXVlc3RSZXF1ZXN0Gioua3ZtZXNoLnhmZXIudjEuQWRkVHJhbnNmZXJSZXF1ZXN0UmVzcG9uc2USbgoTQWRkVHJhbnNmZXJSZXF1ZXN0cxIqLmt2bWVzaC54ZmVyLnYxLkFkZFRyYW5zZmVyUmVxdWVzdHNSZXF1ZXN0Gisua3ZtZXNoLnhmZXIudjEuQWRkVHJhbnNmZXJSZXF1ZXN0c1Jlc3BvbnNlEkEKBFBvbGwSGy5rdm1lc2gueGZlci52MS5Qb2xsUmVxdWVzdBocLmt2bWVzaC54ZmVyLnYxLlBvbGxSZXNwb25zZRJQCglQb2xsUm9vbXMSIC5rdm1lc2gueGZlci52MS5Qb2xsUm9vbXNSZXF1ZXN0GiEua3ZtZXNoLnhmZXIudjEuUG9sbFJvb21zUmVzcG9uc2USRAoFQ2xlYXISHC5rdm1lc2gueGZlci52MS5DbGVhclJlcXVlc3QaHS5rdm1lc2gueGZlci52MS5DbGVhclJlc3BvbnNlElAKCUJvb3RzdHJhcBIgLmt2bWVzaC54ZmVyLnYxLkJvb3RzdHJhcFJlcXVlc3QaIS5rdm1lc2gueGZlci52MS5Cb290c3RyYXBSZXNwb25zZRJECgVBYm9ydBIcLmt2bWVzaC54ZmVyLnYxLkFib3J0UmVxdWVzdBodLmt2bWVzaC54ZmVyLnYxLkFib3J0UmVzcG9uc2USUAoJSGVhcnRiZWF0EiAua3ZtZXNoLnhmZXIudjEuSGVhcnRiZWF0UmVxdWVzdBohLmt2bWVzaC54ZmVyLnYxLkhlYXJ0YmVhdFJlc3BvbnNlEk0KCFByZWZldGNoEh8ua3ZtZXNoLnhmZXIudjEuUHJlZmV0Y2hSZXF1ZXN0GiAua3ZtZXNoLnhmZXIudjEuUHJlZmV0Y2hSZXNwb25zZRJfCg5DYW5jZWxQcmVmZXRjaBIlLmt2bWVzaC54ZmVyLnYxLkNhbmNlbFByZWZldGNoUmVxdWVzdBomLmt2bWVzaC54ZmVyLnYxLkNhbmNlbFByZWZldGNoUmVzcG9uc2USXAoNQ2xhaW1QcmVmZXRjaBIkLmt2bWVzaC54ZmVyLnYxLkNsYWltUHJlZmV0Y2hSZXF1ZXN0GiUua3ZtZXNoLnhmZXIudjEuQ2xhaW1QcmVmZXRjaFJlc3BvbnNlEk0KCE9wZW5SZWFkEh8ua3ZtZXNoLnhmZXIudjEuT3BlblJlYWRSZXF1ZXN0GiAua3ZtZXNoLnhmZXIudjEuT3BlblJlYWRSZXNwb25zZWIGcHJvdG8z");
 
 /**
  * Decode engine -> its sidecar: expect a room's pages from a prefill sidecar.
@@ -263,6 +263,119 @@ export const PollResponseSchema: GenMessage<PollResponse> = /*@__PURE__*/
   messageDesc(file_kvmesh_xfer_v1_xfer, 7);
 
 /**
+ * Statuses of many rooms in one call, answered at once or, with wait_ms, once
+ * one of them changes: what an engine with many rooms in flight asks instead
+ * of one Poll per room, again and again, until each is done.
+ *
+ * @generated from message kvmesh.xfer.v1.PollRoomsRequest
+ */
+export type PollRoomsRequest = Message<"kvmesh.xfer.v1.PollRoomsRequest"> & {
+  /**
+   * The room ids, 1 to 4,096 of them (unknown ones are answered as not found).
+   *
+   * @generated from field: repeated uint64 rooms = 1;
+   */
+  rooms: bigint[];
+
+  /**
+   * Longest wait in milliseconds, at most 60,000 (0: answer at once). The
+   * answer comes as soon as one listed room is not found, or is in a status
+   * other than the one `known` gives for it, or, without `known`, is terminal
+   * (SUCCESS or FAILED) or changes status; when the wait ends, or just before
+   * the call's deadline would, it comes with the statuses as they are.
+   *
+   * @generated from field: uint32 wait_ms = 2;
+   */
+  waitMs: number;
+
+  /**
+   * The status the caller last saw of each room, in the order of `rooms`
+   * (empty, or one per room).
+   *
+   * @generated from field: repeated kvmesh.xfer.v1.RoomStatus known = 3;
+   */
+  known: RoomStatus[];
+};
+
+/**
+ * Describes the message kvmesh.xfer.v1.PollRoomsRequest.
+ * Use `create(PollRoomsRequestSchema)` to create a new message.
+ */
+export const PollRoomsRequestSchema: GenMessage<PollRoomsRequest> = /*@__PURE__*/
+  messageDesc(file_kvmesh_xfer_v1_xfer, 8);
+
+/**
+ * One room in a PollRoomsResponse.
+ *
+ * @generated from message kvmesh.xfer.v1.RoomState
+ */
+export type RoomState = Message<"kvmesh.xfer.v1.RoomState"> & {
+  /**
+   * The room id.
+   *
+   * @generated from field: uint64 room = 1;
+   */
+  room: bigint;
+
+  /**
+   * False: the sidecar does not know the room (never registered, or cleared);
+   * the other fields are then empty.
+   *
+   * @generated from field: bool found = 2;
+   */
+  found: boolean;
+
+  /**
+   * Current status.
+   *
+   * @generated from field: kvmesh.xfer.v1.RoomStatus status = 3;
+   */
+  status: RoomStatus;
+
+  /**
+   * Why the room failed; empty unless status is FAILED.
+   *
+   * @generated from field: string failure_reason = 4;
+   */
+  failureReason: string;
+
+  /**
+   * Bytes written (prefill) or received (decode) so far.
+   *
+   * @generated from field: uint64 bytes = 5;
+   */
+  bytes: bigint;
+};
+
+/**
+ * Describes the message kvmesh.xfer.v1.RoomState.
+ * Use `create(RoomStateSchema)` to create a new message.
+ */
+export const RoomStateSchema: GenMessage<RoomState> = /*@__PURE__*/
+  messageDesc(file_kvmesh_xfer_v1_xfer, 9);
+
+/**
+ * Answer to PollRooms: one state per requested room, in the request's order.
+ *
+ * @generated from message kvmesh.xfer.v1.PollRoomsResponse
+ */
+export type PollRoomsResponse = Message<"kvmesh.xfer.v1.PollRoomsResponse"> & {
+  /**
+   * The rooms' states.
+   *
+   * @generated from field: repeated kvmesh.xfer.v1.RoomState rooms = 1;
+   */
+  rooms: RoomState[];
+};
+
+/**
+ * Describes the message kvmesh.xfer.v1.PollRoomsResponse.
+ * Use `create(PollRoomsResponseSchema)` to create a new message.
+ */
+export const PollRoomsResponseSchema: GenMessage<PollRoomsResponse> = /*@__PURE__*/
+  messageDesc(file_kvmesh_xfer_v1_xfer, 10);
+
+/**
  * Forget a room. On decode, a room not yet finished is aborted on prefill.
  *
  * @generated from message kvmesh.xfer.v1.ClearRequest
@@ -281,7 +394,7 @@ export type ClearRequest = Message<"kvmesh.xfer.v1.ClearRequest"> & {
  * Use `create(ClearRequestSchema)` to create a new message.
  */
 export const ClearRequestSchema: GenMessage<ClearRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 8);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 11);
 
 /**
  * Answer to Clear.
@@ -296,7 +409,7 @@ export type ClearResponse = Message<"kvmesh.xfer.v1.ClearResponse"> & {
  * Use `create(ClearResponseSchema)` to create a new message.
  */
 export const ClearResponseSchema: GenMessage<ClearResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 9);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 12);
 
 /**
  * Decode sidecar -> prefill sidecar: where a room's pages go.
@@ -396,7 +509,7 @@ export type BootstrapRequest = Message<"kvmesh.xfer.v1.BootstrapRequest"> & {
  * Use `create(BootstrapRequestSchema)` to create a new message.
  */
 export const BootstrapRequestSchema: GenMessage<BootstrapRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 10);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 13);
 
 /**
  * Answer to Bootstrap.
@@ -426,7 +539,7 @@ export type BootstrapResponse = Message<"kvmesh.xfer.v1.BootstrapResponse"> & {
  * Use `create(BootstrapResponseSchema)` to create a new message.
  */
 export const BootstrapResponseSchema: GenMessage<BootstrapResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 11);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 14);
 
 /**
  * One side tells the other a room is over (e.g. decode cleared it).
@@ -461,7 +574,7 @@ export type AbortRequest = Message<"kvmesh.xfer.v1.AbortRequest"> & {
  * Use `create(AbortRequestSchema)` to create a new message.
  */
 export const AbortRequestSchema: GenMessage<AbortRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 12);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 15);
 
 /**
  * Answer to Abort.
@@ -476,7 +589,7 @@ export type AbortResponse = Message<"kvmesh.xfer.v1.AbortResponse"> & {
  * Use `create(AbortResponseSchema)` to create a new message.
  */
 export const AbortResponseSchema: GenMessage<AbortResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 13);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 16);
 
 /**
  * Liveness probe between peers.
@@ -497,7 +610,7 @@ export type HeartbeatRequest = Message<"kvmesh.xfer.v1.HeartbeatRequest"> & {
  * Use `create(HeartbeatRequestSchema)` to create a new message.
  */
 export const HeartbeatRequestSchema: GenMessage<HeartbeatRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 14);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 17);
 
 /**
  * Answer to Heartbeat.
@@ -518,7 +631,7 @@ export type HeartbeatResponse = Message<"kvmesh.xfer.v1.HeartbeatResponse"> & {
  * Use `create(HeartbeatResponseSchema)` to create a new message.
  */
 export const HeartbeatResponseSchema: GenMessage<HeartbeatResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 15);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 18);
 
 /**
  * Router (or decode engine) -> decode sidecar: start pulling a prefix that a
@@ -581,7 +694,7 @@ export type PrefetchRequest = Message<"kvmesh.xfer.v1.PrefetchRequest"> & {
  * Use `create(PrefetchRequestSchema)` to create a new message.
  */
 export const PrefetchRequestSchema: GenMessage<PrefetchRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 16);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 19);
 
 /**
  * Answer to Prefetch.
@@ -610,7 +723,7 @@ export type PrefetchResponse = Message<"kvmesh.xfer.v1.PrefetchResponse"> & {
  * Use `create(PrefetchResponseSchema)` to create a new message.
  */
 export const PrefetchResponseSchema: GenMessage<PrefetchResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 17);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 20);
 
 /**
  * Stop a prefetch and release its destination pages.
@@ -631,7 +744,7 @@ export type CancelPrefetchRequest = Message<"kvmesh.xfer.v1.CancelPrefetchReques
  * Use `create(CancelPrefetchRequestSchema)` to create a new message.
  */
 export const CancelPrefetchRequestSchema: GenMessage<CancelPrefetchRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 18);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 21);
 
 /**
  * Answer to CancelPrefetch.
@@ -653,7 +766,7 @@ export type CancelPrefetchResponse = Message<"kvmesh.xfer.v1.CancelPrefetchRespo
  * Use `create(CancelPrefetchResponseSchema)` to create a new message.
  */
 export const CancelPrefetchResponseSchema: GenMessage<CancelPrefetchResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 19);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 22);
 
 /**
  * Decode engine -> its sidecar: the request arrived; take the prefetched
@@ -691,7 +804,7 @@ export type ClaimPrefetchRequest = Message<"kvmesh.xfer.v1.ClaimPrefetchRequest"
  * Use `create(ClaimPrefetchRequestSchema)` to create a new message.
  */
 export const ClaimPrefetchRequestSchema: GenMessage<ClaimPrefetchRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 20);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 23);
 
 /**
  * Answer to ClaimPrefetch.
@@ -734,7 +847,7 @@ export type ClaimPrefetchResponse = Message<"kvmesh.xfer.v1.ClaimPrefetchRespons
  * Use `create(ClaimPrefetchResponseSchema)` to create a new message.
  */
 export const ClaimPrefetchResponseSchema: GenMessage<ClaimPrefetchResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 21);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 24);
 
 /**
  * Decode sidecar -> the sidecar holding a prefix: may I read these pages?
@@ -783,7 +896,7 @@ export type OpenReadRequest = Message<"kvmesh.xfer.v1.OpenReadRequest"> & {
  * Use `create(OpenReadRequestSchema)` to create a new message.
  */
 export const OpenReadRequestSchema: GenMessage<OpenReadRequest> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 22);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 25);
 
 /**
  * Answer to OpenRead: what the reader needs to read the holder's pool.
@@ -826,7 +939,7 @@ export type OpenReadResponse = Message<"kvmesh.xfer.v1.OpenReadResponse"> & {
  * Use `create(OpenReadResponseSchema)` to create a new message.
  */
 export const OpenReadResponseSchema: GenMessage<OpenReadResponse> = /*@__PURE__*/
-  messageDesc(file_kvmesh_xfer_v1_xfer, 23);
+  messageDesc(file_kvmesh_xfer_v1_xfer, 26);
 
 /**
  * Status of a room. Forward-only (Bootstrapping -> WaitingForInput ->
@@ -1031,6 +1144,16 @@ export const XferService: GenService<{
     methodKind: "unary";
     input: typeof PollRequestSchema;
     output: typeof PollResponseSchema;
+  },
+  /**
+   * Statuses of many rooms; with wait_ms, answered once one of them changes.
+   *
+   * @generated from rpc kvmesh.xfer.v1.XferService.PollRooms
+   */
+  pollRooms: {
+    methodKind: "unary";
+    input: typeof PollRoomsRequestSchema;
+    output: typeof PollRoomsResponseSchema;
   },
   /**
    * Forget a room.

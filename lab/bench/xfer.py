@@ -9,7 +9,11 @@ chunks. One run measures:
   engine waits for each chunk to land (Poll until its bytes show) before
   adding the next;
 - **async** (the design): ``queues`` queues, writes pipelined, the engine adds
-  every chunk of every room at once and only polls for Success. How the
+  every chunk of every room at once and only waits for Success: by default one
+  PollRooms of its unfinished rooms at a time, which the decode sidecar answers
+  when one of them changes (``--poll each``: a Poll per room with 0.5 ms sleeps,
+  as engines did before PollRooms; ``<mode>_poll_calls_per_batch`` counts the
+  calls). How the
   chunks reach the sidecar is ``--submit``: ``single`` (one
   AddTransferRequest per chunk, pipelined on the channel), ``batched`` (one
   AddTransferRequests per room carrying its chunks) or ``coalesced`` (one
@@ -111,6 +115,8 @@ class BenchParams:
     seed: int = 7
     #: How the async run hands chunks over: single, batched, coalesced or all.
     submit: str = "batched"
+    #: How the decode engine waits for Success: rooms (PollRooms) or each (Poll).
+    poll: str = "rooms"
 
 
 #: Submission modes of the async run (``--submit all`` runs every one).
@@ -285,9 +291,9 @@ def _run_batch(
     rooms: Sequence[_Room],
     mode: str,
     add_us: list[float],
-) -> tuple[list[float], float, float]:
+) -> tuple[list[float], float, float, int]:
     """Run one batch (``mode``: serial or a submission mode); returns (per-room
-    latency ms, wall seconds, handover seconds)."""
+    latency ms, wall seconds, handover seconds, Poll or PollRooms calls)."""
     np.frombuffer(pools.decode.view, dtype=np.uint8)[:] = 0
     for r in rooms:
         dc.register_room(r.room, prefill_address, r.dst, r.aux_dst)
@@ -330,12 +336,48 @@ def _run_batch(
         for f in futures:
             f.result()
     handover = time.perf_counter() - t0
+    polls = _wait_success(dc, [r.room for r in rooms], done, p.poll)
+    wall = max(done.values()) - t0
+    _verify(pools, rooms)
+    for r in rooms:
+        dc.clear(r.room)
+        pc.clear(r.room)
+    return [(done[r.room] - t0) * 1e3 for r in rooms], wall, handover, polls
+
+
+#: Longest wait of one PollRooms call of the bench's decode engine (s).
+POLL_WAIT_S = 5.0
+
+
+def _wait_success(dc: XferClient, pending: list[int], done: dict[int, float], how: str) -> int:
+    """Until every room of ``pending`` is Success on decode, record when each was
+    seen so in ``done``; returns the Poll or PollRooms calls made. ``how``:
+    ``rooms`` (PollRooms of the unfinished rooms, answered when one changes) or
+    ``each`` (a Poll per room, in order, stopping at the first unfinished, then
+    0.5 ms of sleep)."""
+    calls = 0
+    if how == "rooms":
+        known: dict[int, RoomStatus] = {}
+        while pending:
+            states = dc.poll_rooms(
+                pending, POLL_WAIT_S, [known.get(r, RoomStatus.BOOTSTRAPPING) for r in pending]
+            )
+            calls += 1
+            now = time.perf_counter()
+            for s in states:
+                if not s.found or s.status == RoomStatus.FAILED:
+                    raise RuntimeError(f"room {s.room} failed: {s.failure_reason or 'gone'}")
+                if s.status == RoomStatus.SUCCESS:
+                    done[s.room] = now
+                known[s.room] = s.status
+            pending = [r for r in pending if r not in done]
+        return calls
     # Rooms finish roughly in queue order: poll the pending ones in order and
     # stop at the first unfinished, so polling itself does not crowd the CPU.
-    pending = [r.room for r in rooms]
     while pending:
         while pending:
             st, reason = dc.poll(pending[0])
+            calls += 1
             if st == RoomStatus.FAILED:
                 raise RuntimeError(f"room {pending[0]} failed: {reason}")
             if st != RoomStatus.SUCCESS:
@@ -343,12 +385,7 @@ def _run_batch(
             done[pending.pop(0)] = time.perf_counter()
         if pending:
             time.sleep(0.0005)
-    wall = max(done.values()) - t0
-    _verify(pools, rooms)
-    for r in rooms:
-        dc.clear(r.room)
-        pc.clear(r.room)
-    return [(done[r.room] - t0) * 1e3 for r in rooms], wall, handover
+    return calls
 
 
 def batched_rpc_us(pc: XferClient, geo: PoolGeometry, calls: int) -> list[float]:
@@ -383,7 +420,7 @@ def run_mode(
     geo = pools.geometry
     rng = random.Random(p.seed)
     out: dict[str, Any] = {
-        m: {"lat_ms": [], "walls": [], "add_us": [], "handover": []} for m in modes
+        m: {"lat_ms": [], "walls": [], "add_us": [], "handover": [], "polls": []} for m in modes
     }
     metrics_port = 0 if serial else free_port()
     with (
@@ -411,12 +448,13 @@ def run_mode(
                 batch += 1
                 rooms = _plan(p, geo, rng, 1000 * batch)
                 o = out[m]
-                lat, wall, handover = _run_batch(
+                lat, wall, handover, polls = _run_batch(
                     p, pools, pc, dc, ps.address, rooms, m, o["add_us"]
                 )
                 o["lat_ms"] += lat
                 o["walls"].append(wall)
                 o["handover"].append(handover)
+                o["polls"].append(polls)
         if "coalesced" in modes:
             out["coalesced"]["calls"] = pc.coalesced_calls - calls0
             out["coalesced"]["chunks"] = pc.coalesced_chunks - chunks0
@@ -619,6 +657,7 @@ def _mode_figures(
         f"{m}_speedup": statistics.mean(serial["lat_ms"]) / statistics.mean(o["lat_ms"]),
         f"{m}_vs_raw": gbps / raw,
         f"{m}_handover_ms": statistics.mean(o["handover"]) * 1e3,
+        f"{m}_poll_calls_per_batch": statistics.mean(o["polls"]),
     }
 
 
@@ -835,6 +874,14 @@ def build_parser() -> argparse.ArgumentParser:
         "coalescing client (coalesced), or each of them against the same sidecars (all)",
     )
     ap.add_argument(
+        "--poll",
+        choices=["rooms", "each"],
+        default=d.poll,
+        help="how the decode engine waits for Success: one PollRooms of its unfinished "
+        "rooms, answered when one changes (rooms), or a Poll per room with 0.5 ms sleeps "
+        "(each)",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="run sizes 64 KiB, 1 MiB, 16 MiB x rooms 1, 4, 16, 64 (async in the --submit "
@@ -897,7 +944,7 @@ def main(argv: Sequence[str]) -> int:
     p = BenchParams(
         transport=transport, rooms=a.rooms, pages=a.pages, page_size=a.page_size,
         chunks=a.chunks, max_run=a.max_run, queues=a.queues, iters=iters,
-        nixl_threads=a.nixl_threads, submit=a.submit,
+        nixl_threads=a.nixl_threads, submit=a.submit, poll=a.poll,
     )  # fmt: skip
     if a.prefetch_requests < 1 or a.prefetch_lead_ms < 0:
         print(

@@ -34,8 +34,8 @@ def test_bench_prints_table_and_writes_json(
     assert "tcp_raw_gbps" in figures
     for mode in bench.SUBMIT_MODES:
         assert {f"{mode}_{k}" for k in PER_MODE} <= set(figures), mode
-    # The unprefixed async figures are the batched mode's.
-    assert figures["async_gbps"] == figures["batched_async_gbps"]
+    # The unprefixed async figures are the coalesced mode's.
+    assert figures["async_gbps"] == figures["coalesced_async_gbps"]
     assert figures["add_requests_rpc_p50_us"] <= figures["add_requests_rpc_p99_us"]
     # 3 rooms x 2 chunks handed over in one loop: the coalescing client sent fewer calls.
     assert 1 < figures["coalesced_chunks_per_call"] <= 6

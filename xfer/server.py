@@ -96,17 +96,16 @@ POLL_DEADLINE_MARGIN_S = 0.05
 _STATUS_VALUES = frozenset(int(s) for s in RoomStatus)
 
 
-def _moved(states: list[RoomState], known: list[RoomStatus | None] | None) -> bool:
+def _moved(states: list[RoomState], known: list[RoomStatus] | None) -> bool:
     """Whether a waiting PollRooms answers now: a room is gone, or differs from
-    ``known`` (an unknown enum value differs from every status), or, without
-    ``known``, is terminal."""
+    ``known``, or, without ``known``, is terminal."""
     if known is None:
         return any(not s.found or s.status in TERMINAL for s in states)
     return any(not s.found or s.status != k for s, k in zip(states, known, strict=True))
 
 
 async def _wait_rooms(
-    logic: XferLogic, rooms: list[int], known: list[RoomStatus | None] | None, wait_s: float
+    logic: XferLogic, rooms: list[int], known: list[RoomStatus] | None, wait_s: float
 ) -> list[RoomState]:
     """The states of ``rooms`` once :func:`_moved` (without ``known``: or once one
     changes status) or after ``wait_s``. The logic's threads wake this loop
@@ -255,6 +254,10 @@ class XferServicer(pb_grpc.XferServiceServicer):
         self, request: pb.PollRoomsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PollRoomsResponse:
         """Many rooms' states; with ``wait_ms``, once one of them changes (see the proto)."""
+        bad = next((k for k in request.known if k not in _STATUS_VALUES), None)
+        if bad is not None:
+            raise InvalidArgument(f"unknown room status {bad}", field="known")
+        known = [RoomStatus(k) for k in request.known]
         rooms = list(request.rooms)
         if not 0 < len(rooms) <= MAX_POLL_ROOMS:
             raise InvalidArgument(
@@ -264,7 +267,6 @@ class XferServicer(pb_grpc.XferServiceServicer):
             raise InvalidArgument(
                 f"wait_ms {request.wait_ms} is over {MAX_POLL_WAIT_MS}", field="wait_ms"
             )
-        known = [RoomStatus(k) if k in _STATUS_VALUES else None for k in request.known]
         if known and len(known) != len(rooms):
             raise InvalidArgument(
                 f"{len(known)} known statuses for {len(rooms)} rooms", field="known"

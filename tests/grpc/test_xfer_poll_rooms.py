@@ -191,6 +191,7 @@ def test_a_wait_answers_before_the_call_deadline_and_a_cancelled_one_leaves_no_w
         ({"rooms": list(range(MAX_POLL_ROOMS + 1))}, "rooms"),
         ({"rooms": [1], "wait_ms": MAX_POLL_WAIT_MS + 1}, "wait_ms"),
         ({"rooms": [1, 2], "known": [RoomStatus.SUCCESS]}, "known"),
+        ({"rooms": [1], "known": [99]}, "known"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(

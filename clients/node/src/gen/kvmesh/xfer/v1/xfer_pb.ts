@@ -290,7 +290,7 @@ export type PollRoomsRequest = Message<"kvmesh.xfer.v1.PollRoomsRequest"> & {
 
   /**
    * The status the caller last saw of each room, in the order of `rooms`
-   * (empty, or one per room).
+   * (empty, or one per room; a value RoomStatus does not name is INVALID_ARGUMENT).
    *
    * @generated from field: repeated kvmesh.xfer.v1.RoomStatus known = 3;
    */

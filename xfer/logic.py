@@ -219,6 +219,17 @@ class XferMetrics:
             buckets=STAGE_BUCKETS,
             registry=r,
         )
+        # Bytes posted over seconds in the posts: the transport's own rate inside
+        # the sidecar (with UCX's CMA the copy runs in the post), beside a raw
+        # post of the same bytes (kvmesh bench xfer, post_vs_raw).
+        self.post_seconds = Counter(
+            "kvmesh_xfer_post_seconds",
+            "Prefill: seconds the workers spent in the transport's post of writes",
+            registry=r,
+        )
+        self.posted_bytes = Counter(
+            "kvmesh_xfer_posted_bytes", "Prefill: bytes of the writes posted", registry=r
+        )
         self.stage_queue = self.stage_seconds.labels("queue")
         self.stage_submit = self.stage_seconds.labels("submit")
         self.stage_transport = self.stage_seconds.labels("transport")
@@ -1103,6 +1114,8 @@ class XferLogic:
                     self.fail(c.room, f"transfer failed: {e}", c.generation)
                 continue
             now = time.monotonic()
+            self.metrics.post_seconds.inc(now - submit)
+            self.metrics.posted_bytes.inc(sum(n for _, _, n in runs))
             self.metrics.descriptors.observe(len(runs))
             observe = self.metrics.stage_submit.observe
             for _ in chunks:  # each chunk observes the write carrying it

@@ -46,7 +46,15 @@ worker takes the chunk), ``submit`` (the transport's post of the write),
 ``transport`` (posted until the write is seen done), ``notify`` (per room: its
 last write seen done until Success on the prefill side). The timed batches'
 means are the figures ``xfer_stage_<stage>_mean_us``; the warm-up transfer is
-scraped apart and printed as rows of its own.
+scraped apart and printed as rows of its own. ``post_gbps`` is the bytes of the
+timed writes over the seconds the sidecar's workers spent posting them
+(``kvmesh_xfer_posted_bytes`` / ``kvmesh_xfer_post_seconds``; with UCX's CMA the
+copy runs inside the post): the transport's rate inside the sidecar, and
+``post_vs_raw`` its ratio to the raw post, which says how much of the gap to raw
+is the copy itself and how much the hand-offs around it. ``<transport>_raw_fragmented_gbps``
+posts the runs of a planned batch instead (its rooms' fragmented pages, one
+descriptor per run) in one write: the raw rate of the layout the sidecar moves,
+and ``post_vs_raw_fragmented`` the sidecar's copy against it.
 
 **Prefetch** (NIXL only; ``--prefetch`` runs this part alone): the time from
 dispatch (the request arrives at decode) to KV-ready, for ``--prefetch-requests``
@@ -97,7 +105,7 @@ from xfer.config import PoolSettings, XferConfig
 from xfer.logic import MAX_BATCH_ENTRIES, STAGES, ChunkRequest, RoomStatus, XferLogic
 from xfer.pool import KVPool, PoolGeometry
 from xfer.transport import Transport, make_transport, nixl_available, wait_state
-from xfer.wire import merge_runs
+from xfer.wire import byte_runs, merge_runs
 
 
 @dataclass(frozen=True)
@@ -209,6 +217,18 @@ def parse_stages(text: str) -> dict[str, StageHistogram]:
         )
         for s in STAGES
     }
+
+
+def parse_posts(text: str) -> tuple[float, float]:
+    """``(seconds, bytes)`` the prefill sidecar's workers spent in and handed to the
+    transport's posts so far (``kvmesh_xfer_post_seconds``, ``kvmesh_xfer_posted_bytes``)."""
+    got: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("kvmesh_xfer_post_seconds", "kvmesh_xfer_posted_bytes"):
+            got[family.name] = sum(
+                float(x.value) for x in family.samples if x.name.endswith("_total")
+            )
+    return got.get("kvmesh_xfer_post_seconds", 0.0), got.get("kvmesh_xfer_posted_bytes", 0.0)
 
 
 def stage_figures(stages: dict[str, StageHistogram]) -> dict[str, float]:
@@ -441,7 +461,8 @@ def run_mode(
         t = time.perf_counter()
         _run_batch(p, pools, pc, dc, ps.address, warm, "single", [])
         out["warmup_ms"] = (time.perf_counter() - t) * 1e3
-        warm_stages = parse_stages(ps.metrics_text()) if metrics_port else {}
+        warm_text = ps.metrics_text() if metrics_port else ""
+        warm_stages = parse_stages(warm_text) if metrics_port else {}
         batch = 0
         calls0, chunks0 = pc.coalesced_calls, pc.coalesced_chunks
         for _ in range(p.iters):
@@ -461,7 +482,10 @@ def run_mode(
             out["coalesced"]["chunks"] = pc.coalesced_chunks - chunks0
         if not serial:
             # Before the timed AddTransferRequests calls (held chunks: nothing moves).
-            timed = parse_stages(ps.metrics_text())
+            text = ps.metrics_text()
+            timed = parse_stages(text)
+            (s0, b0), (s1, b1) = parse_posts(warm_text), parse_posts(text)
+            out["posts"] = (s1 - s0, b1 - b0)
             out["stages"] = {
                 "warm-up": warm_stages,
                 "timed": {s: h.minus(warm_stages[s]) for s, h in timed.items()},
@@ -481,8 +505,10 @@ def _raw_target(path: str, geo: PoolGeometry, kind: str, conn: Any) -> None:
     tr.close()
 
 
-def raw_gbps(p: BenchParams, pools: _Pools) -> float:
-    """The transport alone: R large writes (one per room's bytes) to another process."""
+def raw_gbps(p: BenchParams, pools: _Pools) -> tuple[float, float]:
+    """The transport alone, to another process, each batch one post: R large writes
+    (one descriptor per room's bytes), then the runs of a planned batch (fragmented
+    as the sidecar's rooms are, one descriptor per run); GB/s of each."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
@@ -495,21 +521,29 @@ def raw_gbps(p: BenchParams, pools: _Pools) -> float:
         name, md = parent.recv()
         tr.add_peer(name, md)
         room_bytes = p.pages * p.page_size
-        runs = [(i * room_bytes, i * room_bytes, room_bytes) for i in range(p.rooms)]
-        rates = []
-        for it in range(p.iters + 1):
-            t = time.perf_counter()
-            h = tr.post(name, runs, b"raw")
-            if wait_state(tr, h, 60) != "DONE":
-                raise RuntimeError("raw transfer failed")
-            tr.release(h)
-            if it:  # the first is the warm-up
-                rates.append(room_bytes * p.rooms / (time.perf_counter() - t) / 1e9)
-        return statistics.mean(rates)
+        large = [(i * room_bytes, i * room_bytes, room_bytes) for i in range(p.rooms)]
+        plan = _plan(p, pools.geometry, random.Random(p.seed), 0)
+        runs = [r for room in plan for r in byte_runs(merge_runs(room.src, room.dst), p.page_size)]
+        return _raw_rate(tr, name, large, p.iters), _raw_rate(tr, name, runs, p.iters)
     finally:
         parent.send("done")
         proc.join(timeout=10)
         tr.close()
+
+
+def _raw_rate(tr: Transport, peer: str, runs: list[tuple[int, int, int]], iters: int) -> float:
+    """GB/s of posting ``runs`` as one write, ``iters`` times after a warm-up."""
+    nbytes = sum(n for _, _, n in runs)
+    rates = []
+    for it in range(iters + 1):
+        t = time.perf_counter()
+        h = tr.post(peer, runs, b"raw")
+        if wait_state(tr, h, 60) != "DONE":
+            raise RuntimeError("raw transfer failed")
+        tr.release(h)
+        if it:  # the first is the warm-up
+            rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+    return statistics.mean(rates)
 
 
 def memcpy_gbps(p: BenchParams) -> float:
@@ -683,7 +717,7 @@ def run(
             progress.phase(f"{p.transport}: async transfers ({', '.join(modes)})")
             asyn = run_mode(p, pools, modes, RPC_CALLS if costs else 10)
             progress.phase(f"{p.transport}: raw transport")
-            raw = raw_gbps(p, pools)
+            raw, raw_fragmented = raw_gbps(p, pools)
             if prefetch is not None and p.transport == "nixl":
                 requests, lead_ms = prefetch
                 progress.phase(f"prefetch: {requests} requests, on demand and {lead_ms:g} ms ahead")
@@ -701,6 +735,8 @@ def run(
         c = asyn["coalesced"]
         per_mode["coalesced_chunks_per_call"] = c["chunks"] / max(1, c["calls"])
     pm = primary_mode(p)
+    post_s, posted = asyn["posts"]
+    post_gbps = posted / post_s / 1e9 if post_s > 0 else 0.0
     figures = {
         "serial_mean_ms": statistics.mean(serial["lat_ms"]),
         "async_mean_ms": per_mode[f"{pm}_async_mean_ms"],
@@ -709,12 +745,17 @@ def run(
         "async_gbps": per_mode[f"{pm}_async_gbps"],
         "serial_gbps": statistics.mean(total / w / 1e9 for w in serial["walls"]),
         f"{p.transport}_raw_gbps": raw,
+        f"{p.transport}_raw_fragmented_gbps": raw_fragmented,
         "add_request_rpc_p99_us": percentile(serial["add_us"], 0.99),
         "add_requests_rpc_p50_us": percentile(asyn["rpc_us"], 0.5),
         "add_requests_rpc_p99_us": percentile(asyn["rpc_us"], 0.99),
         "warmup_ms": asyn["warmup_ms"],
         "mean_run_kib": mean_run / 1024,
         "async_vs_raw": per_mode[f"{pm}_vs_raw"],
+        # The copy's own rate inside the sidecar (every timed mode's writes).
+        "post_gbps": post_gbps,
+        "post_vs_raw": post_gbps / raw,
+        "post_vs_raw_fragmented": post_gbps / raw_fragmented,
         **per_mode,
         **stage_figures(asyn["stages"]["timed"]),
         **pf_figures,

@@ -53,7 +53,9 @@ class KVPool:
     Thread-safe for reads and writes of disjoint pages (it is plain memory).
     """
 
-    def __init__(self, path: str, geometry: PoolGeometry, *, create: bool) -> None:
+    def __init__(
+        self, path: str, geometry: PoolGeometry, *, create: bool, populate: bool = False
+    ) -> None:
         geometry.validate()
         self.path = path
         self.geometry = geometry
@@ -68,7 +70,9 @@ class KVPool:
                     f"pool file {path} has {size} bytes, geometry needs {geometry.total_bytes}",
                     field="pool",
                 )
-            self._mm = mmap.mmap(fd, geometry.total_bytes)
+            # MAP_POPULATE (Linux): every page mapped now, none on a transfer's first use.
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mm = mmap.mmap(fd, geometry.total_bytes, flags=flags)
         finally:
             os.close(fd)
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mm)
@@ -78,14 +82,16 @@ class KVPool:
         self.view: memoryview = memoryview(self._mm)
 
     @classmethod
-    def create(cls, path: str, geometry: PoolGeometry) -> KVPool:
-        """Create (or reuse and grow) the pool file at ``path`` and map it."""
-        return cls(path, geometry, create=True)
+    def create(cls, path: str, geometry: PoolGeometry, populate: bool = False) -> KVPool:
+        """Create (or reuse and grow) the pool file at ``path`` and map it (``populate``:
+        every page mapped now, see :attr:`xfer.config.PoolSettings.populate`)."""
+        return cls(path, geometry, create=True, populate=populate)
 
     @classmethod
-    def attach(cls, path: str, geometry: PoolGeometry) -> KVPool:
-        """Map an existing pool file; it must be at least as large as ``geometry`` needs."""
-        return cls(path, geometry, create=False)
+    def attach(cls, path: str, geometry: PoolGeometry, populate: bool = False) -> KVPool:
+        """Map an existing pool file; it must be at least as large as ``geometry`` needs
+        (``populate``: every page mapped now)."""
+        return cls(path, geometry, create=False, populate=populate)
 
     # -- bounds ----------------------------------------------------------------
 

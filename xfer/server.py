@@ -439,10 +439,18 @@ class XferServer:
         if self.peer_tls.active:
             ChannelFactory("peers", self.peer_tls, what="xfer peers")
         geo = config.pool.geometry()
+        t0 = time.monotonic()
         if config.pool.create:
-            self.pool = KVPool.create(config.pool.path, geo)
+            self.pool = KVPool.create(config.pool.path, geo, populate=config.pool.populate)
         else:
-            self.pool = KVPool.attach(config.pool.path, geo)
+            self.pool = KVPool.attach(config.pool.path, geo, populate=config.pool.populate)
+        if config.pool.populate:
+            log.info(
+                "pool %s: %d bytes mapped, every page at once, in %.2f s",
+                config.pool.path,
+                geo.total_bytes,
+                time.monotonic() - t0,
+            )
         self.transport = transport or make_transport(
             config.transport,
             self.pool,

@@ -100,6 +100,8 @@ then verify instead of the IP.
       value: {{ int $x.pool.auxSize | quote }}
     - name: KVMESH_XFER_POOL__AUX_COUNT
       value: {{ int $x.pool.auxCount | quote }}
+    - name: KVMESH_XFER_POOL__POPULATE
+      value: {{ $x.pool.populate | quote }}
     {{- if $tlsOn }}
     - name: KVMESH_XFER_HEALTH_PORT
       value: {{ int $x.healthPort | quote }}

@@ -142,6 +142,7 @@ from lab.faults.ops import (
     generate,
     profile_ops,
 )
+from lab.faults.stalls import STALL_S, StallWatch
 from router_client.indexer_client import instance_name
 
 log = logging.getLogger(__name__)
@@ -475,6 +476,8 @@ class Driver:
         self._names = 0
         self.follower: FollowerLink | None = None
         self.follower_figures: Counter[str] = Counter()
+        #: The machine's stalls of this process (lab/faults/stalls.py); run_round starts it.
+        self.stalls = StallWatch()
 
     # -- plumbing --------------------------------------------------------------------
 
@@ -549,7 +552,11 @@ class Driver:
         if code == "OK" and not lossy:
             return Reply(v, code, detail, sent, time.monotonic(), False)
         if code in TRANSIENT and not (deadline_ms or fault is not None or self._recovering()):
-            self.violate("valid_rejected", f"{code} with no fault to explain it: {detail}")
+            if self.stalls.during(sent, time.monotonic()) >= STALL_S:
+                # The machine held this process past a socket timeout: not the fleet's doing.
+                self.faults["machine_stall"] += 1
+            else:
+                self.violate("valid_rejected", f"{code} with no fault to explain it: {detail}")
         self.purge_pending = True
         start = time.monotonic()
         while True:
@@ -1966,6 +1973,7 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
     )
     driver = Driver(fleet, p.seed, engines=engines, zmq_catch_up_s=p.zmq_catch_up_s)
     link: FollowerLink | None = None
+    driver.stalls.start()
     try:
         await fleet.start()
         if p.follower:
@@ -2018,6 +2026,7 @@ async def run_round(target: Target, p: RunParams) -> RoundResult:
         for e in engines:
             await e.close()
         ctx.destroy(linger=0)
+        await driver.stalls.stop()
     res.faults = driver.faults
     res.violations = driver.violations
     res.follower = driver.follower_figures

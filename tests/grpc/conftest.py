@@ -1,9 +1,11 @@
-"""Fixtures of the gRPC tests: an in-process indexer on a free 127.0.0.1 port and a stub."""
+"""Fixtures of the gRPC tests: an in-process indexer on a free 127.0.0.1 port and a stub;
+a prefill and a decode transfer sidecar in threads of the test process (TCP backend)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +18,8 @@ from indexer.memory import MemoryIndex
 from indexer.server import IndexerServer, start_server
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from lab.bench.xfer_procs import ThreadedSidecar
+from xfer.config import PoolSettings, XferConfig
 
 MODEL = "test/model"
 BLOCK = 4  # small blocks keep token lists short
@@ -151,3 +155,32 @@ async def match(stub: Any, tokens: list[int], **kw: Any) -> pb.MatchResponse:
     kw.setdefault("model", MODEL)
     resp: pb.MatchResponse = await stub.Match(pb.MatchRequest(token_ids=tokens, **kw))
     return resp
+
+
+#: Pool of the test sidecars: page size, pages, aux slot size, aux slots.
+XFER_PAGE, XFER_PAGES, XFER_AUX, XFER_AUXN = 1024, 64, 32, 4
+
+
+def xfer_config(role: str, path: Path, **kw: Any) -> XferConfig:
+    """A sidecar of ``role`` on a free port, TCP transport, its pool created at ``path``."""
+    pool = PoolSettings(
+        path=str(path),
+        page_size=XFER_PAGE,
+        page_count=XFER_PAGES,
+        aux_size=XFER_AUX,
+        aux_count=XFER_AUXN,
+        create=True,
+    )
+    return XferConfig(role=role, port=0, metrics_port=0, transport="tcp", pool=pool, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def sidecars(tmp_path: Path) -> Iterator[tuple[ThreadedSidecar, ThreadedSidecar]]:
+    """A prefill and a decode sidecar, running."""
+    p = ThreadedSidecar(xfer_config("prefill", tmp_path / "p"))
+    d = ThreadedSidecar(xfer_config("decode", tmp_path / "d"))
+    p.start()
+    d.start()
+    yield p, d
+    p.stop()
+    d.stop()

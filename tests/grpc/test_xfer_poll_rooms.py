@@ -1,7 +1,7 @@
 """PollRooms: many rooms' states in one call, and a wait that ends when one changes.
 
-Sidecars run in a thread of the test process (TCP backend) on free ports, as in
-test_xfer_server.py. A waiting call must answer when a room changes, not when
+Sidecars run in a thread of the test process (TCP backend) on free ports
+(tests/grpc/conftest.py). A waiting call must answer when a room changes, not when
 its wait ends: each such test waits far longer than the change takes, so a
 server that slept out ``wait_ms`` fails it.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,32 +19,13 @@ from kvmesh.api.xfer.v1 import xfer_pb2 as pb
 from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.errors import InvalidArgument
 from lab.bench.xfer_procs import ThreadedSidecar
+from tests.grpc.conftest import XFER_AUX, XFER_PAGE
 from xfer.client import XferClient
-from xfer.config import PoolSettings, XferConfig
 from xfer.logic import RoomStatus
 from xfer.server import MAX_POLL_ROOMS, MAX_POLL_WAIT_MS
 
-PAGE, PAGES, AUX, AUXN = 1024, 64, 32, 4
 #: A wait no test should sit out (s): a change must end it long before.
 LONG_WAIT_S = 20.0
-
-
-def _config(role: str, path: Path) -> XferConfig:
-    pool = PoolSettings(
-        path=str(path), page_size=PAGE, page_count=PAGES, aux_size=AUX, aux_count=AUXN, create=True
-    )
-    return XferConfig(role=role, port=0, metrics_port=0, transport="tcp", pool=pool)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def sidecars(tmp_path: Path) -> Iterator[tuple[ThreadedSidecar, ThreadedSidecar]]:
-    p = ThreadedSidecar(_config("prefill", tmp_path / "p"))
-    d = ThreadedSidecar(_config("decode", tmp_path / "d"))
-    p.start()
-    d.start()
-    yield p, d
-    p.stop()
-    d.stop()
 
 
 def _until(dc: XferClient, room: int, status: RoomStatus, within: float = 10.0) -> None:
@@ -74,7 +53,7 @@ def test_rooms_are_answered_in_order_and_unknown_ones_as_not_found(
         got = dc.poll_rooms([2, 99, 1])
         assert [s.room for s in got] == [2, 99, 1]
         assert [s.found for s in got] == [True, False, True]
-        assert got[0].status == RoomStatus.SUCCESS and got[0].bytes == PAGE + AUX
+        assert got[0].status == RoomStatus.SUCCESS and got[0].bytes == XFER_PAGE + XFER_AUX
         assert (got[2].status, got[2].failure_reason) == dc.poll(1)
         assert got[1].status == RoomStatus.FAILED and got[1].bytes == 0
 

@@ -1,6 +1,7 @@
 """XferService over gRPC: status codes for bad input, health, config and CLI.
 
-Sidecars run in a thread of the test process (TCP backend) on free ports.
+Sidecars run in a thread of the test process (TCP backend) on free ports
+(tests/grpc/conftest.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +22,19 @@ from kvmesh.api.xfer.v1 import xfer_pb2 as pb
 from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from lab.bench.xfer_procs import ThreadedSidecar
+from tests.grpc.conftest import XFER_AUX, XFER_AUXN, XFER_PAGE, XFER_PAGES, xfer_config
 from xfer import cli
 from xfer.client import XferClient
-from xfer.config import PoolSettings, XferConfig, load_config
+from xfer.config import PoolSettings, load_config
 from xfer.logic import AlreadyExists
 from xfer.server import SERVICE_NAME
-
-PAGE, PAGES, AUX, AUXN = 1024, 64, 32, 4
-
-
-def _config(role: str, path: Path, **kw: Any) -> XferConfig:
-    pool = PoolSettings(
-        path=str(path), page_size=PAGE, page_count=PAGES, aux_size=AUX, aux_count=AUXN, create=True
-    )
-    return XferConfig(role=role, port=0, metrics_port=0, transport="tcp", pool=pool, **kw)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def sidecars(tmp_path: Path) -> Iterator[tuple[ThreadedSidecar, ThreadedSidecar]]:
-    p = ThreadedSidecar(_config("prefill", tmp_path / "p"))
-    d = ThreadedSidecar(_config("decode", tmp_path / "d"))
-    p.start()
-    d.start()
-    yield p, d
-    p.stop()
-    d.stop()
 
 
 def _bootstrap(**kw: Any) -> pb.BootstrapRequest:
     base: dict[str, Any] = dict(
         room=1, generation=1, dst_page_indices=[1, 2], aux_index=0, peer_name="peer-x",
-        peer_address="127.0.0.1:1", page_size=PAGE, page_count=PAGES, aux_size=AUX,
-        aux_count=AUXN, transport="tcp",
+        peer_address="127.0.0.1:1", page_size=XFER_PAGE, page_count=XFER_PAGES, aux_size=XFER_AUX,
+        aux_count=XFER_AUXN, transport="tcp",
     )  # fmt: skip
     base.update(kw)
     return pb.BootstrapRequest(**base)
@@ -71,7 +52,7 @@ def test_bad_input_maps_to_status_codes(sidecars: tuple[ThreadedSidecar, Threade
         with pytest.raises(InvalidArgument, match="source pages for"):
             pc.add_transfer_request(1, [1, 2], (0, 3), True, 0, 0)
         with pytest.raises(InvalidArgument, match="page index"):
-            dc.register_room(1, p.address, [PAGES + 5], 0)
+            dc.register_room(1, p.address, [XFER_PAGES + 5], 0)
         with pytest.raises(ValueError):  # uint32 on the wire: negatives cannot be sent
             pc.add_transfer_request(1, [-1], (0, 1), True, 0, 0)
         with pytest.raises(FailedPrecondition, match="needs decode"):
@@ -91,7 +72,7 @@ def test_bad_input_maps_to_status_codes(sidecars: tuple[ThreadedSidecar, Threade
             stub.Bootstrap(_bootstrap(room=2, transport="nixl"))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(grpc.RpcError) as e:
-            stub.Bootstrap(_bootstrap(room=3, dst_page_indices=[1, PAGES]))
+            stub.Bootstrap(_bootstrap(room=3, dst_page_indices=[1, XFER_PAGES]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         trailing = dict(e.value.trailing_metadata() or ())
         assert trailing.get("kvmesh-error-field") == "dst_page_indices"
@@ -167,8 +148,8 @@ def test_cli_print_config(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_pool_file_missing_is_a_clear_start_error(tmp_path: Path) -> None:
     path = tmp_path / f"missing-{random.getrandbits(16)}"
-    cfg = _config("decode", path).model_copy(
-        update={"pool": PoolSettings(path=str(path), page_size=PAGE, page_count=PAGES)}
+    cfg = xfer_config("decode", path).model_copy(
+        update={"pool": PoolSettings(path=str(path), page_size=XFER_PAGE, page_count=XFER_PAGES)}
     )
     with pytest.raises(FileNotFoundError):
         ThreadedSidecar(cfg).start()

@@ -76,7 +76,7 @@ class PoolSettings(StrictModel):
         description="Map the pool with a page-table entry for every page made at start "
         "(MAP_POPULATE), so that no transfer waits for the kernel to map a page on its "
         "first use: kvmesh bench xfer's copy inside the sidecar ran at 0.55 of a raw "
-        "write of the same runs without it, about 1.0 with it. Costs the mapping's page "
+        "write of the same runs without it, 0.7 to 1.0 with it. Costs the mapping's page "
         "tables up front (2 MiB per GiB of pool) and the time to make them; on a pool file "
         "with holes it also allocates them. false maps pages on first use.",
     )

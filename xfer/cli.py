@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run NIXL's own progress thread (it busy-polls a core)",
     )
     p.add_argument(
+        "--nixl-notify-poll-max-ms",
+        type=float,
+        help="longest pause of the idle NIXL notification poller (a room's first write is "
+        "seen up to this late)",
+    )
+    p.add_argument(
         "--bootstrap-timeout-s",
         type=float,
         metavar="SECONDS",
@@ -137,6 +143,7 @@ def overrides(ns: argparse.Namespace) -> dict[str, Any]:
         "max_inflight_per_queue": ns.max_inflight_per_queue,
         "nixl_threads": ns.nixl_threads,
         "nixl_progress_thread": ns.nixl_progress_thread,
+        "nixl_notify_poll_max_ms": ns.nixl_notify_poll_max_ms,
         "bootstrap_timeout_s": ns.bootstrap_timeout_s,
         "waiting_timeout_s": ns.waiting_timeout_s,
         "heartbeat_interval_s": ns.heartbeat_interval_s,

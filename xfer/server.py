@@ -462,6 +462,7 @@ class XferServer:
             ),
             nixl_threads=config.nixl_threads,
             nixl_progress_thread=config.nixl_progress_thread,
+            nixl_notify_poll_max_s=config.nixl_notify_poll_max_ms / 1e3,
             tcp_handshake_timeout_s=config.limits.tcp_handshake_timeout_s,
             tcp_max_handshakes=config.limits.tcp_max_handshakes,
         )

@@ -191,10 +191,11 @@ class NixlTransport(Transport):
     kind = "nixl"
 
     #: Poller sleep bounds: it spins briefly after activity (a room's chunks
-    #: arrive in bursts) and backs off to 2 ms when idle so an idle sidecar
-    #: costs almost no CPU on a small host.
+    #: arrive in bursts) and backs off when idle, doubling up to ``poll_max_s``
+    #: (XferConfig.nixl_notify_poll_max_ms): the longest a room's first write
+    #: waits to be seen, against the CPU an idle sidecar spends polling.
     _POLL_MIN_S = 0.0001
-    _POLL_MAX_S = 0.002
+    POLL_MAX_S = 0.0005
 
     def __init__(
         self,
@@ -203,8 +204,10 @@ class NixlTransport(Transport):
         *,
         num_threads: int = 0,
         progress_thread: bool = False,
+        poll_max_s: float = POLL_MAX_S,
     ) -> None:
         super().__init__(pool, name)
+        self._poll_max_s = max(self._POLL_MIN_S, poll_max_s)
         nixl_mod = import_nixl()
         # NIXL's progress thread polls UCX with no delay: it keeps one core
         # busy even when idle (measured: 100% of a core per sidecar). Our own
@@ -248,7 +251,7 @@ class NixlTransport(Transport):
                 for m in msgs:
                     got = True
                     self._notify(peer, bytes(m))
-            delay = self._POLL_MIN_S if got else min(delay * 2, self._POLL_MAX_S)
+            delay = self._POLL_MIN_S if got else min(delay * 2, self._poll_max_s)
             self._stop.wait(delay)
 
     def metadata(self) -> bytes:
@@ -766,12 +769,18 @@ def make_transport(
     advertise_host: str = "",
     nixl_threads: int = 0,
     nixl_progress_thread: bool = False,
+    nixl_notify_poll_max_s: float = NixlTransport.POLL_MAX_S,
     tcp_handshake_timeout_s: float = 10.0,
     tcp_max_handshakes: int = 64,
 ) -> Transport:
     """The transport ``kind`` ("nixl" or "tcp") over ``pool``."""
     if kind == "nixl":
-        return NixlTransport(pool, num_threads=nixl_threads, progress_thread=nixl_progress_thread)
+        return NixlTransport(
+            pool,
+            num_threads=nixl_threads,
+            progress_thread=nixl_progress_thread,
+            poll_max_s=nixl_notify_poll_max_s,
+        )
     if kind == "tcp":
         return TcpTransport(
             pool,

@@ -75,6 +75,42 @@ async def _engines(idx: RedisIndex, n: int, blocks: int) -> tuple[list[InstanceI
     return ids, BlockStored(block_hashes=keys, block_keys=keys)
 
 
+class _ScriptsInFlight:
+    """Counts the calls of one Redis script in flight at once through a client
+    class's ``execute_command`` (the real command runs): ``most`` at once,
+    ``done`` finished, and for a ``probe`` script how many were done when each
+    of its calls finished. :meth:`learn` gives it the index's script names."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, cls: Any, script: str, probe: str = ""
+    ) -> None:
+        self.names: dict[Any, str] = {}
+        self.now = self.most = self.done = 0
+        self.probe_done_at: list[int] = []
+        real = cls.execute_command
+
+        async def counting(client: Any, *args: Any, **kw: Any) -> Any:
+            name = self.names.get(args[1]) if args and args[0] == "EVALSHA" else None
+            if name != script:
+                res = await real(client, *args, **kw)
+                if probe and name == probe:
+                    self.probe_done_at.append(self.done)
+                return res
+            self.now += 1
+            self.most = max(self.most, self.now)
+            try:
+                return await real(client, *args, **kw)
+            finally:
+                self.now -= 1
+                self.done += 1
+
+        monkeypatch.setattr(cls, "execute_command", counting)
+
+    def learn(self, idx: RedisIndex) -> None:
+        """The script names of ``idx``."""
+        self.names.update({s.sha: s.name for s in idx._scripts.values()})
+
+
 @pytest.mark.parametrize("bound", [1, 0], ids=["one-write", "unbounded"])
 async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them(
     redis_server: Any, monkeypatch: pytest.MonkeyPatch, bound: int
@@ -86,31 +122,11 @@ async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them
 
     from indexer.model import EventBatch
 
-    real = Redis.execute_command
-    names: dict[Any, str] = {}
-    now = {"apply": 0, "most": 0, "done": 0}
-    match_done_at: list[int] = []
-
-    async def counting(self: Any, *args: Any, **kw: Any) -> Any:
-        name = names.get(args[1]) if args and args[0] == "EVALSHA" else None
-        if name != "apply":
-            res = await real(self, *args, **kw)
-            if name == "match":
-                match_done_at.append(now["done"])
-            return res
-        now["apply"] += 1
-        now["most"] = max(now["most"], now["apply"])
-        try:
-            return await real(self, *args, **kw)
-        finally:
-            now["apply"] -= 1
-            now["done"] += 1
-
-    monkeypatch.setattr(Redis, "execute_command", counting)
+    count = _ScriptsInFlight(monkeypatch, Redis, "apply", probe="match")
     idx = RedisIndex(
         redis_server.url, prefix=f"wg{uuid.uuid4().hex[:8]}", max_writes_in_flight=bound
     )
-    names.update({s.sha: s.name for s in idx._scripts.values()})
+    count.learn(idx)
     try:
         ids, stored = await _engines(idx, 30, 400)
         keys = stored.block_keys
@@ -119,13 +135,13 @@ async def test_writes_wait_their_turn_here_and_a_match_does_not_wait_behind_them
         await asyncio.sleep(0)  # every apply is on its way (or at the gate)
         hits = await idx.match(Namespace("m"), keys[:32])
         await asyncio.gather(*applies)
-        assert len(hits) >= 1 and now["done"] >= 30  # (and any check the apply script runs)
+        assert len(hits) >= 1 and count.done >= 30  # (and any check the apply script runs)
         if bound:
-            assert now["most"] == 1
+            assert count.most == 1
             # Answered before half of the applies sent ahead of it were.
-            assert match_done_at and match_done_at[0] < 15
+            assert count.probe_done_at and count.probe_done_at[0] < 15
         else:
-            assert now["most"] > 1
+            assert count.most > 1
     finally:
         await idx.close()
 
@@ -143,28 +159,14 @@ async def test_a_cluster_replica_bounds_its_writes_in_flight_by_default(
     from indexer.model import EventBatch
     from indexer.redis.backend import DEFAULT_CLUSTER_WRITES_IN_FLIGHT
 
-    real = RedisCluster.execute_command
-    names: dict[Any, str] = {}
-    now = {"apply": 0, "most": 0}
-
-    async def counting(self: Any, *args: Any, **kw: Any) -> Any:
-        if not (args and args[0] == "EVALSHA" and names.get(args[1]) == "capply"):
-            return await real(self, *args, **kw)
-        now["apply"] += 1
-        now["most"] = max(now["most"], now["apply"])
-        try:
-            return await real(self, *args, **kw)
-        finally:
-            now["apply"] -= 1
-
-    monkeypatch.setattr(RedisCluster, "execute_command", counting)
+    count = _ScriptsInFlight(monkeypatch, RedisCluster, "capply")
     idx = RedisIndex(
         redis_cluster.url,
         prefix=f"wc{uuid.uuid4().hex[:8]}",
         cluster=True,
         max_writes_in_flight=bound,
     )
-    names.update({s.sha: s.name for s in idx._scripts.values()})
+    count.learn(idx)
     try:
         ids, stored = await _engines(idx, 30, 200)
         keys = stored.block_keys
@@ -174,9 +176,9 @@ async def test_a_cluster_replica_bounds_its_writes_in_flight_by_default(
         assert len(hits) == 30
         if bound is None:
             assert idx.max_writes_in_flight == DEFAULT_CLUSTER_WRITES_IN_FLIGHT
-            assert now["most"] == DEFAULT_CLUSTER_WRITES_IN_FLIGHT
+            assert count.most == DEFAULT_CLUSTER_WRITES_IN_FLIGHT
         else:
-            assert now["most"] > DEFAULT_CLUSTER_WRITES_IN_FLIGHT
+            assert count.most > DEFAULT_CLUSTER_WRITES_IN_FLIGHT
     finally:
         await idx.close()
 

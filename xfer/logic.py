@@ -1115,7 +1115,7 @@ class XferLogic:
                 continue
             now = time.monotonic()
             self.metrics.post_seconds.inc(now - submit)
-            self.metrics.posted_bytes.inc(sum(n for _, _, n in runs))
+            self.metrics.posted_bytes.inc(sum(n for _, n in chunks))
             self.metrics.descriptors.observe(len(runs))
             observe = self.metrics.stage_submit.observe
             for _ in chunks:  # each chunk observes the write carrying it

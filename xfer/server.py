@@ -96,21 +96,22 @@ POLL_DEADLINE_MARGIN_S = 0.05
 _STATUS_VALUES = frozenset(int(s) for s in RoomStatus)
 
 
-def _moved(states: list[RoomState], known: list[RoomStatus] | None) -> bool:
-    """Whether a waiting PollRooms answers now: a room is gone, or differs from
-    ``known``, or, without ``known``, is terminal."""
-    if known is None:
-        return any(not s.found or s.status in TERMINAL for s in states)
-    return any(not s.found or s.status != k for s, k in zip(states, known, strict=True))
+def _moved(states: list[RoomState], base: list[RoomStatus], terminal: bool) -> bool:
+    """Whether a waiting PollRooms answers now: a room is gone, or its status is not
+    ``base``'s, or (``terminal``: the caller gave no known statuses) is terminal."""
+    return any(
+        not s.found or s.status != b or (terminal and s.status in TERMINAL)
+        for s, b in zip(states, base, strict=True)
+    )
 
 
 async def _wait_rooms(
     logic: XferLogic, rooms: list[int], known: list[RoomStatus] | None, wait_s: float
 ) -> list[RoomState]:
-    """The states of ``rooms`` once :func:`_moved` (without ``known``: or once one
-    changes status) or after ``wait_s``. The logic's threads wake this loop
-    through :meth:`XferLogic.watch_rooms`; each wake is followed by a fresh read,
-    so a change between two reads is never lost."""
+    """The states of ``rooms`` once :func:`_moved` against ``known`` (without it:
+    against their statuses when the watch began) or after ``wait_s``. The logic's
+    threads wake this loop through :meth:`XferLogic.watch_rooms`; each wake is
+    followed by a fresh read, so a change between two reads is never lost."""
     loop = asyncio.get_running_loop()
     woke = asyncio.Event()
 
@@ -123,9 +124,7 @@ async def _wait_rooms(
     try:
         base = known if known is not None else [s.status for s in states]
         until = loop.time() + wait_s
-        while not _moved(states, known):
-            if known is None and any(s.status != b for s, b in zip(states, base, strict=True)):
-                break
+        while not _moved(states, base, known is None):
             left = until - loop.time()
             if left <= 0:
                 break

@@ -6,11 +6,13 @@ nothing. Work of that kind calls :meth:`Pacer.pace` between its pieces, and
 every piece of one event loop draws on one budget (:func:`loop_pacer`): the
 ZMQ subscribers (between batches, and between the events of one batch as it
 is decoded: indexer/kvevents/decode.py, ``decode_batch_paced``), the memory
-backend's apply of a long batch (indexer/memory.py). Once the budget is
-spent, that work waits one whole loop turn, in which gRPC calls and health
-probes run. The Matches of one MatchStream message that the memory backend
-answers inline (indexer/server.py) pace the same way on a budget of their
-own (:func:`call_pacer`): calls give way to calls, and event work to them.
+backend's apply of a long batch (indexer/memory.py); a batch's decoding
+and its apply are two pieces whatever the backend. Once the budget is spent,
+that work waits :data:`FREE_TURNS` whole loop turns, in which gRPC calls and
+health probes run. The Matches of one MatchStream message that the memory
+backend answers inline (indexer/server.py) pace the same way on a budget of
+their own (:func:`call_pacer`, one free turn): calls give way to calls, and
+event work to them.
 """
 
 from __future__ import annotations
@@ -34,19 +36,35 @@ _T = TypeVar("_T")
 #: waiting subscriber that much more often.
 YIELD_EVERY_S = 0.002
 
+#: Loop turns without event work once a budget is spent. One is not enough
+#: for unary calls: grpc.aio takes new calls one at a time, each a completion
+#: event and then a step of its accepting task, two turns at least. With one
+#: free turn per budget, a replica whose core is shared (with its Redis, with
+#: other pods) took in fewer calls a second than a router's 100 Matches, and
+#: they queued for seconds: ``kvmesh bench peer --block-size 512 --backend
+#: redis --pin``, Match p99 during ingest 0.65 to 1.4 s with one, 47 ms with
+#: four, 24 to 29 with eight or sixteen (one run each, a Redis apply's
+#: encoding then paced apart too), ingest the same within the runs' spread.
+#: A turn with nothing else to run costs a few microseconds.
+FREE_TURNS = 8
+
 
 class Pacer:
     """Makes the event work of one event loop give way every ``budget_s`` of it.
 
     The budget is shared: once it is spent, every caller of :meth:`pace`
-    waits at a gate that opens one whole loop turn later, so that turn (an
-    I/O poll and every callback it readied: gRPC calls, health probes) runs
-    without event work, whatever the number of callers. The gate opening
-    starts a new budget.
+    waits at a gate that opens ``free_turns`` whole loop turns later, so those
+    turns (an I/O poll each and every callback it readied: gRPC calls, health
+    probes) run without event work, whatever the number of callers. The gate
+    opening starts a new budget.
     """
 
-    def __init__(self, budget_s: float = YIELD_EVERY_S) -> None:
+    def __init__(self, budget_s: float = YIELD_EVERY_S, free_turns: int = FREE_TURNS) -> None:
+        if free_turns < 1:
+            raise ValueError(f"free_turns must be >= 1, got {free_turns}")
         self.budget_s = budget_s
+        #: Loop turns the gate stays shut once the budget is spent.
+        self.free_turns = free_turns
         #: When the current budget started; None: since the gate opened, no
         #: caller has gone on (the next one starts a fresh budget).
         self._start: float | None = None
@@ -73,9 +91,16 @@ class Pacer:
                 # Waiting on a future, not in the ready queue: the next turn is
                 # the loop's alone. (Yielding with sleep(0) instead keeps every
                 # waiting caller ready, and gRPC then barely moves.)
-                loop.call_soon(self._open)
+                loop.call_soon(self._turn, loop, self.free_turns)
             # Shielded: a caller cancelled while waiting leaves the gate to the rest.
             await asyncio.shield(gate)
+
+    def _turn(self, loop: asyncio.AbstractEventLoop, left: int) -> None:
+        """One free turn has passed: open the gate after the last."""
+        if left > 1:
+            loop.call_soon(self._turn, loop, left - 1)
+        else:
+            self._open()
 
     def _open(self) -> None:
         gate, self._gate = self._gate, None
@@ -110,13 +135,19 @@ _CALL_PACERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer] = (
 )
 
 
+def _call_pacer() -> Pacer:
+    return Pacer(free_turns=1)
+
+
 def call_pacer() -> Pacer:
     """The budget of call work that runs inline on the running loop (the
     memory backend's Matches of a MatchStream message): its own, apart from
     event work's, so that such Matches give way to other calls between two of
-    them but never wait at event work's gate (two loop turns each time it is
-    shut, and a turn of ingest lasts up to the longest piece of event work)."""
-    return _of_loop(_CALL_PACERS, Pacer)
+    them but never wait at event work's gate (:data:`FREE_TURNS` loop turns
+    and more each time it is shut, and a turn of ingest lasts up to the
+    longest piece of event work). Its own gate opens after one turn: the
+    calls it lets by need no more."""
+    return _of_loop(_CALL_PACERS, _call_pacer)
 
 
 def loop_turns() -> asyncio.Lock:

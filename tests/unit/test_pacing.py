@@ -6,7 +6,9 @@ import asyncio
 import itertools
 import time
 
-from indexer.pacing import Pacer, loop_pacer
+import pytest
+
+from indexer.pacing import FREE_TURNS, Pacer, call_pacer, loop_pacer
 
 
 def burn(seconds: float) -> None:
@@ -17,7 +19,7 @@ def burn(seconds: float) -> None:
 
 async def test_each_gate_lets_one_budget_of_work_through() -> None:
     """However many workers wait, a loop turn of its own comes after each budget."""
-    pacer = Pacer(0.0)  # every piece spends the budget
+    pacer = Pacer(0.0, free_turns=1)  # every piece spends the budget
     pieces: list[str] = []
     stop = False
 
@@ -44,7 +46,7 @@ async def test_each_gate_lets_one_budget_of_work_through() -> None:
 
 async def test_work_gets_on_when_other_callbacks_outlast_the_budget() -> None:
     """A budget charged from the gate's opening would starve event work behind busy turns."""
-    pacer = Pacer(0.001)
+    pacer = Pacer(0.001, free_turns=1)
     done = 0
     busy = True
 
@@ -70,3 +72,40 @@ async def test_work_gets_on_when_other_callbacks_outlast_the_budget() -> None:
 
 async def test_the_loop_has_one_pacer() -> None:
     assert loop_pacer() is loop_pacer()
+
+
+@pytest.mark.parametrize("free_turns", [1, 3, FREE_TURNS])
+async def test_the_gate_stays_shut_for_its_free_turns(free_turns: int) -> None:
+    """After each budget, ``free_turns`` loop turns go by without event work, and no more."""
+    pacer = Pacer(0.0, free_turns=free_turns)
+    pieces: list[str] = []
+    stop = False
+
+    async def worker(name: str) -> None:
+        while not stop:
+            await pacer.pace()
+            pieces.append(name)
+
+    async def other() -> None:
+        nonlocal stop
+        for _ in range(20 * free_turns + 20):
+            await asyncio.sleep(0)
+            pieces.append("turn")
+        stop = True
+
+    await asyncio.gather(*(worker(f"w{i}") for i in range(4)), other())
+    last_turn = len(pieces) - 1 - pieces[::-1].index("turn")
+    work = [i for i, p in enumerate(pieces[:last_turn]) if p != "turn"]
+    between = [b - a - 1 for a, b in itertools.pairwise(work)]
+    assert len(between) >= 10, pieces
+    # (Waking the gate's waiters takes two turns of its own: a shielded future.)
+    assert min(between) >= free_turns, between
+    assert max(between) <= free_turns + 2, between
+
+
+async def test_pacers_free_turns() -> None:
+    """Event work leaves the loop its free turns; a stream's inline Matches, one."""
+    assert loop_pacer().free_turns == FREE_TURNS > 1
+    assert call_pacer().free_turns == 1
+    with pytest.raises(ValueError, match="free_turns"):
+        Pacer(free_turns=0)

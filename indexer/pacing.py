@@ -88,9 +88,10 @@ class Pacer:
                     return
                 loop = asyncio.get_running_loop()
                 gate = self._gate = loop.create_future()
-                # Waiting on a future, not in the ready queue: the next turn is
-                # the loop's alone. (Yielding with sleep(0) instead keeps every
-                # waiting caller ready, and gRPC then barely moves.)
+                # Waiting on a future, not in the ready queue: the next
+                # free_turns turns are the loop's alone. (Yielding with sleep(0)
+                # instead keeps every waiting caller ready, and gRPC then
+                # barely moves.)
                 loop.call_soon(self._turn, loop, self.free_turns)
             # Shielded: a caller cancelled while waiting leaves the gate to the rest.
             await asyncio.shield(gate)

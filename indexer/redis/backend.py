@@ -1467,7 +1467,9 @@ class RedisIndex(Index):
 
         def done(t: asyncio.Task[None]) -> None:
             self._reading = None
-            if t.cancelled():
+            if fut.done():
+                pass
+            elif t.cancelled():
                 fut.cancel()
             elif (exc := t.exception()) is not None:
                 fut.set_exception(exc)

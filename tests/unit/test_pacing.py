@@ -17,9 +17,10 @@ def burn(seconds: float) -> None:
         pass
 
 
-async def test_each_gate_lets_one_budget_of_work_through() -> None:
-    """However many workers wait, a loop turn of its own comes after each budget."""
-    pacer = Pacer(0.0, free_turns=1)  # every piece spends the budget
+async def _interleave(pacer: Pacer, workers: int, turns: int, piece_s: float = 0.0) -> list[str]:
+    """What ran, in order: ``workers`` paced workers' pieces (their names) and
+    ``turns`` callbacks of another task, one per loop turn (``"turn"``), as a
+    gRPC call's are."""
     pieces: list[str] = []
     stop = False
 
@@ -27,17 +28,23 @@ async def test_each_gate_lets_one_budget_of_work_through() -> None:
         while not stop:
             await pacer.pace()
             pieces.append(name)
-            burn(0.0002)
+            burn(piece_s)
 
     async def other() -> None:
-        # What a gRPC call does: one callback per loop turn.
         nonlocal stop
-        for _ in range(50):
+        for _ in range(turns):
             await asyncio.sleep(0)
             pieces.append("turn")
         stop = True
 
-    await asyncio.gather(*(worker(f"w{i}") for i in range(16)), other())
+    await asyncio.gather(*(worker(f"w{i}") for i in range(workers)), other())
+    return pieces
+
+
+async def test_each_gate_lets_one_budget_of_work_through() -> None:
+    """However many workers wait, a loop turn of its own comes after each budget."""
+    # Every piece spends the budget.
+    pieces = await _interleave(Pacer(0.0, free_turns=1), 16, 50, piece_s=0.0002)
     turns = [i for i, p in enumerate(pieces) if p == "turn"]
     between = [b - a - 1 for a, b in itertools.pairwise(turns)]
     assert max(between) <= 1, between  # never the 16 workers' pieces in one turn
@@ -77,23 +84,7 @@ async def test_the_loop_has_one_pacer() -> None:
 @pytest.mark.parametrize("free_turns", [1, 3, FREE_TURNS])
 async def test_the_gate_stays_shut_for_its_free_turns(free_turns: int) -> None:
     """After each budget, ``free_turns`` loop turns go by without event work, and no more."""
-    pacer = Pacer(0.0, free_turns=free_turns)
-    pieces: list[str] = []
-    stop = False
-
-    async def worker(name: str) -> None:
-        while not stop:
-            await pacer.pace()
-            pieces.append(name)
-
-    async def other() -> None:
-        nonlocal stop
-        for _ in range(20 * free_turns + 20):
-            await asyncio.sleep(0)
-            pieces.append("turn")
-        stop = True
-
-    await asyncio.gather(*(worker(f"w{i}") for i in range(4)), other())
+    pieces = await _interleave(Pacer(0.0, free_turns=free_turns), 4, 20 * free_turns + 20)
     last_turn = len(pieces) - 1 - pieces[::-1].index("turn")
     work = [i for i, p in enumerate(pieces[:last_turn]) if p != "turn"]
     between = [b - a - 1 for a, b in itertools.pairwise(work)]

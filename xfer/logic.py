@@ -390,6 +390,11 @@ class XferLogic:
         self.transport = transport
         self.metrics = metrics or XferMetrics()
         self._rooms: dict[int, Room] = {}
+        #: Rooms not finished (neither Success nor Failed). Decode: the
+        #: transport polls for notifications (its prefill's writes landing) at
+        #: full pace only while there are some. Prefill is never notified (its
+        #: writes' states are polled by its workers, a prefetch's by its puller).
+        self._unfinished = 0
         self._lock = threading.Lock()
         #: Notified whenever a room changes state or goes (writes held for a room's
         #: Bootstrap answer wait on it).
@@ -459,7 +464,17 @@ class XferLogic:
             r.trace_context = inject_context(r.span)
         self._rooms[room] = r
         self.metrics.rooms.labels(status.name.lower()).inc()
+        if status not in TERMINAL:
+            self._count_unfinished(1)
         return r
+
+    def _count_unfinished(self, delta: int) -> None:
+        """Lock held: one room more (``delta`` 1) or less unfinished; the
+        transport hears when the first starts and the last ends."""
+        before = self._unfinished
+        self._unfinished = before + delta
+        if (before == 0) != (self._unfinished == 0) and self.role == "decode":
+            self.transport.set_expecting(self._unfinished > 0)
 
     def _set(self, r: Room, status: RoomStatus, reason: str = "") -> bool:
         """Move ``r`` to ``status`` if that is forward (or Failed from non-terminal)."""
@@ -476,6 +491,7 @@ class XferLogic:
             r.reason = reason
             log.info("room %d failed: %s", r.room, reason)
         if status in TERMINAL:
+            self._count_unfinished(-1)
             m.rooms_finished.labels(status.name.lower()).inc()
             if status == RoomStatus.SUCCESS and r.first_send is not None:
                 m.transfer_seconds.observe(time.monotonic() - r.first_send)
@@ -568,6 +584,8 @@ class XferLogic:
     def _forget(self, r: Room) -> None:
         """Bookkeeping of a room just removed from the table (lock held)."""
         self.metrics.rooms.labels(r.status.name.lower()).dec()
+        if r.status not in TERMINAL:
+            self._count_unfinished(-1)
         if r.quota_key:
             self._quota.release(r.quota_key, r.room)
         self._changed.notify_all()

@@ -4,6 +4,7 @@ a prefill and a decode transfer sidecar in threads of the test process (TCP back
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ from indexer.server import IndexerServer, start_server
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from lab.bench.xfer_procs import ThreadedSidecar
+from xfer.client import XferClient
 from xfer.config import PoolSettings, XferConfig
+from xfer.logic import RoomStatus
 
 MODEL = "test/model"
 BLOCK = 4  # small blocks keep token lists short
@@ -172,6 +175,14 @@ def xfer_config(role: str, path: Path, **kw: Any) -> XferConfig:
         create=True,
     )
     return XferConfig(role=role, port=0, metrics_port=0, transport="tcp", pool=pool, **kw)  # type: ignore[arg-type]
+
+
+def room_until(dc: XferClient, room: int, status: RoomStatus, within: float = 10.0) -> None:
+    """Poll ``room`` until it reaches ``status``; fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while dc.poll(room)[0] != status:
+        assert time.monotonic() < deadline, f"room {room} never reached {status.name}"
+        time.sleep(0.005)
 
 
 @pytest.fixture

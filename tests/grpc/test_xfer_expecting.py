@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from lab.bench.xfer_procs import ThreadedSidecar
+from tests.grpc.conftest import room_until
 from xfer.client import XferClient
 from xfer.logic import RoomStatus
 
@@ -19,13 +20,6 @@ from xfer.logic import RoomStatus
 def _expecting(side: ThreadedSidecar) -> bool:
     assert side.server is not None
     return side.server.transport.expecting
-
-
-def _until(dc: XferClient, room: int, status: RoomStatus, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while dc.poll(room)[0] != status:
-        assert time.monotonic() < deadline, f"room {room} never reached {status.name}"
-        time.sleep(0.005)
 
 
 def test_expecting_follows_the_unfinished_rooms(
@@ -38,10 +32,10 @@ def test_expecting_follows_the_unfinished_rooms(
         dc.register_room(2, p.address, [3], 0)
         assert _expecting(d)  # from the room's creation, before any write
         for room in (1, 2):
-            _until(dc, room, RoomStatus.WAITING_FOR_INPUT)
+            room_until(dc, room, RoomStatus.WAITING_FOR_INPUT)
         assert not _expecting(p)  # rooms on prefill too, but it is never notified
         pc.add_transfer_request(2, [5], (0, 1), True, 1, 0)
-        _until(dc, 2, RoomStatus.SUCCESS)
+        room_until(dc, 2, RoomStatus.SUCCESS)
         assert _expecting(d)  # room 1 is still unfinished
         dc.clear(1)  # an unfinished room cleared (decode aborts it on prefill)
         deadline = time.monotonic() + 10

@@ -19,20 +19,13 @@ from kvmesh.api.xfer.v1 import xfer_pb2 as pb
 from kvmesh.api.xfer.v1 import xfer_pb2_grpc as pb_grpc
 from kvmesh.errors import InvalidArgument
 from lab.bench.xfer_procs import ThreadedSidecar
-from tests.grpc.conftest import XFER_AUX, XFER_PAGE
+from tests.grpc.conftest import XFER_AUX, XFER_PAGE, room_until
 from xfer.client import XferClient
 from xfer.logic import RoomStatus
 from xfer.server import MAX_POLL_ROOMS, MAX_POLL_WAIT_MS
 
 #: A wait no test should sit out (s): a change must end it long before.
 LONG_WAIT_S = 20.0
-
-
-def _until(dc: XferClient, room: int, status: RoomStatus, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while dc.poll(room)[0] != status:
-        assert time.monotonic() < deadline, f"room {room} never reached {status.name}"
-        time.sleep(0.005)
 
 
 def _watchers(side: ThreadedSidecar) -> dict[int, Any]:
@@ -47,9 +40,9 @@ def test_rooms_are_answered_in_order_and_unknown_ones_as_not_found(
     with XferClient(p.address) as pc, XferClient(d.address) as dc:
         dc.register_room(1, p.address, [1, 2], 0)
         dc.register_room(2, p.address, [3], 0)
-        _until(dc, 2, RoomStatus.WAITING_FOR_INPUT)
+        room_until(dc, 2, RoomStatus.WAITING_FOR_INPUT)
         pc.add_transfer_request(2, [5], (0, 1), True, 1, 0)
-        _until(dc, 2, RoomStatus.SUCCESS)
+        room_until(dc, 2, RoomStatus.SUCCESS)
         got = dc.poll_rooms([2, 99, 1])
         assert [s.room for s in got] == [2, 99, 1]
         assert [s.found for s in got] == [True, False, True]
@@ -70,7 +63,7 @@ def test_a_wait_ends_when_a_room_finishes(
         dc.register_room(3, p.address, [1, 2], 0)
         dc.register_room(4, p.address, [3, 4], 1)
         for room in (3, 4):
-            _until(dc, room, RoomStatus.WAITING_FOR_INPUT)
+            room_until(dc, room, RoomStatus.WAITING_FOR_INPUT)
         t0 = time.monotonic()
         waiting = pool.submit(dc.poll_rooms, [3, 4], LONG_WAIT_S)
         time.sleep(0.3)
@@ -95,7 +88,7 @@ def test_a_wait_with_known_statuses_ends_only_on_a_difference(
         concurrent.futures.ThreadPoolExecutor(1) as pool,
     ):
         dc.register_room(5, p.address, [1], 0)
-        _until(dc, 5, RoomStatus.WAITING_FOR_INPUT)
+        room_until(dc, 5, RoomStatus.WAITING_FOR_INPUT)
         # Known as BOOTSTRAPPING: it already differs, so the answer is at once.
         t0 = time.monotonic()
         got = dc.poll_rooms([5], LONG_WAIT_S, known=[RoomStatus.BOOTSTRAPPING])
@@ -108,7 +101,7 @@ def test_a_wait_with_known_statuses_ends_only_on_a_difference(
         pc.add_transfer_request(5, [9], (0, 1), True, 0, 0)
         assert waiting.result(timeout=LONG_WAIT_S)[0].status != RoomStatus.WAITING_FOR_INPUT
         assert time.monotonic() - t0 < LONG_WAIT_S / 2
-        _until(dc, 5, RoomStatus.SUCCESS)
+        room_until(dc, 5, RoomStatus.SUCCESS)
         # Without `known`, a finished room answers at once.
         t0 = time.monotonic()
         assert dc.poll_rooms([5], LONG_WAIT_S)[0].status == RoomStatus.SUCCESS
@@ -122,7 +115,7 @@ def test_a_cleared_room_ends_a_wait_and_an_idle_wait_runs_out(
     p, d = sidecars
     with XferClient(d.address) as dc, concurrent.futures.ThreadPoolExecutor(1) as pool:
         dc.register_room(6, p.address, [1], 0)
-        _until(dc, 6, RoomStatus.WAITING_FOR_INPUT)
+        room_until(dc, 6, RoomStatus.WAITING_FOR_INPUT)
         t0 = time.monotonic()
         got = dc.poll_rooms([6], 0.4)
         waited = time.monotonic() - t0
@@ -144,7 +137,7 @@ def test_a_wait_answers_before_the_call_deadline_and_a_cancelled_one_leaves_no_w
     p, d = sidecars
     with XferClient(d.address) as dc, grpc.insecure_channel(d.address) as ch:
         dc.register_room(7, p.address, [1], 0)
-        _until(dc, 7, RoomStatus.WAITING_FOR_INPUT)
+        room_until(dc, 7, RoomStatus.WAITING_FOR_INPUT)
         stub = pb_grpc.XferServiceStub(ch)
         req = pb.PollRoomsRequest(rooms=[7], wait_ms=MAX_POLL_WAIT_MS)
         t0 = time.monotonic()

@@ -1433,6 +1433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"end, 500 k random dict lookups {mem[0]} and {mem[-1]} ms (cpu_calibration_ms, "
         "memory_calibration_ms: compare runs whose figures agree)"
     )
+    if not params.pin and params.probe and (os.cpu_count() or 1) > 1:
+        print(
+            "machine: each indexer shares the CPUs with the publishers (a thread per "
+            "engine): its figures during ingest include the CPU they take from it; "
+            "--pin gives the indexer under test a CPU of its own"
+        )
     for note in _notes(run_params):
         print(note)
     if json_path:

@@ -167,12 +167,35 @@ if m > 0 then
 end
 local i = 3
 while m > 0 and i <= n do
+  if m == 1 then
+    -- One candidate left (a conversation's own blocks, most of a long
+    -- prompt): an HGET of its id per block, no tables made per block. The
+    -- general step below cost about three times as much a block.
+    local id, c = ids[1], cnt[1]
+    while i <= n do
+      local key = string.sub(blob, 8 * i - 7, 8 * i)
+      local v = redis.call('HGET', (i <= na and sp or dp) .. key, id)
+      if not v and up then
+        v = redis.call('HGET', up .. key, id)
+      end
+      if not v then
+        break
+      end
+      local f = FAST[tonumber(v)]
+      c[f] = c[f] + 1
+      i = i + 1
+    end
+    emit(id, c)
+    return out
+  end
   local bk = (i <= na and sp or dp) .. string.sub(blob, 8 * i - 7, 8 * i)
   local vals
-  if m <= 256 then
+  if m <= 8 then
     vals = redis.call('HMGET', bk, unpack(ids, 1, m))
   else
-    -- Many candidates: one HGETALL beats a huge HMGET (and unpack's stack limit).
+    -- More candidates: one HGETALL beats an HMGET naming them all (a field
+    -- named is a walk of the listpack: 64 named in a block of 64 holders
+    -- took 25 us, its HGETALL 9).
     local all, map = redis.call('HGETALL', bk), {}
     for j = 1, #all, 2 do
       map[all[j]] = all[j + 1]

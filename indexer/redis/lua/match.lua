@@ -169,8 +169,7 @@ local i = 3
 while m > 0 and i <= n do
   if m == 1 then
     -- One candidate left (a conversation's own blocks, most of a long
-    -- prompt): an HGET of its id per block, no tables made per block. The
-    -- general step below cost about three times as much a block.
+    -- prompt): an HGET of its id per block, no tables made per block.
     local id, c = ids[1], cnt[1]
     while i <= n do
       local key = string.sub(blob, 8 * i - 7, 8 * i)

@@ -6,6 +6,8 @@ local FIELDS = {'id', 'w', 'r', 'm', 'a', 'ttl', 'inc', 'exp', 'seq', 'st', 'n'}
 local POP = {[0] = 0, 1, 1, 2, 1, 2, 2, 3}
 -- tier (1 gpu, 2 cpu, 3 disk) holding the fastest copy, for masks 1..7
 local FAST = {1, 2, 1, 3, 1, 2, 1}
+-- the same by the mask as a reply gives it (a digit string): no tonumber a block
+local FASTS = {['1'] = 1, ['2'] = 2, ['3'] = 1, ['4'] = 3, ['5'] = 1, ['6'] = 2, ['7'] = 1}
 
 -- New generation when this script bumped it (reported to the caller in cluster mode).
 local bumped = false

@@ -156,9 +156,9 @@ if m > 0 then
       k = k + 1
       nids[k] = ids[j]
       local c = {0, 0, 0}
-      local f0 = FAST[tonumber(masks[j])]
+      local f0 = FASTS[masks[j]]
       c[f0] = 1
-      local f1 = FAST[tonumber(v)]
+      local f1 = FASTS[v]
       c[f1] = c[f1] + 1
       cnt[k] = c
     end
@@ -180,7 +180,7 @@ while m > 0 and i <= n do
       if not v then
         break
       end
-      local f = FAST[tonumber(v)]
+      local f = FASTS[v]
       c[f] = c[f] + 1
       i = i + 1
     end
@@ -214,7 +214,7 @@ while m > 0 and i <= n do
     if v then
       k2 = k2 + 1
       nids[k2] = ids[j]
-      local f = FAST[tonumber(v)]
+      local f = FASTS[v]
       c[f] = c[f] + 1
       ncnt[k2] = c
     else

@@ -207,21 +207,23 @@ while m > 0 and i <= n do
   if up then
     unplaced(vals, string.sub(blob, 8 * i - 7, 8 * i), ids, m)
   end
-  local nids, ncnt, k2 = {}, {}, 0
+  -- The candidates holding the block move up in place (the first m of ids
+  -- and cnt count; no table made a block but the reply's).
+  local k2 = 0
   for j = 1, m do
     local v = vals[j]
     local c = cnt[j]
     if v then
       k2 = k2 + 1
-      nids[k2] = ids[j]
+      ids[k2] = ids[j]
       local f = FASTS[v]
       c[f] = c[f] + 1
-      ncnt[k2] = c
+      cnt[k2] = c
     else
       emit(ids[j], c)
     end
   end
-  ids, cnt, m = nids, ncnt, k2
+  m = k2
   i = i + 1
 end
 for j = 1, m do

@@ -169,7 +169,9 @@ class BlockStored:
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    #: A tuple as decoded; ``array('I')`` once the service checked the ids
+    #: (IndexerLogic._validate_stored), so that the key chaining takes their bytes.
+    token_ids: Sequence[int] = ()
     block_size: int = 0
     lora_name: str = ""
     tier: Tier = Tier.GPU

@@ -309,30 +309,48 @@ def decode_event(raw: Any, *, engine_hash_keys: bool = False) -> Event:
     raise MalformedEvent(f"unknown event type {tag!r}")
 
 
-#: A batch's top level and its events list, each item left encoded
-#: (``msgspec.Raw``, a view of the payload): :func:`decode_batch_paced`
-#: decodes the events one at a time.
-_split_top = msgspec.msgpack.Decoder(dict[str, msgspec.Raw] | list[msgspec.Raw]).decode
-_split_list = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
+class _MapBatch(msgspec.Struct):
+    """A batch in map form, its events left encoded (``msgspec.Raw``, views of
+    the payload). UNSET: the key is absent (a rank of nil is not absent)."""
+
+    events: list[msgspec.Raw]
+    ts: Any = None
+    data_parallel_rank: Any = msgspec.UNSET
+    attn_dp_rank: Any = msgspec.UNSET
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True):
+    """A batch in array form, ``[ts, events]`` or ``[ts, events, rank]``."""
+
+    ts: Any
+    events: list[msgspec.Raw]
+    rank: Any = None
+
+
+#: Each reads the batch's top level in one pass over the payload: its events
+#: are skipped once, not once as the top level's value and again as a list
+#: (1.5-1.9 ms against 0.76 ms for a 400 KB batch of 512-token blocks, where
+#: unpacking its events takes 4 ms).
+_split_map = msgspec.msgpack.Decoder(_MapBatch).decode
+_split_array = msgspec.msgpack.Decoder(_ArrayBatch).decode
 
 
 def _split_batch(payload: bytes) -> tuple[float, int | None, list[msgspec.Raw]] | None:
     """``(ts, rank, encoded events)`` of a well-formed batch with string keys;
     None for anything else (:func:`decode_batch` then judges it)."""
+    if not payload:
+        return None
+    first = payload[0]
     try:
-        top = _split_top(payload)
-        if isinstance(top, dict):
-            ts_r, ev_r = top.get("ts"), top.get("events")
-            rank_r = top.get("data_parallel_rank", top.get("attn_dp_rank"))
-        elif len(top) >= 2:
-            ts_r, ev_r = top[0], top[1]
-            rank_r = top[2] if len(top) > 2 else None
+        if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):  # a map
+            m = _split_map(payload)
+            ts, events = m.ts, m.events
+            rank = m.data_parallel_rank
+            if rank is msgspec.UNSET:
+                rank = None if m.attn_dp_rank is msgspec.UNSET else m.attn_dp_rank
         else:
-            return None
-        if ts_r is None or ev_r is None:
-            return None
-        ts, events = _unpack(ts_r), _split_list(ev_r)
-        rank = _unpack(rank_r) if rank_r is not None else None
+            a = _split_array(payload)
+            ts, events, rank = a.ts, a.events, a.rank
     except Exception:  # not the shape this path reads: decode_batch says why
         return None
     if isinstance(ts, bool) or not isinstance(ts, int | float):

@@ -85,6 +85,9 @@ PAYLOADS = [
     msgpack.packb([1.0, [], 0]),
     msgpack.packb({"ts": 1.0, "events": []}),
     msgpack.packb({1: 2, "ts": 1.0, "events": EVENTS}),  # a key that is not a string
+    # a rank of nil is the rank, not a reason to read attn_dp_rank
+    msgpack.packb({"ts": 1, "events": EVENTS[:2], "data_parallel_rank": None, "attn_dp_rank": 2}),
+    msgpack.packb([1.0, EVENTS[:2], 1, "more"]),  # an array form with a fourth item
     # frames that are not batches
     b"\xc1",
     msgpack.packb(5),

@@ -494,25 +494,38 @@ def run_mode(
     return out
 
 
-def _raw_target(path: str, geo: PoolGeometry, kind: str, conn: Any) -> None:
+def _raw_target(path: str, geo: PoolGeometry, kind: str, conn: Any, expecting: bool) -> None:
     pool = KVPool.attach(path, geo)
     tr = make_transport(kind, pool)
     got: list[bytes] = []
     tr.set_notif_handler(lambda peer, tag: got.append(tag))
+    # As a decode sidecar with a room unfinished: a resting poller (NIXL's
+    # IDLE_POLL_S) leaves a large write waiting for the receiver's progress,
+    # about 45 ms a post, which is no limit of the transport.
+    tr.set_expecting(expecting)
     tr.start()
     conn.send((tr.name, tr.metadata()))
     conn.recv()  # until the initiator is done
     tr.close()
 
 
-def raw_gbps(p: BenchParams, pools: _Pools) -> tuple[float, float]:
+def raw_gbps(
+    p: BenchParams,
+    pools: _Pools,
+    *,
+    target_expecting: bool = True,
+    post_s: list[float] | None = None,
+) -> tuple[float, float]:
     """The transport alone, to another process, each batch one post: R large writes
     (one descriptor per room's bytes), then the runs of a planned batch (fragmented
-    as the sidecar's rooms are, one descriptor per run); GB/s of each."""
+    as the sidecar's rooms are, one descriptor per run); GB/s of each. The receiver
+    polls as a decode sidecar does while a room is unfinished (``target_expecting``
+    False: it rests, as an idle one does). ``post_s`` gets each timed post's seconds."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=_raw_target, args=(pools.decode.path, pools.geometry, p.transport, child)
+        target=_raw_target,
+        args=(pools.decode.path, pools.geometry, p.transport, child, target_expecting),
     )
     proc.start()
     tr: Transport = make_transport(p.transport, pools.prefill, nixl_threads=p.nixl_threads)
@@ -524,15 +537,25 @@ def raw_gbps(p: BenchParams, pools: _Pools) -> tuple[float, float]:
         large = [(i * room_bytes, i * room_bytes, room_bytes) for i in range(p.rooms)]
         plan = _plan(p, pools.geometry, random.Random(p.seed), 0)
         runs = [r for room in plan for r in byte_runs(merge_runs(room.src, room.dst), p.page_size)]
-        return _raw_rate(tr, name, large, p.iters), _raw_rate(tr, name, runs, p.iters)
+        return (
+            _raw_rate(tr, name, large, p.iters, post_s),
+            _raw_rate(tr, name, runs, p.iters, post_s),
+        )
     finally:
         parent.send("done")
         proc.join(timeout=10)
         tr.close()
 
 
-def _raw_rate(tr: Transport, peer: str, runs: list[tuple[int, int, int]], iters: int) -> float:
-    """GB/s of posting ``runs`` as one write, ``iters`` times after a warm-up."""
+def _raw_rate(
+    tr: Transport,
+    peer: str,
+    runs: list[tuple[int, int, int]],
+    iters: int,
+    post_s: list[float] | None = None,
+) -> float:
+    """GB/s of posting ``runs`` as one write, ``iters`` times after a warm-up
+    (each post's seconds appended to ``post_s``)."""
     nbytes = sum(n for _, _, n in runs)
     rates = []
     for it in range(iters + 1):
@@ -542,7 +565,10 @@ def _raw_rate(tr: Transport, peer: str, runs: list[tuple[int, int, int]], iters:
             raise RuntimeError("raw transfer failed")
         tr.release(h)
         if it:  # the first is the warm-up
-            rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+            took = time.perf_counter() - t
+            rates.append(nbytes / took / 1e9)
+            if post_s is not None:
+                post_s.append(took)
     return statistics.mean(rates)
 
 

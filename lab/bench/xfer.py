@@ -501,7 +501,7 @@ def _raw_target(path: str, geo: PoolGeometry, kind: str, conn: Any, expecting: b
     tr.set_notif_handler(lambda peer, tag: got.append(tag))
     # As a decode sidecar with a room unfinished: a resting poller (NIXL's
     # IDLE_POLL_S) leaves a large write waiting for the receiver's progress,
-    # about 45 ms a post, which is no limit of the transport.
+    # about 50 ms a post, which is no limit of the transport.
     tr.set_expecting(expecting)
     tr.start()
     conn.send((tr.name, tr.metadata()))

@@ -1467,9 +1467,7 @@ class RedisIndex(Index):
 
         def done(t: asyncio.Task[None]) -> None:
             self._reading = None
-            if fut.done():
-                pass
-            elif t.cancelled():
+            if t.cancelled():
                 fut.cancel()
             elif (exc := t.exception()) is not None:
                 fut.set_exception(exc)

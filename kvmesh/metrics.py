@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import Metric
 from prometheus_client.platform_collector import PlatformCollector
@@ -71,3 +71,29 @@ class ComponentRegistry(CollectorRegistry):
             kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
             kept.samples = [s for s in metric.samples if s.name != created]
             yield kept
+
+
+def observe_many(hist: Histogram, amount: float, n: int) -> None:
+    """``n`` observations of ``amount`` in ``hist`` (an unlabelled histogram or a
+    child): what ``n`` calls of ``hist.observe(amount)`` record, in one step.
+
+    A call that checks and queues 64 chunks observes each chunk's share of its
+    time: 64 ``observe`` calls cost about 110 µs here, a third of the call's own
+    work. This adds ``n`` to the one bucket and ``amount * n`` to the sum through
+    the histogram's values, as ``observe`` does once; a prometheus_client whose
+    histogram lacks those attributes gets the ``n`` calls."""
+    if n <= 0:
+        return
+    bounds = getattr(hist, "_upper_bounds", None)
+    buckets = getattr(hist, "_buckets", None)
+    total = getattr(hist, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for _ in range(n):
+            hist.observe(amount)
+        return
+    hist._raise_if_not_observable()  # type: ignore[no-untyped-call]
+    total.inc(amount * n)
+    for i, bound in enumerate(bounds):
+        if amount <= bound:
+            buckets[i].inc(n)
+            break

@@ -121,20 +121,22 @@ class AddFuture:
 
 
 def _batch(entries: Sequence[ChunkRequest]) -> pb.AddTransferRequestsRequest:
-    """The AddTransferRequests request of ``entries`` (built in place: a third cheaper
-    than building each entry and copying it in)."""
+    """The AddTransferRequests request of ``entries``, built in place (a third cheaper
+    than building each entry and copying it in) and field by field (64 one-page
+    entries: 67 µs, against 94 with keyword arguments to ``add``)."""
     req = pb.AddTransferRequestsRequest()
     add = req.requests.add
     for room, pages, (start, end), is_last, aux_index, chunk_id in entries:
-        add(
-            room=room,
-            page_indices=pages,
-            index_slice_start=start,
-            index_slice_end=end,
-            is_last=is_last,
-            aux_index=aux_index,
-            chunk_id=chunk_id,
-        )
+        m = add()
+        m.room = room
+        m.page_indices.extend(pages)
+        m.index_slice_start = start
+        m.index_slice_end = end
+        m.chunk_id = chunk_id
+        if is_last:
+            m.is_last = True
+        if aux_index:
+            m.aux_index = aux_index
     return req
 
 

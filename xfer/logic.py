@@ -64,7 +64,7 @@ from kvmesh.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvmesh.metrics import ComponentRegistry
+from kvmesh.metrics import ComponentRegistry, observe_many
 from kvmesh.tracing import inject_context, tracing_enabled
 from xfer.config import XferConfig
 from xfer.pool import KVPool, PoolGeometry
@@ -317,9 +317,9 @@ class Room:
     trace_context: tuple[tuple[str, str], ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """One queued chunk of a room."""
+class Chunk(NamedTuple):
+    """One queued chunk of a room (a named tuple: made per chunk on the submission
+    path, where a frozen dataclass's ``__init__`` cost 1.3 µs of a chunk's 5.7)."""
 
     room: int
     generation: int
@@ -758,7 +758,7 @@ class XferLogic:
             self._set(r, RoomStatus.WAITING_FOR_INPUT)
             pending, r.pending = r.pending, []
             for c in pending:
-                self._enqueue(r, dataclasses.replace(c, generation=generation, queued=now))
+                self._enqueue(r, c._replace(generation=generation, queued=now))
 
     def admit_bootstrap(self, client: str) -> None:
         """Prefill: count one Bootstrap call of peer ``client`` against its rate
@@ -837,23 +837,26 @@ class XferLogic:
     ) -> Chunk:
         """The chunk an AddTransferRequest names, once its slice, pages and aux slot
         are in range (the checks that need no room state)."""
+        # A tuple first: the checks below iterate it in C, a message's repeated
+        # field through its own iterator (1.6 µs more a chunk for min() alone).
+        pages = tuple(page_indices)
         start, end = index_slice
         if start < 0 or end < start:
             raise InvalidArgument(
                 f"bad index slice [{start}, {end})",
                 field="index_slice_start" if start < 0 else "index_slice_end",
             )
-        if end - start != len(page_indices):
+        if end - start != len(pages):
             raise InvalidArgument(
-                f"{len(page_indices)} source pages for {end - start} destination pages",
+                f"{len(pages)} source pages for {end - start} destination pages",
                 field="page_indices",
             )
-        if not page_indices and not is_last:
+        if not pages and not is_last:
             raise InvalidArgument("empty chunk", field="page_indices")
-        self.pool.check_pages(page_indices, "page_indices")
+        self.pool.check_pages(pages, "page_indices")
         if is_last and self.pool.geometry.aux_count:
             self.pool.check_aux(aux_index, "aux_index")
-        return Chunk(room, 0, tuple(page_indices), start, is_last, aux_index, chunk_id)
+        return Chunk(room, 0, pages, start, is_last, aux_index, chunk_id)
 
     def _check_room(self, r: Room | None, chunk: Chunk, ids: set[int], last: int | None) -> None:
         """Lock held: raise unless room ``r`` (``None``: not tracked yet) may take
@@ -983,9 +986,7 @@ class XferLogic:
             now = time.monotonic()
             for c in chunks:
                 self._accept(c, now)
-        per_chunk = (time.perf_counter() - t0) / n
-        for _ in range(n):
-            self.metrics.add_request_seconds.observe(per_chunk)
+        observe_many(self.metrics.add_request_seconds, (time.perf_counter() - t0) / n, n)
 
     def _enqueue(self, r: Room, chunk: Chunk) -> None:
         # Sharded by destination: one peer's chunks stay in order on one worker,
@@ -1135,9 +1136,8 @@ class XferLogic:
             self.metrics.post_seconds.inc(now - submit)
             self.metrics.posted_bytes.inc(sum(n for _, n in chunks))
             self.metrics.descriptors.observe(len(runs))
-            observe = self.metrics.stage_submit.observe
-            for _ in chunks:  # each chunk observes the write carrying it
-                observe(now - submit)
+            # Each chunk observes the write carrying it.
+            observe_many(self.metrics.stage_submit, now - submit, len(chunks))
             with self._lock:
                 for c, _ in chunks:
                     r = self._rooms.get(c.room)

@@ -98,6 +98,8 @@ class KVPool:
     def check_pages(self, indices: Sequence[int], field: str) -> None:
         """Raise :class:`InvalidArgument` unless every index is in ``[0, page_count)``."""
         n = self.geometry.page_count
+        if not indices or (min(indices) >= 0 and max(indices) < n):
+            return
         for i in indices:
             if not 0 <= i < n:
                 raise InvalidArgument(f"page index {i} outside [0, {n})", field=field)

@@ -161,6 +161,40 @@ def test_coalescing_sends_fewer_calls_and_answers_every_caller(pair: SidecarPair
         pair.pc.clear(r)
 
 
+def test_coalescing_sends_whole_rooms_without_waiting_out_the_window(pair: SidecarPair) -> None:
+    # A window far longer than any call: a room's first chunks alone wait it out,
+    # and a call whose rooms all have their last chunk goes as soon as it is whole.
+    window = 1.0
+    dst = {r: list(range(800 + 8 * i, 808 + 8 * i)) for i, r in enumerate((60, 61, 62))}
+    src = {r: list(range(100 + 8 * i, 108 + 8 * i)) for i, r in enumerate((60, 61, 62))}
+    for i, r in enumerate((60, 61, 62)):
+        pair.register(r, dst[r], i)
+    with XferClient(pair.ps.address, coalesce_window_s=window, max_batch=64) as client:
+        # Two whole rooms, chunk by chunk, interleaved as a prefill step hands them over.
+        both = zip(chunks(60, src[60], 2, 5), chunks(61, src[61], 2, 6), strict=True)
+        t = time.monotonic()
+        answers = [client.add_transfer_request_coalesced(*e) for ab in both for e in ab]
+        for a in answers:
+            a.result(timeout=5)
+        whole = time.monotonic() - t
+        assert client.coalesced_calls == 1
+        assert whole < window / 2, whole
+        # The first half of a room: more of it may come, so it waits for the window.
+        head = chunks(62, src[62], 2, 7)
+        t = time.monotonic()
+        for a in [client.add_transfer_request_coalesced(*e) for e in head[:2]]:
+            a.result(timeout=5)
+        assert time.monotonic() - t >= window * 0.9
+        assert client.coalesced_calls == 2
+        for a in [client.add_transfer_request_coalesced(*e) for e in head[2:]]:
+            a.result(timeout=5)
+    for r, aux in ((60, 5), (61, 6), (62, 7)):
+        wait(pair.dc, r, {RoomStatus.SUCCESS})
+        assert pair.same(src[r], dst[r], aux, (60, 61, 62).index(r))
+        pair.dc.clear(r)
+        pair.pc.clear(r)
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]

@@ -33,7 +33,13 @@ cost of ``add_transfer_request`` (check + queue), measured in process;
 host (measured in the serial run; the async run pipelines its calls);
 ``add_requests_rpc_p50_us``/``_p99_us`` is one blocking AddTransferRequests of
 64 one-page chunks (to a room not bootstrapped: checked and held, nothing
-moves) on the async sidecars after the timed batches. ``<mode>_handover_ms``
+moves) on the async sidecars after the timed batches, :data:`RPC_CALLS` of
+them, each followed by a Poll of its room (``poll_rpc_p50_us``/``_p99_us``:
+what any call to the sidecar costs); ``bare_rpc_p50_us``/``_p99_us`` are as
+many empty calls to a server that does nothing else, timed right after with
+the sidecars still up (this host's floor for a call), and
+``add_requests_rpc_p99_vs_bare`` the 64-chunk call's p99 over that floor's.
+``<mode>_handover_ms``
 is the engine's side of a batch: from the batch start until the sidecar has
 answered every chunk. Figures without a mode prefix are the ``--submit``
 mode's (coalesced under ``all``): the coalescing client is the engine path
@@ -86,6 +92,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -97,6 +104,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh import progress
 from kvmesh.clihelp import HelpFormatter
 from kvmesh.stats import percentile
+from lab.bench.floor import ServerProcess, time_sync_pings
 from lab.bench.report import write_report
 from lab.bench.xfer_procs import Sidecar
 from lab.redisproc import free_port
@@ -131,9 +139,10 @@ class BenchParams:
 #: Submission modes of the async run (``--submit all`` runs every one).
 SUBMIT_MODES = ("single", "batched", "coalesced")
 
-#: Chunks of the AddTransferRequests call whose latency is reported, and calls timed.
+#: Chunks of the AddTransferRequests call whose latency is reported, and calls timed
+#: (a p99 of 200 was the second-slowest call: it moved by half from run to run).
 RPC_BATCH = 64
-RPC_CALLS = 200
+RPC_CALLS = 1000
 
 
 def submit_modes(p: BenchParams) -> tuple[str, ...]:
@@ -342,22 +351,46 @@ def _run_batch(
                         raise RuntimeError(f"room {r.room} failed: {reason}")
                     if st == RoomStatus.SUCCESS or moved >= want:
                         break
-    elif mode == "batched":
-        for r in rooms:
-            t = time.perf_counter()
-            pc.add_transfer_requests([args(r, c) for c in range(p.chunks)])
-            add_us.append((time.perf_counter() - t) * 1e6)
+        handover = time.perf_counter() - t0
+        polls = _wait_success(dc, [r.room for r in rooms], done, p.poll)
     else:
-        add: Callable[..., AddFuture | CoalescedAdd] = (
-            pc.add_transfer_request_coalesced
-            if mode == "coalesced"
-            else pc.add_transfer_request_nowait
-        )
-        futures = [add(*args(r, c)) for c in range(p.chunks) for r in rooms]
-        for f in futures:
-            f.result()
-    handover = time.perf_counter() - t0
-    polls = _wait_success(dc, [r.room for r in rooms], done, p.poll)
+        # Two engines, as in a fleet: the prefill engine hands its chunks over (on a
+        # thread of its own here) while the decode engine waits for its rooms. With
+        # one thread doing both, each room's time held the whole handover and then
+        # a PollRooms round trip, which no decode engine waits for.
+        box: dict[str, Any] = {}
+
+        def hand_over() -> None:
+            try:
+                if mode == "batched":
+                    for r in rooms:
+                        t = time.perf_counter()
+                        pc.add_transfer_requests([args(r, c) for c in range(p.chunks)])
+                        add_us.append((time.perf_counter() - t) * 1e6)
+                else:
+                    add: Callable[..., AddFuture | CoalescedAdd] = (
+                        pc.add_transfer_request_coalesced
+                        if mode == "coalesced"
+                        else pc.add_transfer_request_nowait
+                    )
+                    futures = [add(*args(r, c)) for c in range(p.chunks) for r in rooms]
+                    for f in futures:
+                        f.result()
+                box["handover"] = time.perf_counter() - t0
+            except BaseException as e:
+                box["error"] = e
+
+        engine = threading.Thread(target=hand_over, name="bench-prefill-engine", daemon=True)
+        engine.start()
+        try:
+            polls = _wait_success(
+                dc, [r.room for r in rooms], done, p.poll, failed=lambda: "error" in box
+            )
+        finally:
+            engine.join()
+        if "error" in box:
+            raise box["error"]
+        handover = box["handover"]
     wall = max(done.values()) - t0
     _verify(pools, rooms)
     for r in rooms:
@@ -370,18 +403,29 @@ def _run_batch(
 POLL_WAIT_S = 5.0
 
 
-def _wait_success(dc: XferClient, pending: list[int], done: dict[int, float], how: str) -> int:
-    """Until every room of ``pending`` is Success on decode, record when each was
-    seen so in ``done``; returns the Poll or PollRooms calls made. ``how``:
-    ``rooms`` (PollRooms of the unfinished rooms, answered when one changes) or
-    ``each`` (a Poll per room, in order, stopping at the first unfinished, then
-    0.5 ms of sleep)."""
+def _wait_success(
+    dc: XferClient,
+    pending: list[int],
+    done: dict[int, float],
+    how: str,
+    failed: Callable[[], bool] = lambda: False,
+) -> int:
+    """Until every room of ``pending`` (each bootstrapped, waiting for input) is
+    Success on decode, record when each was seen so in ``done``; returns the Poll
+    or PollRooms calls made. ``how``: ``rooms`` (PollRooms of the unfinished rooms,
+    answered when one changes) or ``each`` (a Poll per room, in order, stopping at
+    the first unfinished, then 0.5 ms of sleep). Raises once ``failed()`` says the
+    rooms' handover failed (they would never finish)."""
     calls = 0
     if how == "rooms":
         known: dict[int, RoomStatus] = {}
         while pending:
+            if failed():
+                raise RuntimeError("the handover failed")
             states = dc.poll_rooms(
-                pending, POLL_WAIT_S, [known.get(r, RoomStatus.BOOTSTRAPPING) for r in pending]
+                pending,
+                POLL_WAIT_S,
+                [known.get(r, RoomStatus.WAITING_FOR_INPUT) for r in pending],
             )
             calls += 1
             now = time.perf_counter()
@@ -396,6 +440,8 @@ def _wait_success(dc: XferClient, pending: list[int], done: dict[int, float], ho
     # Rooms finish roughly in queue order: poll the pending ones in order and
     # stop at the first unfinished, so polling itself does not crowd the CPU.
     while pending:
+        if failed():
+            raise RuntimeError("the handover failed")
         while pending:
             st, reason = dc.poll(pending[0])
             calls += 1
@@ -409,12 +455,16 @@ def _wait_success(dc: XferClient, pending: list[int], done: dict[int, float], ho
     return calls
 
 
-def batched_rpc_us(pc: XferClient, geo: PoolGeometry, calls: int) -> list[float]:
-    """Blocking AddTransferRequests of :data:`RPC_BATCH` one-page chunks, in µs.
+def batched_rpc_us(
+    pc: XferClient, geo: PoolGeometry, calls: int
+) -> tuple[list[float], list[float]]:
+    """Blocking AddTransferRequests of :data:`RPC_BATCH` one-page chunks, and a
+    Poll of the same room after each (the sidecar's cheapest call: what any call
+    costs there), in µs.
 
     Each call opens a room nobody bootstrapped: the sidecar checks and holds
     its chunks (the whole cost of the call, no transfer), then it is cleared."""
-    out = []
+    adds, polls = [], []
     for k in range(calls):
         room = 10_000_000 + k
         entries: list[ChunkRequest] = [
@@ -423,17 +473,33 @@ def batched_rpc_us(pc: XferClient, geo: PoolGeometry, calls: int) -> list[float]
         ]
         t = time.perf_counter()
         pc.add_transfer_requests(entries)
-        out.append((time.perf_counter() - t) * 1e6)
+        t1 = time.perf_counter()
+        pc.poll(room)
+        polls.append((time.perf_counter() - t1) * 1e6)
+        adds.append((t1 - t) * 1e6)
         pc.clear(room)
-    return out
+    return adds, polls
+
+
+def bare_rpc_us(calls: int) -> list[float]:
+    """Sequential empty unary calls to a server that does nothing else (grpc.aio on
+    uvloop in a child process, as the sidecar; a blocking client, as the bench's
+    engine), in µs: this host's floor for any call, measured beside the sidecar's."""
+    with ServerProcess("aio-uvloop", "tcp", []) as srv:
+        return time_sync_pings(srv.target, [], calls, warmup=100)
 
 
 def run_mode(
-    p: BenchParams, pools: _Pools, modes: Sequence[str], rpc_calls: int = RPC_CALLS
+    p: BenchParams,
+    pools: _Pools,
+    modes: Sequence[str],
+    rpc_calls: int = RPC_CALLS,
+    bare: bool = True,
 ) -> dict[str, Any]:
     """Start two sidecars, warm up, run ``iters`` batches of each of ``modes``
     (``("serial",)`` or submission modes, batches interleaved); return each mode's
-    latencies and rates, and with submission modes the 64-chunk call's cost."""
+    latencies and rates, and with submission modes the 64-chunk call's cost (and,
+    with ``bare``, as many empty calls to a bare server beside it)."""
     serial = tuple(modes) == ("serial",)
     extra = ["--queues", "1", "--max-inflight-per-queue", "1"] if serial else [
         "--queues", str(p.queues)]  # fmt: skip
@@ -490,7 +556,9 @@ def run_mode(
                 "warm-up": warm_stages,
                 "timed": {s: h.minus(warm_stages[s]) for s, h in timed.items()},
             }
-            out["rpc_us"] = batched_rpc_us(pc, geo, rpc_calls)
+            out["rpc_us"], out["poll_us"] = batched_rpc_us(pc, geo, rpc_calls)
+            # With the sidecars (and NIXL's threads) still up, as for the calls above.
+            out["bare_us"] = bare_rpc_us(rpc_calls) if bare else []
     return out
 
 
@@ -722,14 +790,28 @@ def _mode_figures(
     }
 
 
+def _bare_figures(rpc_us: list[float], bare_us: list[float]) -> dict[str, float]:
+    """The bare server's empty calls, and the 64-chunk call's p99 over theirs (none
+    without them)."""
+    if not bare_us:
+        return {}
+    p99 = percentile(bare_us, 0.99)
+    return {
+        "bare_rpc_p50_us": percentile(bare_us, 0.5),
+        "bare_rpc_p99_us": p99,
+        "add_requests_rpc_p99_vs_bare": percentile(rpc_us, 0.99) / p99,
+    }
+
+
 def run(
     p: BenchParams,
     costs: bool = True,
     stages: dict[str, dict[str, StageHistogram]] | None = None,
     prefetch: tuple[int, float] | None = None,
+    rpc_calls: int = RPC_CALLS,
 ) -> dict[str, float]:
     """Run every part; return the figures (``costs``: also memcpy and the
-    in-process AddTransferRequest cost, and :data:`RPC_CALLS` timed 64-chunk
+    in-process AddTransferRequest cost, and ``rpc_calls`` timed 64-chunk
     calls rather than 10). ``stages``, when given, receives the async run's
     prefill stage histograms (``warm-up`` and ``timed``). ``prefetch``: requests
     and lead time of the prefetch part (NIXL only), run after the others."""
@@ -741,7 +823,7 @@ def run(
             progress.phase(f"{p.transport}: serial transfers")
             serial = run_mode(p, pools, ("serial",))["serial"]
             progress.phase(f"{p.transport}: async transfers ({', '.join(modes)})")
-            asyn = run_mode(p, pools, modes, RPC_CALLS if costs else 10)
+            asyn = run_mode(p, pools, modes, rpc_calls if costs else 10, bare=costs)
             progress.phase(f"{p.transport}: raw transport")
             raw, raw_fragmented = raw_gbps(p, pools)
             if prefetch is not None and p.transport == "nixl":
@@ -775,6 +857,9 @@ def run(
         "add_request_rpc_p99_us": percentile(serial["add_us"], 0.99),
         "add_requests_rpc_p50_us": percentile(asyn["rpc_us"], 0.5),
         "add_requests_rpc_p99_us": percentile(asyn["rpc_us"], 0.99),
+        "poll_rpc_p50_us": percentile(asyn["poll_us"], 0.5),
+        "poll_rpc_p99_us": percentile(asyn["poll_us"], 0.99),
+        **_bare_figures(asyn["rpc_us"], asyn["bare_us"]),
         "warmup_ms": asyn["warmup_ms"],
         "mean_run_kib": mean_run / 1024,
         "async_vs_raw": per_mode[f"{pm}_vs_raw"],
@@ -835,9 +920,30 @@ def run_sweep(p: BenchParams, quick: bool) -> list[dict[str, float]]:
                     "speedup": f["speedup"],
                     "memcpy_gbps": memcpy_gbps(c),
                     "seconds": time.perf_counter() - t,
+                    **_cell_split(c, f, p.transport),
                 }
             )
     return rows
+
+
+def _cell_split(c: BenchParams, f: dict[str, float], transport: str) -> dict[str, float]:
+    """Where a sweep cell's time goes, in ms: a batch on the async path (all its rooms
+    ready until the last one's Success reached the engine) against the raw post of the
+    same bytes, the engine's handover (until the sidecar answered every chunk), and
+    the prefill sidecar's stages (means: a chunk's queue, submit and transport, a
+    room's notify)."""
+    batch_bytes = c.rooms * c.pages * c.page_size
+    mode = primary_mode(c)
+    return {
+        "batch_ms": batch_bytes / f["async_gbps"] / 1e6,
+        "raw_ms": batch_bytes / f[f"{transport}_raw_gbps"] / 1e6,
+        "room_ms": f["async_mean_ms"],
+        "handover_ms": f[f"{mode}_handover_ms"],
+        **{
+            f"{stage}_ms": f.get(f"xfer_stage_{stage}_mean_us", 0.0) / 1e3
+            for stage in ("queue", "submit", "transport", "notify")
+        },
+    }
 
 
 def print_sweep(rows: Sequence[dict[str, float]], p: BenchParams) -> None:
@@ -856,6 +962,21 @@ def print_sweep(rows: Sequence[dict[str, float]], p: BenchParams) -> None:
             f"{r['run_kib']:>8.0f}{r['rooms']:>6.0f}{r['batch_mib']:>7.0f}"
             f"{r['async_gbps']:>11.3f}{r['raw_gbps']:>10.3f}{r['async_vs_raw']:>7.2f}"
             f"{r['speedup']:>8.2f}{r['memcpy_gbps']:>8.2f}{r['seconds']:>6.1f}"
+        )
+    print()
+    print(
+        "where a batch's time goes, ms: the async batch and the raw post of its bytes; "
+        "a room (mean); the engine's handover; the prefill sidecar's stages (means)"
+    )
+    print(
+        f"{'run KiB':>8}{'rooms':>6}{'batch':>8}{'raw':>7}{'room':>8}{'handover':>9}"
+        f"{'queue':>7}{'submit':>8}{'transport':>10}{'notify':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['run_kib']:>8.0f}{r['rooms']:>6.0f}{r['batch_ms']:>8.2f}{r['raw_ms']:>7.2f}"
+            f"{r['room_ms']:>8.2f}{r['handover_ms']:>9.2f}{r['queue_ms']:>7.2f}"
+            f"{r['submit_ms']:>8.2f}{r['transport_ms']:>10.2f}{r['notify_ms']:>7.2f}"
         )
 
 
@@ -983,6 +1104,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=PREFETCH_LEAD_MS,
         help="how long before dispatch the prefetch is issued",
     )
+    ap.add_argument(
+        "--rpc-calls",
+        type=int,
+        default=RPC_CALLS,
+        help="timed 64-chunk AddTransferRequests calls, and as many empty calls to a bare "
+        "server beside them",
+    )
     ap.add_argument("--json", dest="json_path", help="also write figures and params here")
     return ap
 
@@ -1014,6 +1142,9 @@ def main(argv: Sequence[str]) -> int:
         chunks=a.chunks, max_run=a.max_run, queues=a.queues, iters=iters,
         nixl_threads=a.nixl_threads, submit=a.submit, poll=a.poll,
     )  # fmt: skip
+    if a.rpc_calls < 1:
+        print("kvmesh bench xfer: --rpc-calls must be >= 1", file=sys.stderr)
+        return 2
     if a.prefetch_requests < 1 or a.prefetch_lead_ms < 0:
         print(
             "kvmesh bench xfer: --prefetch-requests must be >= 1 and --prefetch-lead-ms >= 0",
@@ -1036,7 +1167,12 @@ def main(argv: Sequence[str]) -> int:
             write_report(a.json_path, None, asdict(p), sweep=rows)
         return 0
     stages: dict[str, dict[str, StageHistogram]] = {}
-    figures = run(p, stages=stages, prefetch=(a.prefetch_requests, a.prefetch_lead_ms))
+    figures = run(
+        p,
+        stages=stages,
+        prefetch=(a.prefetch_requests, a.prefetch_lead_ms),
+        rpc_calls=a.rpc_calls,
+    )
     print_table(figures, p)
     print()
     print_stages(stages)

@@ -12,6 +12,8 @@ from lab.bench import xfer as bench
 FIGURES = {
     "serial_mean_ms", "async_mean_ms", "async_p99_ms", "speedup", "async_gbps",
     "memcpy_gbps", "add_request_p99_us", "add_requests_rpc_p50_us", "add_requests_rpc_p99_us",
+    "poll_rpc_p50_us", "poll_rpc_p99_us", "bare_rpc_p50_us", "bare_rpc_p99_us",
+    "add_requests_rpc_p99_vs_bare",
 }  # fmt: skip
 PER_MODE = {"async_mean_ms", "async_gbps", "speedup", "vs_raw", "handover_ms"}
 
@@ -21,7 +23,7 @@ def test_bench_prints_table_and_writes_json(
 ) -> None:
     out = tmp_path / "b.json"
     argv = ["--transport", "tcp", "--rooms", "3", "--pages", "8", "--chunks", "2",
-            "--page-size", "4096", "--iters", "1", "--submit", "all",
+            "--page-size", "4096", "--iters", "1", "--submit", "all", "--rpc-calls", "50",
             "--json", str(out)]  # fmt: skip
     # Every batch of every mode is compared byte for byte (the bench raises otherwise).
     assert bench.main(argv) == 0
@@ -37,6 +39,13 @@ def test_bench_prints_table_and_writes_json(
     # The unprefixed async figures are the coalesced mode's.
     assert figures["async_gbps"] == figures["coalesced_async_gbps"]
     assert figures["add_requests_rpc_p50_us"] <= figures["add_requests_rpc_p99_us"]
+    # The floor beside it: an empty call to a bare server costs something, and less
+    # at the median than a call that checks and holds 64 chunks in the sidecar.
+    assert 0 < figures["bare_rpc_p50_us"] <= figures["bare_rpc_p99_us"]
+    assert figures["bare_rpc_p50_us"] < figures["add_requests_rpc_p50_us"]
+    assert figures["add_requests_rpc_p99_vs_bare"] == pytest.approx(
+        figures["add_requests_rpc_p99_us"] / figures["bare_rpc_p99_us"]
+    )
     # 3 rooms x 2 chunks handed over in one loop: the coalescing client sent fewer calls.
     assert 1 < figures["coalesced_chunks_per_call"] <= 6
     assert data["params"]["rooms"] == 3 and data["params"]["submit"] == "all"
@@ -75,6 +84,30 @@ def test_sweep_cells_cover_the_run_sizes() -> None:
     assert [c.page_size for c in cells] == list(bench.SWEEP_RUNS)
     assert all(c.max_run == 1 and c.pages % c.chunks == 0 for c in cells)
     assert [c.pages for c in cells] == [64, 4, 1]
+
+
+def test_sweep_cell_split_from_a_cell_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # One real cell's figures (TCP, tiny), split as the sweep prints them.
+    c = bench.BenchParams(
+        transport="tcp", rooms=2, pages=4, chunks=2, page_size=64 * 1024, max_run=1, iters=1
+    )
+    f = bench.run(c, costs=False)
+    split = bench._cell_split(c, f, "tcp")
+    batch_bytes = 2 * 4 * 64 * 1024
+    # A batch at the async rate, the raw post at the raw rate: their ratio is the cell's.
+    assert split["batch_ms"] == pytest.approx(batch_bytes / f["async_gbps"] / 1e6)
+    assert split["raw_ms"] / split["batch_ms"] == pytest.approx(f["async_vs_raw"])
+    # A room ends within its batch; the handover and every stage were measured.
+    assert 0 < split["room_ms"] <= split["batch_ms"] * 1.001
+    for k in ("handover_ms", "queue_ms", "submit_ms", "transport_ms", "notify_ms"):
+        assert split[k] > 0, k
+    assert "bare_rpc_p99_us" not in f  # no bare server for a cell
+    row = {"run_kib": 64, "rooms": 2, "batch_mib": 0.5, "seconds": 1.0, "memcpy_gbps": 1.0}
+    row |= {k: f[k] for k in ("async_gbps", "async_vs_raw", "speedup")}
+    row |= {"raw_gbps": f["tcp_raw_gbps"], **split}
+    bench.print_sweep([row], c)
+    out = capsys.readouterr().out
+    assert "handover" in out and f"{split['handover_ms']:.2f}" in out
 
 
 def test_fragmented_allocations_cover_pages_once() -> None:

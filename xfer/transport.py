@@ -350,13 +350,30 @@ class NixlTransport(Transport):
         agent, rbase, rsize = entry
         lbase = self.pool.base_address
         lsize = self.pool.geometry.total_bytes
-        local = np.empty((len(runs), 3), dtype=np.uint64)
-        remote = np.empty((len(runs), 3), dtype=np.uint64)
-        for i, (src, dst, n) in enumerate(runs):
-            if src < 0 or n <= 0 or src + n > lsize or dst < 0 or dst + n > rsize:
-                raise InvalidArgument(f"run {src}->{dst} ({n} bytes) outside a pool", field="run")
-            local[i] = (lbase + src, n, 0)
-            remote[i] = (rbase + dst, n, 0)
+        # Descriptors (address, length, device 0) by columns: a row at a time cost
+        # 175 us for 64 runs and 430 for 450 (a coalesced write's), on the worker's
+        # path to the copy; by columns 33 and 111.
+        try:
+            a = np.array(runs, dtype=np.int64).reshape(-1, 3)
+            src, dst, n = a[:, 0], a[:, 1], a[:, 2]
+            bad = bool(
+                ((src < 0) | (n <= 0) | (src + n > lsize) | (dst < 0) | (dst + n > rsize)).any()
+            )
+        except OverflowError:  # a value beyond any pool
+            bad = True
+        if bad:
+            s, d, k = next(
+                (s, d, k)
+                for s, d, k in runs
+                if s < 0 or k <= 0 or s + k > lsize or d < 0 or d + k > rsize
+            )
+            raise InvalidArgument(f"run {s}->{d} ({k} bytes) outside a pool", field="run")
+        local = np.zeros((len(runs), 3), dtype=np.uint64)
+        remote = np.zeros((len(runs), 3), dtype=np.uint64)
+        local[:, 0] = src + lbase
+        local[:, 1] = n
+        remote[:, 0] = dst + rbase
+        remote[:, 1] = n
         ldesc = self._agent.get_xfer_descs(local, "DRAM")
         rdesc = self._agent.get_xfer_descs(remote, "DRAM")
         handle = self._agent.initialize_xfer(op, ldesc, rdesc, agent, tag)

@@ -53,6 +53,7 @@ from kvmesh.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvmesh.runtime import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -287,11 +288,7 @@ class IndexerLogic:
     async def stop(self) -> None:
         """Stop the background tasks (the index is left open)."""
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await stop_tasks(*tasks, what="indexer background tasks")
 
     async def reap_once(self) -> list[InstanceId]:
         """Drop expired instances now; backend errors are logged and counted, not raised."""

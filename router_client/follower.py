@@ -93,6 +93,7 @@ from indexer.model import (
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.errors import KvmeshError
+from kvmesh.runtime import stop_tasks
 from kvmesh.tls import ChannelFactory, ClientTLS
 from router_client.indexer_client import MatchOutcome, MatchStatus, WorkerMatch, instance_name
 
@@ -265,9 +266,7 @@ class IndexFollower:
         self._set_synced(False)
         self._heard_at = -math.inf  # a closed follower holds nothing
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_tasks(self._task, what="follower")
             self._task = None
         if self._factory is not None:
             await self._channel.close()

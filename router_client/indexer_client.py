@@ -79,6 +79,7 @@ from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.balancing import balancing_options, channel_target
 from kvmesh.protowire import take
 from kvmesh.protowire import varint as _varint
+from kvmesh.runtime import stop_tasks
 from kvmesh.tls import ChannelFactory, TLSFileError
 from kvmesh.tracing import end_rpc_span, inject_context, rpc_client_attributes, tracing_enabled
 from router_client.config import IndexerClientSettings
@@ -1050,9 +1051,7 @@ class IndexerClient:
         for stream in list(self._streams):
             await stream.close()
         if self._replacing is not None:
-            self._replacing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replacing
+            await stop_tasks(self._replacing, what="indexer client: replacing a stream")
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         if self._own_channel:

@@ -65,6 +65,7 @@ from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.balancing import balancing_options, channel_target
 from kvmesh.errors import ERROR_FIELD_METADATA, InvalidArgument, KvmeshError, Unavailable
+from kvmesh.runtime import stop_tasks
 from kvmesh.tls import ChannelFactory
 
 log = logging.getLogger(__name__)
@@ -492,10 +493,7 @@ class IndexerLink:
         s, self._stream = self._stream, None
         if s is not None:
             s.fail(Unavailable("the bridge is stopping"))
-            if s.reader is not None:
-                s.reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await s.reader
+            await stop_tasks(s.reader, what="bridge stream reader")
         for task in list(self._retiring):
             task.cancel()
         await self._channel.close(grace=None)

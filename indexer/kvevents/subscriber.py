@@ -117,6 +117,7 @@ from indexer.memory import MemoryIndex
 from indexer.model import BatchOutcome, EventBatch, InstanceId, InstanceSpec
 from indexer.pacing import Pacer, loop_pacer, loop_turns
 from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound, Unavailable
+from kvmesh.runtime import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -358,11 +359,7 @@ class EndpointSubscriber:
                         await self._on_live(frames)
         finally:
             self._stopping = True
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await stop_tasks(*tasks, what="zmq subscriber")
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
             monitor.close(linger=0)
@@ -901,9 +898,8 @@ class EngineEventSubscribers:
     async def stop(self) -> None:
         """Stop every subscriber and close the ZMQ context."""
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if await stop_tasks(*tasks, what="zmq subscribers"):
+            # term() would block the loop until their sockets close: left open.
+            log.error("zmq subscribers: the ZMQ context is left open")
+            return
         self._ctx.term()

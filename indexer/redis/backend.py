@@ -140,6 +140,7 @@ from kvmesh.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvmesh.runtime import stop_tasks
 from kvmesh.tracing import tracing_enabled
 
 #: How long a replica reuses the pending prefill it read (per model), in
@@ -2672,9 +2673,7 @@ class RedisIndex(Index):
         if self._read_next is not None:
             self._read_next.cancel()  # (a read in flight fails on the closed pool)
             self._read_next = None
-        if self._upkeep is not None and not self._upkeep.done():
-            self._upkeep.cancel()
-            with contextlib.suppress(asyncio.CancelledError, KvmeshError):
-                await self._upkeep
+        if self._upkeep is not None:
+            await stop_tasks(self._upkeep, what="redis cluster: re-driving pending writes")
         with contextlib.suppress(RedisError, OSError):
             await self._r.aclose()

@@ -62,6 +62,7 @@ from indexer.redis.backend import RedisIndex
 from indexer.watch import WatchHub
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.errors import FailedPrecondition, KvmeshError, NotFound, ResourceExhausted
+from kvmesh.runtime import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +227,7 @@ class RedisWatchFeed:
     async def close(self) -> None:
         """Stop feeding and end every follower of the copy."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_tasks(self._task, what="redis watch feed")
             self._task = None
         self._drop()
 

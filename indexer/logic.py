@@ -53,7 +53,7 @@ from kvmesh.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 

@@ -93,7 +93,7 @@ from indexer.model import (
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.errors import KvmeshError
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 from kvmesh.tls import ChannelFactory, ClientTLS
 from router_client.indexer_client import MatchOutcome, MatchStatus, WorkerMatch, instance_name
 

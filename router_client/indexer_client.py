@@ -79,7 +79,7 @@ from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.balancing import balancing_options, channel_target
 from kvmesh.protowire import take
 from kvmesh.protowire import varint as _varint
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 from kvmesh.tls import ChannelFactory, TLSFileError
 from kvmesh.tracing import end_rpc_span, inject_context, rpc_client_attributes, tracing_enabled
 from router_client.config import IndexerClientSettings

@@ -65,7 +65,7 @@ from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.api.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from kvmesh.balancing import balancing_options, channel_target
 from kvmesh.errors import ERROR_FIELD_METADATA, InvalidArgument, KvmeshError, Unavailable
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 from kvmesh.tls import ChannelFactory
 
 log = logging.getLogger(__name__)

@@ -117,7 +117,7 @@ from indexer.memory import MemoryIndex
 from indexer.model import BatchOutcome, EventBatch, InstanceId, InstanceSpec
 from indexer.pacing import Pacer, loop_pacer, loop_turns
 from kvmesh.errors import FailedPrecondition, InvalidArgument, KvmeshError, NotFound, Unavailable
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 

@@ -140,7 +140,7 @@ from kvmesh.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 from kvmesh.tracing import tracing_enabled
 
 #: How long a replica reuses the pending prefill it read (per model), in

@@ -62,7 +62,7 @@ from indexer.redis.backend import RedisIndex
 from indexer.watch import WatchHub
 from kvmesh.api.indexer.v1 import indexer_pb2 as pb
 from kvmesh.errors import FailedPrecondition, KvmeshError, NotFound, ResourceExhausted
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvmesh.runtime import stop_tasks
+from kvmesh.tasks import stop_tasks
 
 
 async def _stubborn(started: asyncio.Event, released: asyncio.Event) -> None:
@@ -57,7 +57,7 @@ async def test_a_task_that_outlives_its_cancel_is_logged_and_left(
     task = asyncio.ensure_future(_stubborn(started, released))
     await started.wait()
     t = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="kvmesh.runtime"):
+    with caplog.at_level(logging.ERROR, logger="kvmesh.tasks"):
         await stop_tasks(task, what="the watch feed", wait_s=0.2)
     took = time.monotonic() - t
     assert 0.2 <= took < 2, took

@@ -466,14 +466,13 @@ def outcome_from_response(resp: pb.MatchResponse) -> MatchOutcome:
     made = _HITS
     for m in resp.matches:
         inst = m.instance
-        rank = inst.dp_rank
         key = (m.depth, m.gpu_blocks, m.cpu_blocks, m.disk_blocks, m.tokens, m.predicted_depth)
         hit = made.get(key)
         if hit is None:
             if len(made) >= _HITS_MAX:
                 made.clear()
             hit = made[key] = WorkerMatch(*key)
-        hits[inst.worker_id if not rank else instance_name(inst.worker_id, rank)] = hit
+        hits[instance_name(inst.worker_id, inst.dp_rank)] = hit
     return MatchOutcome(
         MatchStatus.OK,
         hits,

@@ -174,6 +174,15 @@ class Transport(abc.ABC):
 _NIXL_MD = struct.Struct("<QQ")  # remote pool base address, remote pool size
 
 
+def check_runs(runs: Sequence[tuple[int, int, int]], lsize: int, rsize: int) -> None:
+    """Raise :class:`InvalidArgument` naming the first run ``(local offset, remote
+    offset, length)`` that is empty or outside the local (``lsize`` bytes) or the
+    remote pool (``rsize``)."""
+    for src, dst, n in runs:
+        if src < 0 or n <= 0 or src + n > lsize or dst < 0 or dst + n > rsize:
+            raise InvalidArgument(f"run {src}->{dst} ({n} bytes) outside a pool", field="run")
+
+
 def import_nixl() -> Any:
     """The NIXL Python module, or :class:`NixlUnavailable` with the reason and the fix."""
     try:
@@ -362,12 +371,7 @@ class NixlTransport(Transport):
         except OverflowError:  # a value beyond any pool
             bad = True
         if bad:
-            s, d, k = next(
-                (s, d, k)
-                for s, d, k in runs
-                if s < 0 or k <= 0 or s + k > lsize or d < 0 or d + k > rsize
-            )
-            raise InvalidArgument(f"run {s}->{d} ({k} bytes) outside a pool", field="run")
+            check_runs(runs, lsize, rsize)  # names the first run outside
         local = np.zeros((len(runs), 3), dtype=np.uint64)
         remote = np.zeros((len(runs), 3), dtype=np.uint64)
         local[:, 0] = src + lbase
@@ -748,10 +752,7 @@ class TcpTransport(Transport):
         if md is None:
             raise FailedPrecondition(f"unknown peer {peer}", field="peer")
         rsize = int(json.loads(md)["size"])
-        lsize = self.pool.geometry.total_bytes
-        for src, dst, n in runs:
-            if src < 0 or n <= 0 or src + n > lsize or dst < 0 or dst + n > rsize:
-                raise InvalidArgument(f"run {src}->{dst} ({n} bytes) outside a pool", field="run")
+        check_runs(runs, self.pool.geometry.total_bytes, rsize)
         conn = self._connection(peer)
         rid = next(self._ids)
         header = _FRAME.pack(rid, len(runs), len(tag)) + b"".join(

@@ -219,37 +219,38 @@ def test_kill_9_of_up_leaves_no_orphans(tmp_path: Path) -> None:
 # -- bad input -----------------------------------------------------------------------
 
 
-def _free_base(n: int) -> int:
-    """A base port with ``n`` free consecutive ports after it (none of them 6379)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535 or base <= 6379 < base + n:
-            continue
-        try:
-            check_ports({str(i): base + i for i in range(n)}, None)
-        except UpError:
-            continue
-        return int(base)
-    raise AssertionError("no run of free ports found")
-
-
 def test_a_taken_port_is_named_and_nothing_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """The listener holds its port before the range is chosen around it: no other test can
+    take that port between the check and the bind. Another process may still take a
+    different port of the range meanwhile (the suite runs in parallel); then ``up`` names
+    that one, and the test tries another range."""
     n = len(PORT_LAYOUT)
-    base = _free_base(n)
-    taken = base + 3  # indexer-1's gRPC port in the documented layout
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", taken))
-        listener.listen()
-        before = _children(os.getpid())
-        code = up_main(["--base-port", str(base), "--no-tty", "--requests", "10"])
-        after = _children(os.getpid())
-    err = capsys.readouterr().err
-    assert code == 2
-    assert f"port {taken} for the indexer-1 gRPC (--base-port {base} + 3) is already in use" in err
-    assert "pick another --base-port" in err
-    assert after == before  # nothing was started
+    for _ in range(20):
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            taken = listener.getsockname()[1]
+            base = taken - 3  # indexer-1's gRPC port in the documented layout
+            if base <= 6379 < base + n or base + n > 65535:
+                continue
+            try:
+                check_ports({str(i): base + i for i in range(n) if i != 3}, None)
+            except UpError:
+                continue
+            before = _children(os.getpid())
+            code = up_main(["--base-port", str(base), "--no-tty", "--requests", "10"])
+            after = _children(os.getpid())
+        err = capsys.readouterr().err
+        assert code == 2
+        assert after == before  # nothing was started
+        if f"port {taken} " not in err:  # another port of the range was taken meanwhile
+            assert "is already in use" in err
+            continue
+        named = f"port {taken} for the indexer-1 gRPC (--base-port {base} + 3)"
+        assert f"{named} is already in use" in err
+        assert "pick another --base-port" in err
+        return
+    raise AssertionError("no port range stayed free long enough")
 
 
 def test_a_base_port_range_over_6379_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

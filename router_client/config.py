@@ -82,6 +82,14 @@ DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 #: 0.9 still lets a predicted prefix beat a confirmed one a tenth shorter.
 DEFAULT_PREDICTED_WEIGHT = 0.9
 
+#: The default of :attr:`RouterConfig.spread_half_life_s`:
+#: long against a conversation's life (its turns come minutes apart), so the
+#: count a new conversation is placed by reflects the conversations a worker
+#: holds, and short enough that a worker added to the fleet catches up within
+#: minutes. The routing grid (docs/benchmarks.md) measured 60 s, 300 s and no
+#: decay alike.
+DEFAULT_SPREAD_HALF_LIFE_S = 300.0
+
 #: Prefix of the environment variables read by :func:`load_config`.
 ENV_PREFIX = "KVMESH_ROUTER_"
 
@@ -213,6 +221,15 @@ class RouterConfig(StrictModel):
         "is worth more than the queue time it costs (each token computed away from its "
         "cache is a second copy the fleet's caches hold, evicting others), trading TTFT "
         "for hit rate (docs/benchmarks.md, the routing grid).",
+    )
+    spread_half_life_s: float = Field(
+        default=DEFAULT_SPREAD_HALF_LIFE_S,
+        ge=0.0,
+        description='Under the "ttft" cost, workers predicted equal (no queue anywhere and '
+        "equal hits: every new conversation) go to the one this router started the fewest "
+        "requests on recently, each request counting half after this many seconds; then to "
+        "the least loaded. New conversations then spread evenly in number, and their "
+        "later turns with them. 0: the least loaded only.",
     )
     prefill_tokens_per_s: float = Field(
         default=DEFAULT_PREFILL_TOKENS_PER_S,

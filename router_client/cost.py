@@ -55,8 +55,12 @@ second: the smoothed figure its engine reports
 (:func:`prefill_rate`). ``balance`` plays no part: a hit and a queue are
 traded in the one unit they cost, time, and a slow worker's queue weighs more
 than a fast one's. Workers predicted equal (no queue anywhere, equal hits) are
-ordered by their whole load in blocks, decode included, before the random
-tie-break. Decode is ranked by load in blocks whatever the cost.
+ordered by the requests this router started on them recently
+(:meth:`router_client.load.LoadTracker.recent_requests`, with
+:attr:`~router_client.config.RouterConfig.spread_half_life_s`), then by their
+whole load in blocks, decode included, before the random tie-break: new
+conversations spread evenly in number, so their later turns do too. Decode is
+ranked by load in blocks whatever the cost.
 
 Why "ttft" is the default: ``kvmesh replay --grid`` (five trace families, R 4
 and 8, 500 and 2,000 blocks per worker, loads 0.7 and 0.9, 1 s event lag)

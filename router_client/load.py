@@ -13,6 +13,12 @@ Two sources, combined exactly:
   once (a snapshot taken before the finish may still count it until the next
   report replaces it: load is over-estimated briefly, never lost).
 
+The tracker also counts the requests this router started on each worker
+recently (:meth:`LoadTracker.recent_requests`), each weighing less as it ages
+(halved every ``spread_half_life_s``): the "ttft" cost tells workers it
+predicts equal apart by it, so new conversations spread evenly in number
+(:mod:`router_client.cost`).
+
 A report may carry the engine's prefill throughput
 (:attr:`WorkerLoad.prefill_tokens_per_s`); the tracker keeps an exponentially
 weighted moving average of it per worker (:data:`PREFILL_RATE_ALPHA`), which
@@ -36,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from router_client.config import Limits
+from router_client.config import DEFAULT_SPREAD_HALF_LIFE_S, Limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,9 @@ class _Worker:
     extra_prefill: int = 0
     # Moving average of the reported prefill tokens/s (0: none reported yet).
     prefill_rate: float = 0.0
+    # Requests this router started here, decayed to ``sent_at`` (recent_requests).
+    sent: float = 0.0
+    sent_at: float = 0.0
 
 
 class LoadTracker:
@@ -84,10 +93,16 @@ class LoadTracker:
 
     ``stale_after_s``: a report older than this does not count for
     admission. ``clock`` returns seconds (a replay passes its virtual clock).
+    ``spread_half_life_s``: the age at which a started request counts half in
+    :meth:`recent_requests` (0: only the requests of this instant count).
     """
 
     def __init__(
-        self, *, stale_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        stale_after_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        spread_half_life_s: float = DEFAULT_SPREAD_HALF_LIFE_S,
     ) -> None:
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
@@ -96,6 +111,7 @@ class LoadTracker:
         self._by_worker: dict[str, dict[object, _Started]] = {}
         self._stale_after_s = stale_after_s
         self._clock = clock
+        self._half_life_s = spread_half_life_s
 
     def _worker(self, worker: str) -> _Worker:
         w = self._workers.get(worker)
@@ -141,6 +157,35 @@ class LoadTracker:
             w.extra_running += 1
             w.extra_tokens += tokens
             w.extra_prefill += prefill_tokens
+            w.sent = self._decayed(w, now) + 1.0
+            w.sent_at = now
+
+    def _decayed(self, w: _Worker, now: float) -> float:
+        """``w.sent`` aged to ``now`` (under the lock)."""
+        if w.sent <= 0.0:
+            return 0.0
+        if self._half_life_s <= 0.0:
+            return w.sent if now <= w.sent_at else 0.0
+        return w.sent * 2.0 ** (-max(0.0, now - w.sent_at) / self._half_life_s)
+
+    def raise_recent_requests(self, worker: str, floor: float) -> None:
+        """Count at least ``floor`` recent requests on ``worker`` from now on (a worker
+        back in the fleet starts level with the others, not as a magnet for every
+        new conversation until its count has caught up)."""
+        now = self._clock()
+        with self._lock:
+            w = self._worker(worker)
+            current = self._decayed(w, now)
+            if floor > current:
+                w.sent, w.sent_at = floor, now
+
+    def recent_requests(self, worker: str) -> float:
+        """Requests this router started on ``worker``, each weighted
+        ``2 ** (-age / spread_half_life_s)``: a count that forgets."""
+        now = self._clock()
+        with self._lock:
+            w = self._workers.get(worker)
+            return 0.0 if w is None else self._decayed(w, now)
 
     def finish(self, request_id: object) -> None:
         """Stop counting a request; unknown ids are ignored (finish is idempotent)."""

@@ -252,7 +252,11 @@ class Router:
         self.indexer = indexer
         self.block_size = block_size
         self.rng = random.Random(seed)
-        self.load = LoadTracker(stale_after_s=self.config.load_stale_s, clock=clock)
+        self.load = LoadTracker(
+            stale_after_s=self.config.load_stale_s,
+            clock=clock,
+            spread_half_life_s=self.config.spread_half_life_s,
+        )
         self.metrics = default_metrics() if registry is None else RouterMetrics(registry)
         #: Decisions by (stage, reason), mirrored from the Prometheus counter.
         self.decisions: Counter[tuple[str, str]] = Counter()
@@ -279,10 +283,18 @@ class Router:
         return list(self._workers)
 
     def set_healthy(self, worker: str, healthy: bool) -> None:
-        """Mark a known worker healthy or not (unknown names raise KeyError)."""
+        """Mark a known worker healthy or not (unknown names raise KeyError).
+
+        A worker back to health counts as many recent requests as the least of
+        the healthy ones (``spread_half_life_s``): while it was out the others'
+        counts grew and its own decayed, and it would otherwise take every new
+        conversation until it caught up."""
         if worker not in self._known:
             raise KeyError(worker)
         if healthy:
+            if worker not in self._healthy and self._healthy:
+                floor = min(self.load.recent_requests(w) for w in self._healthy)
+                self.load.raise_recent_requests(worker, floor)
             self._healthy.add(worker)
         else:
             self._healthy.discard(worker)
@@ -539,13 +551,15 @@ class Router:
         load = self.load
         reusable = costmod.reusable_blocks(req.input_tokens, n_blocks, bs)
         # Under the "ttft" cost, workers predicted equal (often: no queue anywhere)
-        # are told apart by their whole load, decode included: the same order the
-        # blocks cost gives them.
+        # are told apart by the requests this router started on them recently, so
+        # new conversations spread evenly in number, then by their whole load,
+        # decode included (the order the blocks cost gives them).
         tie_on_load = prefill and cfg.cost == "ttft"
+        spread = tie_on_load and cfg.spread_half_life_s > 0
         for dom in domains:
             best: list[str] = []
             best_cost = 0.0
-            best_key = (0.0, 0.0)
+            best_key = (0.0, 0.0, 0.0)
             # Per admitted worker: (confirmed cached blocks, blocks the cost counted).
             cached_of: dict[str, tuple[float, float]] = {}
             for w in dom.workers:
@@ -560,7 +574,11 @@ class Router:
                 cached_of[w] = (confirmed, counted)
                 wl = load.load(w) if pending is None else self.seen_load(w, pending)
                 c = self._cost(stage, wl, req, n_blocks, counted)
-                key = (c, costmod.load_blocks(wl, bs) if tie_on_load else 0.0)
+                key = (
+                    c,
+                    load.recent_requests(w) if spread else 0.0,
+                    costmod.load_blocks(wl, bs) if tie_on_load else 0.0,
+                )
                 if not best or key < best_key:
                     best, best_cost, best_key = [w], c, key
                 elif key == best_key:

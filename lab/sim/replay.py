@@ -128,7 +128,12 @@ from lab.sim.outage import (
 from lab.sim.publish import GrpcPublisher, MemoryPublisher
 from lab.synth import measure
 from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_block_key
-from router_client.config import DEFAULT_BALANCE, CostModel, RouterConfig
+from router_client.config import (
+    DEFAULT_BALANCE,
+    DEFAULT_SPREAD_HALF_LIFE_S,
+    CostModel,
+    RouterConfig,
+)
 from router_client.follower import DEFAULT_HOLD_S, RECEIVE_OPTIONS, IndexFollower
 from router_client.indexer_client import (
     IndexerClient,
@@ -211,6 +216,10 @@ class ReplaySettings:
     #: router_client's ``prefill_weight`` (the ttft cost's weight of the
     #: request's own prefill against the queue; 1: predicted TTFT exactly).
     prefill_weight: float = 1.0
+    #: router_client's ``spread_half_life_s`` (workers the ttft cost predicts
+    #: equal go to the one a router started the fewest requests on recently;
+    #: 0: to the least loaded).
+    spread_half_life_s: float = DEFAULT_SPREAD_HALF_LIFE_S
     #: Route-time predictions (cache_shared): each decision records the chosen
     #: engine as about to hold the prompt's blocks for ``prediction_ttl_s``
     #: (virtual seconds), and Matches count them (router_client's
@@ -657,6 +666,7 @@ async def run_policy(
         balance=settings.balance,
         cost=settings.cost_model,
         prefill_weight=settings.prefill_weight,
+        spread_half_life_s=settings.spread_half_life_s,
         prefill_tokens_per_s=settings.service.prefill_tokens_per_s,
         predictions=settings.predict,
         prediction_ttl_ms=max(1, round(settings.prediction_ttl_s * 1000)),

@@ -92,6 +92,14 @@ class TlsFiles:
     auth_clients: Literal["yes", "optional", "no"] = "yes"
 
 
+#: Ports a server started on a port of its own choosing tries before giving up.
+_PORT_ATTEMPTS = 5
+
+
+class _PortTaken(RuntimeError):
+    """redis-server could not bind its port: something took it after it was found free."""
+
+
 def free_port(host: str = HOST) -> int:
     """A TCP port on ``host`` that nothing listens on right now (never 6379)."""
     while True:
@@ -357,12 +365,33 @@ class RedisProcess(_Started):
         return args
 
     def _start_native(self, binary: str) -> None:
+        if self.port:
+            try:
+                self._start_native_on(binary)
+            except _PortTaken:
+                raise RuntimeError(
+                    f"redis-server could not bind port {self.port}: it is already in use"
+                ) from None
+            return
+        # A port found free may be taken before redis-server binds it (another
+        # test's server, or a client's ephemeral port): then try another.
+        for attempt in range(_PORT_ATTEMPTS):
+            self.port = free_port(self.host)
+            try:
+                self._start_native_on(binary)
+                return
+            except _PortTaken:
+                if attempt == _PORT_ATTEMPTS - 1:
+                    raise RuntimeError(
+                        f"redis-server found no free port in {_PORT_ATTEMPTS} tries"
+                    ) from None
+                self.port = 0
+
+    def _start_native_on(self, binary: str) -> None:
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
         workdir = self._tmp.name
-        if not self.port:
-            self.port = free_port(self.host)
-        elif _listening(self.host, self.port) if self.secured else ping(self.host, self.port, 0.2):
+        if _listening(self.host, self.port) if self.secured else ping(self.host, self.port, 0.2):
             raise RuntimeError(f"port {self.port} already serves a Redis we did not start")
         log = os.path.join(workdir, "redis.log")
         cmd = [
@@ -401,6 +430,8 @@ class RedisProcess(_Started):
                     f"{binary} is built without TLS; install a Redis built with TLS "
                     f"(e.g. Debian's redis-server) on PATH: {err}{tail}"
                 ) from None
+            if "address already in use" in said:
+                raise _PortTaken(self.port) from None
             raise RuntimeError(f"redis-server exited at start: {err}{tail}") from None
         except ChildNotReady:
             self.kill()
@@ -577,25 +608,7 @@ class RedisClusterProcess(_Started):
         if self.tls is not None:
             tls_args = ("--tls-cluster", "yes", "--tls-replication", "yes")
         for _ in range(self._masters * (1 + self.replicas)):
-            port = free_cluster_port(self.host, taken)
-            taken.update((port, port + _BUS_OFFSET))
-            node = RedisProcess(
-                port,
-                extra_args=(
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", str(_CLUSTER_NODE_TIMEOUT_MS),
-                    "--cluster-require-full-coverage", "no",
-                    *tls_args,
-                ),
-                users=self.users,
-                acl_rules=self.acl_rules,
-                tls=self.tls,
-            )  # fmt: skip
-            if self.users:
-                node.admin_password = self.admin_password
-            node.binary = binary
-            self.nodes.append(node.start())
+            self.nodes.append(self._start_node(binary, taken, tls_args))
         addrs = [f"{self.host}:{p}" for p in self.ports]
         env = dict(os.environ)
         security: list[str] = []
@@ -620,6 +633,35 @@ class RedisClusterProcess(_Started):
         if self.replicas:
             self.wait_synced()
         return self
+
+    def _start_node(self, binary: str, taken: set[int], tls_args: tuple[str, ...]) -> RedisProcess:
+        """Start one node on a free port pair (client and bus), another pair when
+        one was taken after it was found free (the suite runs in parallel)."""
+        for attempt in range(_PORT_ATTEMPTS):
+            port = free_cluster_port(self.host, taken)
+            taken.update((port, port + _BUS_OFFSET))
+            node = RedisProcess(
+                port,
+                extra_args=(
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", str(_CLUSTER_NODE_TIMEOUT_MS),
+                    "--cluster-require-full-coverage", "no",
+                    *tls_args,
+                ),
+                users=self.users,
+                acl_rules=self.acl_rules,
+                tls=self.tls,
+            )  # fmt: skip
+            if self.users:
+                node.admin_password = self.admin_password
+            node.binary = binary
+            try:
+                return node.start()
+            except RuntimeError as e:
+                if "already in use" not in str(e) or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def wait_ok(self, timeout_s: float = _CLUSTER_OK_TIMEOUT_S) -> None:
         """Wait until every running node reports ``cluster_state:ok``."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from lab import redisproc
@@ -52,3 +54,26 @@ def test_two_processes_do_not_share_a_port() -> None:
     with RedisProcess() as one, RedisProcess() as two:
         assert one.port != two.port
         assert one.ping() and two.ping()
+
+
+def test_a_port_taken_after_it_was_found_free_is_given_up_for_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between the check and redis-server's bind another process may take the port
+    (the suite runs in parallel): the server starts on the next free one."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        picks = iter([taken])
+        real = redisproc.free_port
+        monkeypatch.setattr(redisproc, "free_port", lambda host: next(picks, None) or real(host))
+        with RedisProcess() as proc:
+            assert proc.port != taken and proc.ping()
+    # A port the caller chose is not changed behind its back.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(RuntimeError, match="already in use"):
+            RedisProcess(port=port).start()

@@ -85,9 +85,9 @@ DEFAULT_PREDICTED_WEIGHT = 0.9
 #: The default of :attr:`RouterConfig.spread_half_life_s`:
 #: long against a conversation's life (its turns come minutes apart), so the
 #: count a new conversation is placed by reflects the conversations a worker
-#: holds, and short enough that a worker added to the fleet catches up within
-#: minutes. The routing grid (docs/benchmarks.md) measured 60 s, 300 s and no
-#: decay alike.
+#: holds, and short enough that it follows the fleet's traffic of the last
+#: minutes rather than its history. The routing grid (docs/benchmarks.md)
+#: measured 60 s, 300 s and no decay alike.
 DEFAULT_SPREAD_HALF_LIFE_S = 300.0
 
 #: Prefix of the environment variables read by :func:`load_config`.

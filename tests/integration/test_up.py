@@ -8,8 +8,10 @@ process groups.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -219,24 +221,37 @@ def test_kill_9_of_up_leaves_no_orphans(tmp_path: Path) -> None:
 # -- bad input -----------------------------------------------------------------------
 
 
+def _below_ephemeral(n: int) -> int:
+    """A random base port whose ``n`` ports lie below the kernel's ephemeral range.
+
+    The kernel hands out ports of that range to every ``bind(("", 0))`` and every
+    outgoing connection, so while the suite runs in parallel the neighbours of a
+    port it gave are often in use; below it only an explicit bind takes a port."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    top = min(low, 32768) - n
+    return random.randrange(max(1024, 6380), top)
+
+
 def test_a_taken_port_is_named_and_nothing_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    """The listener holds its port before the range is chosen around it: no other test can
-    take that port between the check and the bind. Another process may still take a
-    different port of the range meanwhile (the suite runs in parallel); then ``up`` names
-    that one, and the test tries another range."""
+    """Another process may take a port of the range between the check and ``up``'s own
+    (the suite runs in parallel); then ``up`` names that one, and the test tries another
+    range."""
     n = len(PORT_LAYOUT)
     for _ in range(20):
+        base = _below_ephemeral(n)
+        taken = base + 3  # indexer-1's gRPC port in the documented layout
+        try:
+            check_ports({str(i): base + i for i in range(n)}, None)
+        except UpError:
+            continue
         with socket.socket() as listener:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen()
-            taken = listener.getsockname()[1]
-            base = taken - 3  # indexer-1's gRPC port in the documented layout
-            if base <= 6379 < base + n or base + n > 65535:
-                continue
             try:
-                check_ports({str(i): base + i for i in range(n) if i != 3}, None)
-            except UpError:
+                listener.bind(("127.0.0.1", taken))
+            except OSError:
                 continue
+            listener.listen()
             before = _children(os.getpid())
             code = up_main(["--base-port", str(base), "--no-tty", "--requests", "10"])
             after = _children(os.getpid())

@@ -37,6 +37,7 @@ an outage.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -166,7 +167,7 @@ class LoadTracker:
             return 0.0
         if self._half_life_s <= 0.0:
             return w.sent if now <= w.sent_at else 0.0
-        return w.sent * 2.0 ** (-max(0.0, now - w.sent_at) / self._half_life_s)
+        return w.sent * math.exp2(-max(0.0, now - w.sent_at) / self._half_life_s)
 
     def raise_recent_requests(self, worker: str, floor: float) -> None:
         """Count at least ``floor`` recent requests on ``worker`` from now on (a worker

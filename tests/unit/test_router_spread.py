@@ -14,19 +14,14 @@ from prometheus_client import CollectorRegistry
 
 from router_client import MatchOutcome, MatchStatus, Router, RouteRequest, WorkerMatch, parse_config
 from router_client.load import LoadTracker
+from tests.conftest import FakeClock
 
 BS = 16
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_router(config: dict[str, Any], workers: list[str], clock: Clock, seed: int = 1) -> Router:
+def make_router(
+    config: dict[str, Any], workers: list[str], clock: FakeClock, seed: int = 1
+) -> Router:
     return Router(
         parse_config({"cost": "ttft", **config}),
         workers=workers,
@@ -42,7 +37,7 @@ def req(i: int, tokens: int = 10 * BS) -> RouteRequest:
 
 
 def test_recent_requests_halve_every_half_life() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     t = LoadTracker(clock=clock, spread_half_life_s=10.0)
     assert t.recent_requests("a") == 0.0
     t.start(1, "a", 100, 100)
@@ -65,7 +60,7 @@ def test_recent_requests_halve_every_half_life() -> None:
 
 
 def _route_in_turn(
-    r: Router, clock: Clock, n: int, matches: dict[str, WorkerMatch]
+    r: Router, clock: FakeClock, n: int, matches: dict[str, WorkerMatch]
 ) -> Counter[str]:
     """``n`` requests, each finished before the next: no queue anywhere, ever."""
     counts: Counter[str] = Counter()
@@ -80,7 +75,7 @@ def _route_in_turn(
 
 def test_equal_workers_take_new_requests_in_turn() -> None:
     names = ["a", "b", "c", "d"]
-    clock = Clock()
+    clock = FakeClock(100.0)
     counts = _route_in_turn(make_router({}, names, clock), clock, 40, {})
     assert counts == {w: 10 for w in names}
 
@@ -88,7 +83,7 @@ def test_equal_workers_take_new_requests_in_turn() -> None:
 def test_without_the_spread_equal_workers_are_drawn_at_random() -> None:
     """The broken model: the same run with the spread off is uneven."""
     names = ["a", "b", "c", "d"]
-    clock = Clock()
+    clock = FakeClock(100.0)
     r = make_router({"spread_half_life_s": 0}, names, clock)
     counts = _route_in_turn(r, clock, 40, {})
     assert max(counts.values()) - min(counts.values()) >= 3
@@ -97,7 +92,7 @@ def test_without_the_spread_equal_workers_are_drawn_at_random() -> None:
 def test_the_spread_never_outranks_a_hit() -> None:
     """Only workers predicted equal are told apart by it: a hit still wins every time."""
     names = ["a", "b", "c"]
-    clock = Clock()
+    clock = FakeClock(100.0)
     r = make_router({"predictions": False}, names, clock)
     counts = _route_in_turn(r, clock, 12, {"b": WorkerMatch(4, 4)})
     assert counts == {"b": 12}
@@ -106,7 +101,7 @@ def test_the_spread_never_outranks_a_hit() -> None:
 def test_an_old_count_is_forgotten() -> None:
     """A worker that took many requests long ago is as fresh as one that took none."""
     names = ["a", "b"]
-    clock = Clock()
+    clock = FakeClock(100.0)
     r = make_router({"spread_half_life_s": 10}, names, clock)
     for i in range(20):
         r.started(req(i), r.decide(req(i), MatchOutcome(MatchStatus.OK), decode=False).prefill)
@@ -125,7 +120,7 @@ def test_each_choice_is_a_least_recently_sent_worker(
 ) -> None:
     """Against a naive reference: the decayed count of every start, recomputed."""
     names = [f"w{i}" for i in range(n_workers)]
-    clock = Clock()
+    clock = FakeClock(100.0)
     half_life = 7.0
     r = make_router({"spread_half_life_s": half_life}, names, clock, seed)
     sent: list[tuple[str, float]] = []
@@ -146,7 +141,7 @@ def test_a_worker_back_to_health_starts_level_with_the_others() -> None:
     """Out of the fleet its count decayed while the others' grew: without the level
     it would take every new conversation until it caught up."""
     names = ["a", "b", "c"]
-    clock = Clock()
+    clock = FakeClock(100.0)
     r = make_router({"spread_half_life_s": 300}, names, clock)
     r.set_healthy("c", False)
     _route_in_turn(r, clock, 40, {})  # 20 each on a and b

@@ -167,8 +167,9 @@ class Choice:
     #: The cached blocks the cost counted: ``cached_blocks``, or the worker's
     #: predicted prefix at ``predicted_weight`` when larger (prefill only).
     counted_blocks: float = 0.0
-    #: The chosen worker's cost (pass 1): blocks, or predicted TTFT in seconds
-    #: under the "ttft" cost; 0 in pass 2.
+    #: The chosen worker's cost (pass 1): blocks, or under the "ttft" cost the
+    #: predicted TTFT in seconds with the request's own prefill weighed
+    #: ``prefill_weight`` times; 0 in pass 2.
     cost: float = 0.0
     #: Predicted seconds to the end of the request's prefill on the worker:
     #: the queue ahead as this router sees it, then the uncached part at the

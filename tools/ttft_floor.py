@@ -64,13 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     met = figures.get(cell + f"{a.subject}_target_a")
                     rows.append((floor / p2c, mine / p2c, family, routers, capacity, load, met))
     rows.sort(reverse=True)
-    print(
-        f"{'family':<14}{'R':>3}{'cap':>6}{'load':>6}{'floor/P2C':>11}{a.subject + '/P2C':>18}  (a)"
-    )
+    head = f"{a.subject}/P2C"
+    w = max(18, len(head) + 2)
+    print(f"{'family':<14}{'R':>3}{'cap':>6}{'load':>6}{'floor/P2C':>11}{head:>{w}}  (a)")
     for floor, mine, family, routers, capacity, load, met in rows[: a.top]:
         verdict = "pass" if met else "FAIL"
         print(
-            f"{family:<14}{routers:>3}{capacity:>6}{load:>6}{floor:>11.3f}{mine:>18.3f}  {verdict}"
+            f"{family:<14}{routers:>3}{capacity:>6}{load:>6}{floor:>11.3f}{mine:>{w}.3f}  {verdict}"
         )
     gaps = [mine - floor for floor, mine, *_ in rows]
     print(

@@ -130,6 +130,7 @@ from lab.synth import measure
 from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_block_key
 from router_client.config import (
     DEFAULT_BALANCE,
+    DEFAULT_PREFILL_WEIGHT,
     DEFAULT_SPREAD_HALF_LIFE_S,
     CostModel,
     RouterConfig,
@@ -215,7 +216,7 @@ class ReplaySettings:
     cost_model: CostModel = "ttft"
     #: router_client's ``prefill_weight`` (the ttft cost's weight of the
     #: request's own prefill against the queue; 1: predicted TTFT exactly).
-    prefill_weight: float = 1.0
+    prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     #: router_client's ``spread_half_life_s`` (workers the ttft cost predicts
     #: equal go to the one a router started the fewest requests on recently;
     #: 0: to the least loaded).

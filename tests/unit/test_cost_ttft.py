@@ -22,6 +22,7 @@ from router_client import (
     parse_config,
 )
 from router_client import cost as costmod
+from router_client.config import DEFAULT_PREFILL_WEIGHT
 from router_client.load import PREFILL_RATE_ALPHA, LoadTracker
 
 BS = 16
@@ -223,7 +224,11 @@ def test_ttft_leaves_a_slow_queue_the_blocks_cost_keeps() -> None:
         picks[cost] = r.decide(req(10 * BS + 1), matches, decode=False).prefill
     assert picks["blocks"].worker == "a"
     assert picks["ttft"].worker == "b"
-    assert picks["ttft"].cost == pytest.approx((10 * BS + 1) / DEFAULT_RATE)
+    # The cost weighs the request's own prefill (prefill_weight); its predicted TTFT
+    # (the predicted end of its prefill) does not.
+    own = (10 * BS + 1) / DEFAULT_RATE
+    assert picks["ttft"].cost == pytest.approx(DEFAULT_PREFILL_WEIGHT * own)
+    assert picks["ttft"].prefill_end_s == pytest.approx(own)
 
 
 def test_ttft_prefers_the_faster_worker_at_equal_queue() -> None:

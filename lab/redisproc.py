@@ -100,6 +100,21 @@ class _PortTaken(RuntimeError):
     """redis-server could not bind its port: something took it after it was found free."""
 
 
+#: The kernel's ephemeral port range where /proc does not say it (Linux's default).
+_EPHEMERAL_FALLBACK = (32768, 60999)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range: where ``bind(port 0)`` and outgoing
+    connections take their ports. Below it, only an explicit bind takes one."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
+
+
 def free_port(host: str = HOST) -> int:
     """A TCP port on ``host`` that nothing listens on right now (never 6379)."""
     while True:

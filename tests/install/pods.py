@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from lab.redisproc import ephemeral_range
+
 POD_IP = "127.0.0.1"
 
 _VAR = re.compile(r"\$\((\w+)\)")
@@ -42,17 +44,6 @@ _HOST_PORT = re.compile(r"(?P<dns>dns:///)?(?P<host>[a-z0-9][-a-z0-9.]*):(?P<por
 
 #: Ports handed out by this process (never twice).
 _GIVEN: set[int] = set()
-#: Where ports are drawn from when the kernel's ephemeral range is unknown.
-_EPHEMERAL_FALLBACK = (32768, 60999)
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            low, high = (int(x) for x in f.read().split())
-            return low, high
-    except (OSError, ValueError):
-        return _EPHEMERAL_FALLBACK
 
 
 def free_port() -> int:
@@ -65,7 +56,7 @@ def free_port() -> int:
     another process's connection (a bridge dialling an indexer), and the
     bind failed with EADDRINUSE (seen once in a full run).
     """
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     floor = max(1024, low - 12_000)
     rnd = random.Random()
     for _ in range(1000):

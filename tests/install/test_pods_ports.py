@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import socket
 
+from lab.redisproc import ephemeral_range
 from tests.install import pods
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
-    low, _ = pods._ephemeral_range()
+    low, _ = ephemeral_range()
     got = [pods.free_port() for _ in range(200)]
     assert len(set(got)) == len(got)
     assert all(1024 <= p < low and p != 6379 for p in got), got
@@ -20,7 +21,7 @@ def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
 
 
 def test_a_port_in_use_is_not_given() -> None:
-    low, _ = pods._ephemeral_range()
+    low, _ = ephemeral_range()
     taken = []
     try:
         # Occupy a stretch of the range the ports come from; none of it comes back.

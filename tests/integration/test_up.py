@@ -8,7 +8,6 @@ process groups.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from lab.redisproc import ephemeral_range
 from lab.up import main as up_main
 from lab.up.cluster import remove_stale_pools
 from lab.up.settings import PAGE_SIZE, PORT_LAYOUT, UpError, check_ports
@@ -227,11 +227,8 @@ def _below_ephemeral(n: int) -> int:
     The kernel hands out ports of that range to every ``bind(("", 0))`` and every
     outgoing connection, so while the suite runs in parallel the neighbours of a
     port it gave are often in use; below it only an explicit bind takes a port."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    top = min(low, 32768) - n
-    return random.randrange(max(1024, 6380), top)
+    low, _ = ephemeral_range()
+    return random.randrange(6380, min(low, 32768) - n)
 
 
 def test_a_taken_port_is_named_and_nothing_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -96,8 +96,8 @@ class TlsFiles:
 _PORT_ATTEMPTS = 5
 
 
-class _PortTaken(RuntimeError):
-    """redis-server could not bind its port: something took it after it was found free."""
+class PortInUse(RuntimeError):
+    """redis-server could not bind its port: something else holds it."""
 
 
 #: The kernel's ephemeral port range where /proc does not say it (Linux's default).
@@ -381,12 +381,7 @@ class RedisProcess(_Started):
 
     def _start_native(self, binary: str) -> None:
         if self.port:
-            try:
-                self._start_native_on(binary)
-            except _PortTaken:
-                raise RuntimeError(
-                    f"redis-server could not bind port {self.port}: it is already in use"
-                ) from None
+            self._start_native_on(binary)
             return
         # A port found free may be taken before redis-server binds it (another
         # test's server, or a client's ephemeral port): then try another.
@@ -395,12 +390,10 @@ class RedisProcess(_Started):
             try:
                 self._start_native_on(binary)
                 return
-            except _PortTaken:
-                if attempt == _PORT_ATTEMPTS - 1:
-                    raise RuntimeError(
-                        f"redis-server found no free port in {_PORT_ATTEMPTS} tries"
-                    ) from None
+            except PortInUse:
                 self.port = 0
+                if attempt == _PORT_ATTEMPTS - 1:
+                    raise
 
     def _start_native_on(self, binary: str) -> None:
         if self._tmp is None:
@@ -446,7 +439,9 @@ class RedisProcess(_Started):
                     f"(e.g. Debian's redis-server) on PATH: {err}{tail}"
                 ) from None
             if "address already in use" in said:
-                raise _PortTaken(self.port) from None
+                raise PortInUse(
+                    f"redis-server could not bind port {self.port}: it is already in use"
+                ) from None
             raise RuntimeError(f"redis-server exited at start: {err}{tail}") from None
         except ChildNotReady:
             self.kill()
@@ -673,8 +668,8 @@ class RedisClusterProcess(_Started):
             node.binary = binary
             try:
                 return node.start()
-            except RuntimeError as e:
-                if "already in use" not in str(e) or attempt == _PORT_ATTEMPTS - 1:
+            except PortInUse:
+                if attempt == _PORT_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
 

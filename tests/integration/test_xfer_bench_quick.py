@@ -39,10 +39,10 @@ def test_bench_prints_table_and_writes_json(
     # The unprefixed async figures are the coalesced mode's.
     assert figures["async_gbps"] == figures["coalesced_async_gbps"]
     assert figures["add_requests_rpc_p50_us"] <= figures["add_requests_rpc_p99_us"]
-    # The floor beside it: an empty call to a bare server costs something, and less
-    # at the median than a call that checks and holds 64 chunks in the sidecar.
+    # The floor beside it: an empty call to a bare server, timed in its own window
+    # (on two loaded cores its median was once above the 64-chunk call's: the two are
+    # figures to read side by side, not an order the suite can rely on).
     assert 0 < figures["bare_rpc_p50_us"] <= figures["bare_rpc_p99_us"]
-    assert figures["bare_rpc_p50_us"] < figures["add_requests_rpc_p50_us"]
     assert figures["add_requests_rpc_p99_vs_bare"] == pytest.approx(
         figures["add_requests_rpc_p99_us"] / figures["bare_rpc_p99_us"]
     )

@@ -64,6 +64,21 @@ whole load in blocks, decode included, before the random tie-break: new
 conversations spread evenly in number, so their later turns do too. Decode is
 ranked by load in blocks whatever the cost.
 
+A prompt's own part weighs more (``RouterConfig.private_weight``, 4 by default;
+:func:`predicted_ttft_split_s`): the blocks after its **shared part**, the
+deepest prefix the prompts this router saw continued in three or more ways (a
+system prompt, a tool context, a document many questions follow;
+:mod:`router_client.branches`)::
+
+    cost(w) = (queue_tokens(w) + prefill_weight * uncached shared tokens(w)
+                               + private_weight * uncached own tokens(w)) / rate(w)
+
+Recomputing a shared prefix on an idle worker makes a replica that spreads the
+requests using it; moving a conversation off its history makes its later turns
+follow it or recompute it, so its own part holds its worker against a longer
+queue. With one weight for both (``private_weight`` = ``prefill_weight``) the
+cost is the one above.
+
 Why "ttft" is the default: ``kvmesh replay --grid`` (five trace families, R 4
 and 8, 500 and 2,000 blocks per worker, loads 0.7 and 0.9, 1 s event lag)
 met the TTFT target (p95 <= 0.6x P2C's, lowest of all, best goodput) in 39 of
@@ -173,3 +188,30 @@ def predicted_ttft_s(
     ``tokens_per_s`` (``queue_s + prefill_s`` of the module docstring); with
     ``prefill_weight`` above 1, ``queue_s + prefill_weight * prefill_s``."""
     return (pending_prefill_tokens + prefill_weight * uncached_tokens) / tokens_per_s
+
+
+def predicted_ttft_split_s(
+    pending_prefill_tokens: float,
+    input_tokens: float,
+    cached_tokens: float,
+    shared_tokens: float,
+    tokens_per_s: float,
+    shared_weight: float,
+    private_weight: float,
+) -> float:
+    """:func:`predicted_ttft_s` with the prompt in two parts: its first
+    ``shared_tokens`` (a prefix many prompts continue) weighted ``shared_weight``
+    where uncached, the rest (the prompt's own) ``private_weight``
+    (:mod:`router_client.branches`)::
+
+        cost = (queue + shared_weight * uncached shared tokens
+                      + private_weight * uncached own tokens) / rate
+    """
+    total = max(0.0, input_tokens)
+    shared = min(max(0.0, shared_tokens), total)
+    cached = min(max(0.0, cached_tokens), total)
+    uncached_shared = max(0.0, shared - cached)
+    uncached_own = total - max(cached, shared)
+    return (
+        pending_prefill_tokens + shared_weight * uncached_shared + private_weight * uncached_own
+    ) / tokens_per_s

@@ -77,6 +77,7 @@ from prometheus_client import CollectorRegistry
 from kvmesh.blockkeys import block_keys as compute_block_keys
 from kvmesh.tracing import tracing_enabled
 from router_client import cost as costmod
+from router_client.branches import PrefixBranches
 from router_client.config import Bucket, Limits, RouterConfig, Stage
 from router_client.errors import NoHealthyWorker
 from router_client.indexer_client import IndexerClient, MatchOutcome, MatchStatus
@@ -258,6 +259,12 @@ class Router:
             clock=clock,
             spread_half_life_s=self.config.spread_half_life_s,
         )
+        cfg = self.config
+        #: Where the prompts seen branch, when the cost weighs a prompt's own part
+        #: apart (``private_weight``); None otherwise.
+        self.branches: PrefixBranches | None = None
+        if cfg.cost == "ttft" and cfg.private_weight != cfg.prefill_weight:
+            self.branches = PrefixBranches()
         self.metrics = default_metrics() if registry is None else RouterMetrics(registry)
         #: Decisions by (stage, reason), mirrored from the Prometheus counter.
         self.decisions: Counter[tuple[str, str]] = Counter()
@@ -476,7 +483,8 @@ class Router:
             if unknown:
                 self.unknown_instances += len(unknown)
                 self.metrics.unknown_instances.inc(len(unknown))
-        prefill = self._choose("prefill", req, outcome, n_blocks)
+        shared = self._shared_blocks(req)
+        prefill = self._choose("prefill", req, outcome, n_blocks, shared)
         self._account(outcome, prefill)
         dec = self._choose("decode", req, None, n_blocks) if decode else None
         decision = Decision(prefill, dec)
@@ -488,15 +496,28 @@ class Router:
                 log.debug("on_decision hook failed", exc_info=True)
         return decision
 
+    def _shared_blocks(self, req: RouteRequest) -> int | None:
+        """The blocks of ``req``'s shared part (:mod:`router_client.branches`), or None
+        when the cost weighs the whole prompt alike."""
+        if self.branches is None:
+            return None
+        keys = self.keys_for(req)
+        return self.branches.observe(keys) if keys else 0
+
     def _choose(
-        self, stage: Stage, req: RouteRequest, outcome: MatchOutcome | None, n_blocks: int
+        self,
+        stage: Stage,
+        req: RouteRequest,
+        outcome: MatchOutcome | None,
+        n_blocks: int,
+        shared: int | None = None,
     ) -> Choice:
         with tracer.start_as_current_span("kvmesh.router.choose") as span:
             domains = self.domains(stage, req)
             if not domains:
                 self._count(stage, "no_healthy_worker")
                 raise NoHealthyWorker(stage)
-            choice = self._pass1(stage, req, domains, outcome, n_blocks)
+            choice = self._pass1(stage, req, domains, outcome, n_blocks, shared)
             if choice is None:
                 choice = self._pass2(stage, req, domains, outcome, n_blocks)
             self._count(stage, choice.reason)
@@ -542,6 +563,7 @@ class Router:
         domains: list[Domain],
         outcome: MatchOutcome | None,
         n_blocks: int,
+        shared: int | None = None,
     ) -> Choice | None:
         bs = self.block_size
         cfg = self.config
@@ -574,7 +596,7 @@ class Router:
                     counted = costmod.cached_blocks_with_prediction(match, reusable, bs, weight)
                 cached_of[w] = (confirmed, counted)
                 wl = load.load(w) if pending is None else self.seen_load(w, pending)
-                c = self._cost(stage, wl, req, n_blocks, counted)
+                c = self._cost(stage, wl, req, n_blocks, counted, shared)
                 key = (
                     c,
                     load.recent_requests(w) if spread else 0.0,
@@ -625,15 +647,33 @@ class Router:
         return wl
 
     def _cost(
-        self, stage: Stage, wl: WorkerLoad, req: RouteRequest, n_blocks: int, cached: float
+        self,
+        stage: Stage,
+        wl: WorkerLoad,
+        req: RouteRequest,
+        n_blocks: int,
+        cached: float,
+        shared: int | None = None,
     ) -> float:
         """The cost for ``req`` of a worker with load ``wl`` holding ``cached``
-        blocks (:mod:`router_client.cost`)."""
+        blocks (:mod:`router_client.cost`); ``shared``: the blocks of the prompt's
+        shared part when its own part weighs ``private_weight``."""
         bs = self.block_size
         if stage == "decode":
             return costmod.load_blocks(wl, bs)
         cfg = self.config
         if cfg.cost == "ttft":
+            if shared is not None:
+                rate = costmod.prefill_rate(wl, cfg.prefill_tokens_per_s)
+                return costmod.predicted_ttft_split_s(
+                    wl.pending_prefill_tokens,
+                    req.input_tokens or n_blocks * bs,
+                    cached * bs,
+                    shared * bs,
+                    rate,
+                    cfg.prefill_weight,
+                    cfg.private_weight,
+                )
             return self._ttft_s(wl, req, n_blocks, cached, cfg.prefill_weight)
         uncached = max(0.0, n_blocks - cached)
         return costmod.cost(uncached, costmod.load_blocks(wl, bs), self._balance)

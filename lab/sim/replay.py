@@ -131,6 +131,7 @@ from lab.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_mooncake, trace_b
 from router_client.config import (
     DEFAULT_BALANCE,
     DEFAULT_PREFILL_WEIGHT,
+    DEFAULT_PRIVATE_WEIGHT,
     DEFAULT_SPREAD_HALF_LIFE_S,
     CostModel,
     RouterConfig,
@@ -217,6 +218,10 @@ class ReplaySettings:
     #: router_client's ``prefill_weight`` (the ttft cost's weight of the
     #: request's own prefill against the queue; 1: predicted TTFT exactly).
     prefill_weight: float = DEFAULT_PREFILL_WEIGHT
+    #: router_client's ``private_weight`` (the ttft cost's weight of a prompt's
+    #: own part, after the prefix other prompts continue; equal to
+    #: ``prefill_weight``: the whole prompt alike).
+    private_weight: float = DEFAULT_PRIVATE_WEIGHT
     #: router_client's ``spread_half_life_s`` (workers the ttft cost predicts
     #: equal go to the one a router started the fewest requests on recently;
     #: 0: to the least loaded).
@@ -667,6 +672,7 @@ async def run_policy(
         balance=settings.balance,
         cost=settings.cost_model,
         prefill_weight=settings.prefill_weight,
+        private_weight=settings.private_weight,
         spread_half_life_s=settings.spread_half_life_s,
         prefill_tokens_per_s=settings.service.prefill_tokens_per_s,
         predictions=settings.predict,

@@ -22,7 +22,7 @@ from router_client import (
     parse_config,
 )
 from router_client import cost as costmod
-from router_client.config import DEFAULT_PREFILL_WEIGHT
+from router_client.config import DEFAULT_PRIVATE_WEIGHT
 from router_client.load import PREFILL_RATE_ALPHA, LoadTracker
 
 BS = 16
@@ -119,17 +119,28 @@ def fleets(draw: st.DrawFn) -> Fleet:
 
 
 @settings(max_examples=300, deadline=None, database=None, report_multiple_bugs=False)
-@given(fleets(), st.booleans(), st.integers(0, 2**16), st.sampled_from([1.0, 1.0, 2.0, 7.5]))
+@given(
+    fleets(),
+    st.booleans(),
+    st.integers(0, 2**16),
+    st.sampled_from([1.0, 1.0, 2.0, 7.5]),
+    st.sampled_from([None, 4.0]),
+)
 def check_ttft_choice_is_the_naive_minimum(
-    fleet: Fleet, predictions: bool, seed: int, weight: float
+    fleet: Fleet, predictions: bool, seed: int, weight: float, private: float | None
 ) -> None:
+    """``private``: the weight of the prompt's own part (None: ``weight`` too). The
+    router has seen no other prompt, so all of this one is its own."""
     names = fleet.names
     config = {
         "cost": "ttft",
         "limits": fleet.limits,
         "predictions": predictions,
         "prefill_weight": weight,
+        "private_weight": weight if private is None else private,
     }
+    if private is not None:
+        weight = private
     r = make_router(config, names, seed)
     for w, load in fleet.reports.items():
         r.load.report(w, load, at=NOW)
@@ -203,7 +214,8 @@ def test_a_prefill_weight_keeps_a_hit_behind_a_short_queue() -> None:
     matches = MatchOutcome(MatchStatus.OK, {"a": WorkerMatch(9, 9)})
     picks = {}
     for weight in (1.0, 8.0):
-        r = make_router({"cost": "ttft", "prefill_weight": weight}, ["a", "b"])
+        config = {"cost": "ttft", "prefill_weight": weight, "private_weight": weight}
+        r = make_router(config, ["a", "b"])
         r.load.report("a", WorkerLoad(1, 1_000, 1_000, DEFAULT_RATE), at=NOW)
         picks[weight] = r.decide(req(10 * BS + 1), matches, decode=False).prefill.worker
     assert picks == {1.0: "b", 8.0: "a"}
@@ -224,10 +236,11 @@ def test_ttft_leaves_a_slow_queue_the_blocks_cost_keeps() -> None:
         picks[cost] = r.decide(req(10 * BS + 1), matches, decode=False).prefill
     assert picks["blocks"].worker == "a"
     assert picks["ttft"].worker == "b"
-    # The cost weighs the request's own prefill (prefill_weight); its predicted TTFT
-    # (the predicted end of its prefill) does not.
+    # The cost weighs the request's own prefill (private_weight: the router has seen
+    # no other prompt, so none of this one is shared); its predicted TTFT (the
+    # predicted end of its prefill) does not.
     own = (10 * BS + 1) / DEFAULT_RATE
-    assert picks["ttft"].cost == pytest.approx(DEFAULT_PREFILL_WEIGHT * own)
+    assert picks["ttft"].cost == pytest.approx(DEFAULT_PRIVATE_WEIGHT * own)
     assert picks["ttft"].prefill_end_s == pytest.approx(own)
 
 

@@ -215,7 +215,7 @@ def test_the_prefill_end_is_the_queue_then_the_uncached_prefill() -> None:
     """Choice.prefill_end_s: the queue ahead as the router sees it (its own
     view, or every router's pending prefill when larger), then the uncached
     part at the worker's rate; pending_ms rounds it up, 0 when not predicted."""
-    r = make_router({"predictions": True, "prefill_tokens_per_s": 1000})
+    r = make_router({"predictions": True, "prefill_tokens_per_s": 1000, "private_weight": 1.5})
     keys = list(range(10))
     outcome = MatchOutcome(MatchStatus.OK, {"a": WorkerMatch(4, 4, 0, 0)}, {"b": 3, "c": 5})
     request = RouteRequest(1, 10 * BS, block_keys=keys)

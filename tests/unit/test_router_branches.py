@@ -40,9 +40,7 @@ class NaiveBranches:
 
 # Prompts as chains over a small key space: shared roots, then branches, so keys
 # repeat with several continuations (and a key may recur inside a chain).
-prompts = st.lists(
-    st.lists(st.integers(0, 12), min_size=0, max_size=8), min_size=1, max_size=25
-)
+prompts = st.lists(st.lists(st.integers(0, 12), min_size=0, max_size=8), min_size=1, max_size=25)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

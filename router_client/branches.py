@@ -18,9 +18,9 @@ conversation's next turn continues its last block differently from the turn
 before (the turn's partial last block becomes a full block with the reply's
 tokens), so every turn boundary of every conversation branches in two.
 
-Memory is bounded: keys live in two generations of at most ``capacity`` keys
-each; a key seen again moves to the newer one, and when the newer one is full
-the older is dropped. A shared prefix is seen with every request that starts
+Memory is bounded: keys live in two generations of ``capacity`` keys each (a
+generation may overrun by one prompt's keys); a key seen again moves to the
+newer one, and when the newer one is full the older is dropped. A shared prefix is seen with every request that starts
 with it, so it stays; a conversation's chain that is dropped is counted again
 from its next turn (as private: the weight a new key gets).
 """
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from itertools import compress
+from operator import ne
 
 #: Distinct continuations that make a block key shared.
 FANOUT = 3
@@ -38,9 +40,19 @@ FANOUT = 3
 DEFAULT_CAPACITY = 1 << 18
 
 
+#: A key continued :data:`FANOUT` or more ways (its continuations are no longer kept).
+_SHARED = object()
+
+
 class PrefixBranches:
     """The continuations of the block keys a router saw, up to :data:`FANOUT`
-    distinct ones a key. Thread-safe."""
+    distinct ones a key. Thread-safe.
+
+    A key's entry is the one key that followed it (an int: most keys, the
+    prompt's own chain, held without a new object), a tuple of the distinct
+    ones while fewer than :data:`FANOUT`, then a marker. A prompt is walked in C
+    (``map``) where it repeats what was seen; Python runs only where it differs.
+    """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, fanout: int = FANOUT) -> None:
         if capacity < 1:
@@ -49,8 +61,8 @@ class PrefixBranches:
             raise ValueError("fanout must be at least 2")
         self._capacity = capacity
         self._fanout = fanout
-        self._new: dict[int, tuple[int, ...]] = {}
-        self._old: dict[int, tuple[int, ...]] = {}
+        self._new: dict[int, object] = {}
+        self._old: dict[int, object] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -60,25 +72,76 @@ class PrefixBranches:
         """Record the prompt ``keys`` and return the blocks of its shared part:
         one past its deepest key continued in :data:`FANOUT` or more ways, this
         prompt's continuation included (0: none is)."""
+        n = len(keys)
+        if n < 2:
+            return 0
+        ks = list(keys)
+        with self._lock:
+            if len(set(ks)) != n:  # a key twice in one prompt: in order, one at a time
+                return self._observe_each(ks)
+            new, old = self._new, self._old
+            heads, nexts = ks[:-1], ks[1:]
+            vals = list(map(new.get, heads))
+            if None in vals:
+                missing = [i for i, v in enumerate(vals) if v is None]
+                if old:
+                    pop = old.pop
+                    for i in missing:
+                        v = pop(heads[i], None)
+                        vals[i] = nexts[i] if v is None else v
+                        new[heads[i]] = vals[i]
+                else:
+                    for i in missing:
+                        vals[i] = nexts[i]
+                    new.update(zip([heads[i] for i in missing], [nexts[i] for i in missing]))
+            shared = 0
+            fanout = self._fanout
+            for i in compress(range(n - 1), map(ne, vals, nexts)):
+                v, nxt = vals[i], nexts[i]
+                if v is _SHARED:
+                    shared = i + 1
+                    continue
+                if type(v) is tuple:
+                    if nxt in v:
+                        continue
+                    seen = (*v, nxt)
+                else:
+                    seen = (v, nxt)
+                if len(seen) >= fanout:
+                    new[heads[i]] = _SHARED
+                    shared = i + 1
+                else:
+                    new[heads[i]] = seen
+            if len(new) >= self._capacity:
+                self._old, self._new = new, {}
+        return shared
+
+    def _observe_each(self, keys: list[int]) -> int:
+        """:meth:`observe` a key at a time (under the lock), for a prompt that
+        repeats a key, whose continuations then depend on the order."""
         fanout = self._fanout
         shared = 0
-        with self._lock:
-            new, old = self._new, self._old
-            for i in range(len(keys) - 1):
-                key, nxt = keys[i], keys[i + 1]
-                seen = new.get(key)
-                if seen is None:
-                    seen = old.pop(key, None)
-                    if seen is None:
-                        seen = (nxt,)
-                    elif len(seen) < fanout and nxt not in seen:
-                        seen = (*seen, nxt)
-                    new[key] = seen
-                elif len(seen) < fanout and nxt not in seen:
-                    seen = new[key] = (*seen, nxt)
+        new, old = self._new, self._old
+        for i in range(len(keys) - 1):
+            key, nxt = keys[i], keys[i + 1]
+            v = new.get(key)
+            if v is None:
+                v = old.pop(key, None)
+                new[key] = nxt if v is None else v
+                if v is None:
+                    v = nxt
+            if v is _SHARED:
+                shared = i + 1
+            elif v != nxt:
+                if type(v) is tuple:
+                    seen = v if nxt in v else (*v, nxt)
+                else:
+                    seen = (v, nxt)
                 if len(seen) >= fanout:
+                    new[key] = _SHARED
                     shared = i + 1
-                if len(new) >= self._capacity:
-                    self._old, self._new = new, {}
-                    new, old = self._new, self._old
+                else:
+                    new[key] = seen
+        if len(new) >= self._capacity:
+            self._old, self._new = new, {}
         return shared

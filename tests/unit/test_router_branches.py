@@ -51,6 +51,34 @@ def test_shared_part_matches_a_naive_recount(seq: list[list[int]]) -> None:
         assert tracker.observe(keys) == naive.observe(keys)
 
 
+# Prompts whose keys never repeat within a prompt (keys that name their prefix
+# never do): the tracker's walk in C, not its key-at-a-time one.
+distinct_prompts = st.lists(
+    st.lists(st.integers(0, 12), min_size=0, max_size=8, unique=True), min_size=1, max_size=25
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(distinct_prompts)
+def test_shared_part_of_distinct_keys_matches_a_naive_recount(seq: list[list[int]]) -> None:
+    tracker, naive = PrefixBranches(), NaiveBranches()
+    for keys in seq:
+        assert tracker.observe(keys) == naive.observe(keys)
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_continuations_carry_over_from_the_older_generation(repeat: bool) -> None:
+    """Capacity 3: each prompt fills a generation, so every key is read back from
+    the older one, and its continuations still add up to a shared key."""
+    t = PrefixBranches(capacity=3)
+    tail = [9, 8, 9] if repeat else []  # a repeated key: the key-at-a-time walk
+    assert t.observe([1, 2, 3, 4, *tail]) == 0
+    assert t._old and not t._new
+    assert t.observe([1, 2, 3, 5, *tail]) == 0
+    assert t.observe([1, 2, 3, 6, *tail]) == 3
+    assert t.observe([1, 2, 3, 4]) == 3
+
+
 def test_a_broken_model_fails_the_recount() -> None:
     """Two continuations making a key shared (every turn boundary of a conversation
     would) disagree with the reference: the property can tell."""
@@ -86,7 +114,7 @@ def test_memory_is_bounded_and_a_hot_prefix_stays() -> None:
         t.observe([*hot, 1000 + q])
     for i in range(2_000):
         chain = [100_000 + 10 * i + j for j in range(5)]
-        assert len(t) <= 2 * 64
+        assert len(t) <= 2 * 64 + len(hot) + len(chain)  # each generation: one prompt over
         # The hot prefix, seen with every request, keeps its continuations.
         assert t.observe([*hot, *chain]) == len(hot)
         t.observe(chain)

@@ -20,9 +20,10 @@ tokens), so every turn boundary of every conversation branches in two.
 
 Memory is bounded: keys live in two generations of ``capacity`` keys each (a
 generation may overrun by one prompt's keys); a key seen again moves to the
-newer one, and when the newer one is full the older is dropped. A shared prefix is seen with every request that starts
-with it, so it stays; a conversation's chain that is dropped is counted again
-from its next turn (as private: the weight a new key gets).
+newer one, and when the newer one is full the older is dropped. A shared
+prefix is seen with every request that starts with it, so it stays; a
+conversation's chain that is dropped is counted again from its next turn (as
+its own part: the weight a new key gets).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class PrefixBranches:
                 else:
                     for i in missing:
                         vals[i] = nexts[i]
-                    new.update(zip([heads[i] for i in missing], [nexts[i] for i in missing]))
+                    fresh = [heads[i] for i in missing]
+                    new.update(zip(fresh, [nexts[i] for i in missing], strict=True))
             shared = 0
             fanout = self._fanout
             for i in compress(range(n - 1), map(ne, vals, nexts)):
@@ -133,10 +135,7 @@ class PrefixBranches:
             if v is _SHARED:
                 shared = i + 1
             elif v != nxt:
-                if type(v) is tuple:
-                    seen = v if nxt in v else (*v, nxt)
-                else:
-                    seen = (v, nxt)
+                seen = (v if nxt in v else (*v, nxt)) if type(v) is tuple else (v, nxt)
                 if len(seen) >= fanout:
                     new[key] = _SHARED
                     shared = i + 1

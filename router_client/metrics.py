@@ -16,7 +16,9 @@ class RouterMetrics:
     counts Match entries naming workers this router does not know.
     ``prefill_choices{outcome}`` and ``cache_blocks{kind}`` account for prefill
     decisions against the best cache hit admitted (:class:`router_client.router.Accounting`);
-    ``predictions{outcome}`` counts route-time predictions recorded or skipped.
+    ``predictions{outcome}`` counts route-time predictions recorded or skipped;
+    ``prompt_blocks{part}`` the prompt blocks of prefill decisions by the part the
+    ttft cost weighs them as (:mod:`router_client.branches`).
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -50,6 +52,14 @@ class RouterMetrics:
             "Route-time predictions (PredictPlacement) by outcome: sent, or skipped "
             "(too many pending)",
             ["outcome"],
+            registry=registry,
+        )
+        self.prompt_blocks = Counter(
+            "kvmesh_router_prompt_blocks",
+            "Prompt blocks of prefill decisions by part, when the ttft cost weighs a "
+            "prompt's own part apart (private_weight): shared (a prefix the prompts seen "
+            "continue in three or more ways) or own",
+            ["part"],
             registry=registry,
         )
 

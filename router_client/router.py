@@ -484,6 +484,10 @@ class Router:
                 self.unknown_instances += len(unknown)
                 self.metrics.unknown_instances.inc(len(unknown))
         shared = self._shared_blocks(req)
+        if shared is not None:
+            part = min(shared, n_blocks)
+            self.metrics.prompt_blocks.labels("shared").inc(part)
+            self.metrics.prompt_blocks.labels("own").inc(n_blocks - part)
         prefill = self._choose("prefill", req, outcome, n_blocks, shared)
         self._account(outcome, prefill)
         dec = self._choose("decode", req, None, n_blocks) if decode else None
@@ -517,6 +521,8 @@ class Router:
             if not domains:
                 self._count(stage, "no_healthy_worker")
                 raise NoHealthyWorker(stage)
+            if shared is not None and span.is_recording():
+                span.set_attribute("kvmesh.shared_blocks", shared)
             choice = self._pass1(stage, req, domains, outcome, n_blocks, shared)
             if choice is None:
                 choice = self._pass2(stage, req, domains, outcome, n_blocks)

@@ -188,3 +188,29 @@ def test_a_history_holds_its_worker_and_a_shared_prefix_is_replicated() -> None:
     for tail in (100, 200, 300):
         shared.branches.observe([*prompt[:8], tail, tail + 1])
     assert _choose(shared, clock, prompt) == "b"
+
+
+def test_prompt_blocks_are_counted_by_part() -> None:
+    clock = FakeClock(100.0)
+    counts = {}
+    for private in (4.0, 1.5):
+        registry = CollectorRegistry()
+        r = Router(
+            parse_config(
+                {"cost": "ttft", "prefill_tokens_per_s": 1000.0, "private_weight": private}
+            ),
+            workers=["a", "b"],
+            block_size=BS,
+            seed=1,
+            clock=clock,
+            registry=registry,
+        )
+        for tail in (100, 200, 300):
+            _choose(r, clock, [*range(8), tail, tail + 1])
+        counts[private] = tuple(
+            registry.get_sample_value("kvmesh_router_prompt_blocks_total", {"part": part})
+            for part in ("shared", "own")
+        )
+    # The first two prompts: all 10 blocks their own; the third: 8 shared, 2 own.
+    # With one weight the parts are not told apart, nor counted.
+    assert counts == {4.0: (8.0, 22.0), 1.5: (None, None)}

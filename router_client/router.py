@@ -412,7 +412,7 @@ class Router:
             outcome = await indexer.match(keys, include_predicted=True)
         else:
             outcome = await indexer.match(keys)
-        decision = self.decide(req, outcome, n_blocks=len(keys), decode=decode)
+        decision = self.decide(req, outcome, n_blocks=len(keys), decode=decode, keys=keys)
         if predictions and indexer is not None and keys:
             self._predict(indexer, decision.prefill, keys)
         return decision
@@ -469,21 +469,26 @@ class Router:
         *,
         n_blocks: int | None = None,
         decode: bool = True,
+        keys: Sequence[int] | None = None,
     ) -> Decision:
         """Choose workers given a Match outcome (see the module docstring).
 
         ``n_blocks``: the prompt's full blocks (defaults to the key count).
+        ``keys``: the request's block keys when the caller has them
+        (:meth:`route` passes those it matched), so that token ids are keyed once.
         Raises :class:`NoHealthyWorker`.
         """
+        if keys is None and (n_blocks is None or self.branches is not None):
+            keys = self.keys_for(req)
         if n_blocks is None:
-            n_blocks = len(self.keys_for(req))
+            n_blocks = len(keys or ())
         matches = outcome.matches
         if matches:
             unknown = [w for w in matches if w not in self._known]
             if unknown:
                 self.unknown_instances += len(unknown)
                 self.metrics.unknown_instances.inc(len(unknown))
-        shared = self._shared_blocks(req)
+        shared = None if self.branches is None else self._shared_blocks(keys or ())
         if shared is not None:
             part = min(shared, n_blocks)
             self.metrics.prompt_blocks.labels("shared").inc(part)
@@ -500,13 +505,11 @@ class Router:
                 log.debug("on_decision hook failed", exc_info=True)
         return decision
 
-    def _shared_blocks(self, req: RouteRequest) -> int | None:
-        """The blocks of ``req``'s shared part (:mod:`router_client.branches`), or None
-        when the cost weighs the whole prompt alike."""
-        if self.branches is None:
-            return None
-        keys = self.keys_for(req)
-        return self.branches.observe(keys) if keys else 0
+    def _shared_blocks(self, keys: Sequence[int]) -> int:
+        """The blocks of the shared part of the prompt ``keys``
+        (:mod:`router_client.branches`), recording it."""
+        branches = self.branches
+        return branches.observe(keys) if branches is not None and keys else 0
 
     def _choose(
         self,

@@ -206,3 +206,25 @@ def test_prompt_blocks_are_counted_by_part() -> None:
     # The first two prompts: all 10 blocks their own; the third: 8 shared, 2 own.
     # With one weight the parts are not told apart, nor counted.
     assert counts == {4.0: (8.0, 22.0), 1.5: (None, None)}
+
+
+async def test_token_ids_are_keyed_once_a_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keys route() matched are the ones the tracker reads: a prompt given as
+    token ids is hashed once, not again for its shared part."""
+    import router_client.router as router_mod
+
+    calls = []
+    real = router_mod.compute_block_keys
+
+    def counting(*args: Any, **kwargs: Any) -> list[int]:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(router_mod, "compute_block_keys", counting)
+    clock = FakeClock(100.0)
+    r = make_router({"private_weight": 4.0}, ["a", "b"], clock)
+    assert r.branches is not None
+    req = RouteRequest("q", 10 * BS, token_ids=list(range(10 * BS)))
+    await r.route(req, decode=False)
+    assert len(calls) == 1
+    assert len(r.branches) == 9  # the prompt's 10 keys, each but the last with its next

@@ -1527,6 +1527,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(--balance)",
     )
     p.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=DEFAULT_PREFILL_WEIGHT,
+        help="router_client's prefill_weight: the ttft cost's weight of a prompt's uncached "
+        "shared prefix against the queue (1: predicted TTFT exactly)",
+    )
+    p.add_argument(
+        "--private-weight",
+        type=float,
+        default=DEFAULT_PRIVATE_WEIGHT,
+        help="router_client's private_weight: the ttft cost's weight of the uncached rest "
+        "of the prompt, past the prefix prompts continue in three or more ways (equal to "
+        "--prefill-weight: the whole prompt alike)",
+    )
+    p.add_argument(
         "--own-load-only",
         action="store_true",
         help="with predictions: routers do not count the other routers' unconfirmed "
@@ -1672,6 +1687,12 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "need --routers >= 1, --workers >= 2, --capacity >= 0"
     if not 0.0 <= args.balance <= 1.0:
         return "--balance must lie in [0, 1]"
+    for flag, value in (
+        ("--prefill-weight", args.prefill_weight),
+        ("--private-weight", args.private_weight),
+    ):
+        if not 1.0 <= value <= 100.0:
+            return f"{flag} must lie in [1, 100] (router_client's bounds)"
     if args.load is not None and args.load <= 0:
         return "--load must be > 0"
     if args.load is not None and args.speed != 1.0:
@@ -1746,6 +1767,8 @@ def settings_of(args: argparse.Namespace) -> ReplaySettings:
         load_report_s=args.load_report_ms / 1000.0,
         load_view=args.load_view,
         cost_model=args.cost,
+        prefill_weight=args.prefill_weight,
+        private_weight=args.private_weight,
         predict=args.predict,
         prediction_ttl_s=args.prediction_ttl_ms / 1000.0,
         shared_pending=not args.own_load_only,

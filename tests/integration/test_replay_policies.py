@@ -58,4 +58,7 @@ def test_cli_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvmesh_main(["replay", "--policies", "nope"]) == 2
     assert kvmesh_main(["replay", "--balance", "2"]) == 2
+    assert kvmesh_main(["replay", "--private-weight", "0.5"]) == 2
+    assert "--private-weight must lie in [1, 100]" in capsys.readouterr().err
+    assert kvmesh_main(["replay", "--prefill-weight", "101"]) == 2
     assert kvmesh_main(["replay", "/nonexistent/trace.jsonl"]) == 2

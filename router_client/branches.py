@@ -84,63 +84,49 @@ class PrefixBranches:
             heads, nexts = ks[:-1], ks[1:]
             vals = list(map(new.get, heads))
             if None in vals:
-                missing = [i for i, v in enumerate(vals) if v is None]
-                if old:
-                    pop = old.pop
-                    for i in missing:
-                        v = pop(heads[i], None)
-                        vals[i] = nexts[i] if v is None else v
-                        new[heads[i]] = vals[i]
-                else:
-                    for i in missing:
-                        vals[i] = nexts[i]
-                    fresh = [heads[i] for i in missing]
-                    new.update(zip(fresh, [nexts[i] for i in missing], strict=True))
+                # Not in the newer generation: moved up from the older, or new.
+                pop = old.pop
+                for i in [i for i, v in enumerate(vals) if v is None]:
+                    vals[i] = new[heads[i]] = pop(heads[i], nexts[i])
             shared = 0
-            fanout = self._fanout
             for i in compress(range(n - 1), map(ne, vals, nexts)):
-                v, nxt = vals[i], nexts[i]
-                if v is _SHARED:
+                entry = self._continued(vals[i], nexts[i])
+                if entry is not None:
+                    new[heads[i]] = entry
+                if entry is _SHARED or vals[i] is _SHARED:
                     shared = i + 1
-                    continue
-                if type(v) is tuple:
-                    if nxt in v:
-                        continue
-                    seen = (*v, nxt)
-                else:
-                    seen = (v, nxt)
-                if len(seen) >= fanout:
-                    new[heads[i]] = _SHARED
-                    shared = i + 1
-                else:
-                    new[heads[i]] = seen
             if len(new) >= self._capacity:
                 self._old, self._new = new, {}
         return shared
 
+    def _continued(self, entry: object, nxt: int) -> object | None:
+        """A key's entry once ``nxt`` (not ``entry`` itself) followed it, or None
+        when it does not change (shared already, or ``nxt`` among its continuations)."""
+        if entry is _SHARED:
+            return None
+        if type(entry) is tuple:
+            if nxt in entry:
+                return None
+            seen: tuple[object, ...] = (*entry, nxt)
+        else:
+            seen = (entry, nxt)
+        return _SHARED if len(seen) >= self._fanout else seen
+
     def _observe_each(self, keys: list[int]) -> int:
         """:meth:`observe` a key at a time (under the lock), for a prompt that
         repeats a key, whose continuations then depend on the order."""
-        fanout = self._fanout
         shared = 0
         new, old = self._new, self._old
         for i in range(len(keys) - 1):
             key, nxt = keys[i], keys[i + 1]
             v = new.get(key)
             if v is None:
-                v = old.pop(key, None)
-                new[key] = nxt if v is None else v
-                if v is None:
-                    v = nxt
-            if v is _SHARED:
+                v = new[key] = old.pop(key, nxt)
+            entry = None if v == nxt else self._continued(v, nxt)
+            if entry is not None:
+                new[key] = entry
+            if entry is _SHARED or v is _SHARED:
                 shared = i + 1
-            elif v != nxt:
-                seen = (v if nxt in v else (*v, nxt)) if type(v) is tuple else (v, nxt)
-                if len(seen) >= fanout:
-                    new[key] = _SHARED
-                    shared = i + 1
-                else:
-                    new[key] = seen
         if len(new) >= self._capacity:
             self._old, self._new = new, {}
         return shared

@@ -94,10 +94,14 @@ import contextlib
 import heapq
 import math
 import operator
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import chain, islice, takewhile
+from itertools import chain, takewhile
+
+import numpy as np
+from preshed.maps import PreshMap
 
 from indexer.index import Index
 from indexer.model import (
@@ -157,13 +161,53 @@ _DEPTH1_TIERS: tuple[tuple[int, int, int], ...] = tuple(
 _POPCOUNT = (0, 1, 1, 2, 1, 2, 2, 3)
 # Low 64 bits of an engine-hash entry: the content key.
 _U64 = (1 << 64) - 1
+#: Block-table entries at or above this are holder-set signatures (see
+#: "Signatures" above); below, ``number << 3 | mask`` of the one holder.
+_SHARED = 1 << 63
+
+#: The key mix (see "Tables" above): an odd multiplier drawn per process, and
+#: its inverse modulo 2^64.
+_MIX = secrets.randbits(64) | 1
+_UNMIX = pow(_MIX, -1, 1 << 64)
 
 
-#: Dicts per namespace table: see "Shards" above.
+def _mixed(k: int) -> int:
+    """The tables' key of ``k``: a bijection of 64-bit values, secret per process."""
+    m = k * _MIX & _U64
+    m ^= m >> 32
+    return m ^ m >> 16
+
+
+def _unmixed(m: int) -> int:
+    """The key whose :func:`_mixed` is ``m``."""
+    m ^= m >> 16 ^ m >> 32 ^ m >> 48
+    return (m ^ m >> 32) * _UNMIX & _U64
+
+
+#: Keys from which :func:`_mixed_all` mixes in numpy (one element costs about
+#: 45 ns there, 150 in Python; the call about 4 us).
+MIX_VECTOR_FROM = 32
+_S32, _S16 = np.uint64(32), np.uint64(16)
+
+
+def _mixed_all(keys: Sequence[int]) -> list[int]:
+    """:func:`_mixed` of each of ``keys`` (64-bit unsigned ints)."""
+    if len(keys) < MIX_VECTOR_FROM:
+        return [_mixed(k) for k in keys]
+    a = np.array(keys, dtype=np.uint64)
+    a *= np.uint64(_MIX)
+    a ^= a >> _S32
+    a ^= a >> _S16
+    out: list[int] = a.tolist()
+    return out
+
+
+#: Maps per namespace table: see "Shards" above.
 SHARDS = 256
-#: Slots a key's low bits pick among (a power of two), each naming a shard.
+#: Slots a mixed key's high bits pick among (a power of two), each naming a shard.
 SLOTS = 4096
-_SLOT = SLOTS - 1
+#: A mixed key's slot is ``m >> _SLOT_SHIFT``.
+_SLOT_SHIFT = 64 - SLOTS.bit_length() + 1
 
 
 def _slot_shards(shards: int, slots: int) -> tuple[int, ...]:
@@ -198,45 +242,115 @@ _SLOT_SHARD = _slot_shards(SHARDS, SLOTS)
 #: the block tables', smaller: an instance holds a part of a namespace).
 HASH_SHARDS = 64
 HASH_SLOTS = 1024
-_HASH_SLOT = HASH_SLOTS - 1
+_HASH_SHIFT = 64 - HASH_SLOTS.bit_length() + 1
 _HASH_SLOT_SHARD = _slot_shards(HASH_SHARDS, HASH_SLOTS)
+
+
+def _shard_slots(slot_shard: tuple[int, ...], shards: int) -> tuple[tuple[int, ...], ...]:
+    """The slots naming each shard (the inverse of :func:`_slot_shards`)."""
+    out: list[list[int]] = [[] for _ in range(shards)]
+    for slot, shard in enumerate(slot_shard):
+        out[shard].append(slot)
+    return tuple(map(tuple, out))
+
+
+_SHARD_SLOTS = _shard_slots(_SLOT_SHARD, SHARDS)
+_HASH_SHARD_SLOTS = _shard_slots(_HASH_SLOT_SHARD, HASH_SHARDS)
+
+#: Deletions a map takes before it may be copied without their tombstones
+#: (see "Tables" above), at least.
+REBUILD_MIN = 64
+
+
+def _rebuilt(old: PreshMap, live: int) -> PreshMap:
+    """``old``'s entries in a new map sized for ``live`` of them (no tombstones)."""
+    new = PreshMap(initial_size=max(8, 1 << (2 * live).bit_length()))
+    for k, v in old.items():
+        new[k] = v
+    return new
 
 
 class _HashMap:
     """One instance's engine hash -> ``place << 64 | content key``
-    (``_Instance.nids``), in :data:`HASH_SHARDS` dicts of uneven share, like a
-    namespace's block table ("Shards" above): as one dict, an engine's map of 90 k hashes grew
-    in one step of up to 16 ms, about every 3 s of a 64-engine ingest. The
-    hot path indexes :attr:`slots` itself; the rest goes through the dict
-    methods it needs."""
+    (``_Instance.nids``). Entries at place 0 (an instance's first namespace:
+    nearly all) are in :data:`HASH_SHARDS` maps of 64-bit values by the mixed
+    hash ("Tables" above), of uneven share like a namespace's block table
+    ("Shards" above: as one dict, an engine's map of 90 k hashes grew in one
+    step of up to 16 ms, about every 3 s of a 64-engine ingest); the others, which
+    do not fit 64 bits, in :attr:`other` by the hash itself. The hot path
+    indexes :attr:`slots` itself while :attr:`other` is empty, and adds what it
+    stores there to :attr:`n`; the rest goes through the dict methods it needs."""
 
-    __slots__ = ("shards", "slots")
+    __slots__ = ("dead", "n", "other", "shards", "slots")
 
     def __init__(self) -> None:
-        self.shards: list[dict[int, int]] = [{} for _ in range(HASH_SHARDS)]
-        #: Shard of each slot (``h & _HASH_SLOT``).
-        self.slots: list[dict[int, int]] = [self.shards[i] for i in _HASH_SLOT_SHARD]
+        self.shards: list[PreshMap] = [PreshMap() for _ in range(HASH_SHARDS)]
+        #: Shard of each slot (``_mixed(h) >> _HASH_SHIFT``).
+        self.slots: list[PreshMap] = [self.shards[i] for i in _HASH_SLOT_SHARD]
+        #: Entries at a place above 0, by engine hash.
+        self.other: dict[int, int] = {}
+        #: Entries in the shards.
+        self.n = 0
+        #: Deletions per shard since it was last copied (at least its tombstones).
+        self.dead = [0] * HASH_SHARDS
 
     def get(self, h: int) -> int | None:
-        return self.slots[h & _HASH_SLOT].get(h)
+        m = _mixed(h)
+        e: int | None = self.slots[m >> _HASH_SHIFT][m]
+        if e is None and self.other:
+            return self.other.get(h)
+        return e
 
     def __setitem__(self, h: int, entry: int) -> None:
-        self.slots[h & _HASH_SLOT][h] = entry
+        m = _mixed(h)
+        shard = self.slots[m >> _HASH_SHIFT]
+        if entry >> 64:
+            if m in shard:
+                self._delete(shard, m)
+            self.other[h] = entry
+        else:
+            if self.other:
+                self.other.pop(h, None)
+            if m not in shard:
+                self.n += 1
+            shard[m] = entry
 
     def __delitem__(self, h: int) -> None:
-        del self.slots[h & _HASH_SLOT][h]
+        m = _mixed(h)
+        shard = self.slots[m >> _HASH_SHIFT]
+        if m in shard:
+            self._delete(shard, m)
+        else:
+            del self.other[h]
+
+    def _delete(self, shard: PreshMap, m: int) -> None:
+        del shard[m]
+        self.n -= 1
+        i = _HASH_SLOT_SHARD[m >> _HASH_SHIFT]
+        dead = self.dead[i] = self.dead[i] + 1
+        if dead >= REBUILD_MIN and dead * 2 > len(shard):
+            self.rebuild(i, shard, dead)
+
+    def rebuild(self, i: int, shard: PreshMap, dead: int) -> None:
+        """Shard ``i`` (``shard``), with ``dead`` deletions, copied without its tombstones."""
+        new = self.shards[i] = _rebuilt(shard, len(shard) - dead)
+        for slot in _HASH_SHARD_SLOTS[i]:
+            self.slots[slot] = new
+        self.dead[i] = 0
 
     def __len__(self) -> int:
-        return sum(map(len, self.shards))
+        return self.n + len(self.other)
 
     def __bool__(self) -> bool:
-        return any(self.shards)
+        return self.n > 0 or bool(self.other)
 
     def values(self) -> Iterator[int]:
-        return chain.from_iterable(d.values() for d in self.shards)
+        return chain(chain.from_iterable(d.values() for d in self.shards), self.other.values())
 
     def items(self) -> Iterator[tuple[int, int]]:
-        return chain.from_iterable(d.items() for d in self.shards)
+        return chain(
+            ((_unmixed(m), e) for d in self.shards for m, e in d.items()), self.other.items()
+        )
 
 
 #: Answers of runs held alike kept made (MemoryIndex._alike_cache), at most.
@@ -276,13 +390,13 @@ def _signature(no: int) -> tuple[int, ...]:
 def _holders_dict(holders: int, sets: dict[int, dict[int, int]]) -> dict[int, int]:
     """A block's holders as ``{number: mask}`` from its table entry (a new dict
     for one holder; the interned set, never to be changed, for several)."""
-    if holders > 0:
+    if holders < _SHARED:
         return {holders >> 3: holders & 7}
     return sets[holders]
 
 
 def _walk_alone(
-    tables: list[dict[int, Holders]],
+    tables: list[PreshMap],
     sets: dict[int, dict[int, int]],
     keys: Sequence[int],
     start: int,
@@ -293,24 +407,32 @@ def _walk_alone(
     adding to its ``counts`` (blocks by fastest tier)."""
     gpu_only = n << 3 | 1  # the usual entry: this instance alone, on the GPU
     gpu = 0
-    for key in islice(keys, start, None):
-        h = tables[key & _SLOT].get(key)
-        if h == gpu_only:
-            gpu += 1
-            continue
-        if h is None:
-            break
-        if h > 0:
-            if h >> 3 != n:
+    # Keys mixed a chunk at a time: a walk may stop at the first.
+    for lo in range(start, len(keys), WALK_CHUNK):
+        for m in _mixed_all(keys[lo : lo + WALK_CHUNK]):
+            h = tables[m >> _SLOT_SHIFT][m]
+            if h == gpu_only:
+                gpu += 1
+                continue
+            if h is None:
                 break
-            counts[_FASTEST[h & 7]] += 1
+            if h < _SHARED:
+                if h >> 3 != n:
+                    break
+                counts[_FASTEST[h & 7]] += 1
+            else:
+                held = sets[h].get(n)
+                if held is None:
+                    break
+                counts[_FASTEST[held]] += 1
         else:
-            held = sets[h].get(n)
-            if held is None:
-                break
-            counts[_FASTEST[held]] += 1
+            continue
+        break
     counts[0] += gpu
 
+
+#: Keys :func:`_walk_alone` mixes at a time.
+WALK_CHUNK = 128
 
 #: InstanceMatch fields 0 (instance), 2 (depth) and 8 (predicted_depth), for sorting in C.
 _BY_INSTANCE = operator.itemgetter(0)
@@ -473,9 +595,9 @@ class MemoryIndex(Index):
         self._by_no: dict[int, _Instance] = {}
         self._next_no = 1
         #: Per namespace, its block table: :data:`SLOTS` references to its
-        #: :data:`SHARDS` dicts, the first SHARDS of them each dict once (a key
-        #: in the dict of slot ``key & _SLOT``).
-        self._blocks: dict[Namespace, list[dict[int, Holders]]] = {}
+        #: :data:`SHARDS` maps, the first SHARDS of them each map once (a key
+        #: in the map of slot ``_mixed(key) >> _SLOT_SHIFT``, by its mixed value).
+        self._blocks: dict[Namespace, list[PreshMap]] = {}
         #: The holder sets of shared blocks, interned by signature (a shared
         #: block's table entry): ``{number: mask}``, one per distinct set
         #: however many blocks it holds, and never changed in place (a block
@@ -494,6 +616,10 @@ class MemoryIndex(Index):
         #: block keys may give two namespaces the same ones.
         self._members: dict[int, dict[int, dict[int, int]]] = {}
         self._ns_pairs: dict[Namespace, int] = {}
+        #: Blocks per namespace (a map's length counts its tombstones too), and
+        #: deletions per shard of its table since the shard was last copied.
+        self._ns_blocks: dict[Namespace, int] = {}
+        self._dead: dict[Namespace, list[int]] = {}
         # Namespace numbers of engine-hash entries, and back (never reused).
         self._ns_ids: dict[Namespace, int] = {}
         self._ns_list: list[Namespace] = []
@@ -737,10 +863,13 @@ class MemoryIndex(Index):
             mask = ALL_TIERS_MASK if ev.tier is None else ev.tier.bit
             copies = inst.copies if counts_copies else None
             removed = 0
-            for h in ev.block_hashes:
-                m = mask if not copies else _uncopied(copies, h, mask)
-                if m:
-                    removed += self._remove_hash(inst, h, m)
+            if not copies and not inst.copies and not inst.engine_hashes.other:
+                removed = self._remove_hashes(inst, ev.block_hashes, mask)
+            else:
+                for h in ev.block_hashes:
+                    m = mask if not copies else _uncopied(copies, h, mask)
+                    if m:
+                        removed += self._remove_hash(inst, h, m)
             counts[1] += removed
         elif isinstance(ev, AllBlocksCleared):
             counts[1] += self._clear(inst)
@@ -845,13 +974,36 @@ class MemoryIndex(Index):
         else:
             yield ev
 
-    def _tables(self, ns: Namespace) -> list[dict[int, Holders]]:
-        """The shards of ``ns``'s block table (made on first use)."""
+    def _tables(self, ns: Namespace) -> list[PreshMap]:
+        """The shards of ``ns``'s block table by slot (made on first use)."""
         tables = self._blocks.get(ns)
         if tables is None:
-            shards: list[dict[int, Holders]] = [{} for _ in range(SHARDS)]
+            shards = [PreshMap() for _ in range(SHARDS)]
             tables = self._blocks[ns] = [shards[i] for i in _SLOT_SHARD]
+            self._dead[ns] = [0] * SHARDS
+            self._ns_blocks[ns] = 0
         return tables
+
+    def _delete(self, ns: Namespace, table: PreshMap, m: int) -> None:
+        """Block ``m`` (mixed) of ``ns`` goes from ``table``; a shard that has
+        taken as many deletions as half its entries is copied without their
+        tombstones ("Tables" above)."""
+        del table[m]
+        self._ns_blocks[ns] -= 1
+        i = _SLOT_SHARD[m >> _SLOT_SHIFT]
+        dead = self._dead[ns]
+        d = dead[i] = dead[i] + 1
+        if d >= REBUILD_MIN and d * 2 > len(table):
+            self._rebuild(ns, i, table, d)
+
+    def _rebuild(self, ns: Namespace, i: int, table: PreshMap, dead: int) -> None:
+        """Shard ``i`` of ``ns``'s table (``table``), with ``dead`` deletions,
+        copied without its tombstones."""
+        new = _rebuilt(table, len(table) - dead)
+        slots = self._blocks[ns]
+        for slot in _SHARD_SLOTS[i]:
+            slots[slot] = new
+        self._dead[ns][i] = 0
 
     def _moved(
         self, nid: int, key: int, old: int, new: int, held: dict[int, int], no: int, mask: int
@@ -910,14 +1062,15 @@ class MemoryIndex(Index):
         except ValueError:
             place = len(inst.nids)
             inst.nids.append(nid)
-        ehs = inst.engine_hashes.slots
+        hmap = inst.engine_hashes
+        ehs = hmap.slots
         if ev.block_keys is not None:
             keys: Sequence[int] = ev.block_keys
         else:
             if ev.parent_block_hash is None:
                 parent = namespace_seed(ns.model, ns.lora_name)
             else:
-                mapped = ehs[ev.parent_block_hash & _HASH_SLOT].get(ev.parent_block_hash)
+                mapped = hmap.get(ev.parent_block_hash)
                 if mapped is None or mapped >> 64 != place:
                     return 0, 0, len(ev.block_hashes)
                 parent = mapped & _U64
@@ -929,33 +1082,50 @@ class MemoryIndex(Index):
         no = inst.no
         sig = inst.sig
         mine = no << 3 | bit
-        stored = removed = pairs = 0
+        stored = removed = pairs = fresh = added = 0
+        # Entries at place 0 with none elsewhere (nearly always): straight
+        # into the shards; otherwise through the map's methods.
+        direct = not base and not hmap.other
+        hashes = ev.block_hashes
+        n = min(len(hashes), len(keys))
         # Added up after the loop; a re-keyed hash may drop a pair meanwhile.
         self._ns_pairs.setdefault(ns, 0)
-        for h, key in zip(ev.block_hashes, keys, strict=False):
-            entry = base | key if base else key
-            mine_hs = ehs[h & _HASH_SLOT]
-            prev = mine_hs.get(h)
-            if prev != entry:
-                if prev is not None:
-                    removed += self._remove_hash(inst, h, ALL_TIERS_MASK)
-                mine_hs[h] = entry
-            table = tables[key & _SLOT]
-            cur = table.get(key)
+        for h, key, mh, m in zip(
+            hashes, keys, _mixed_all(hashes[:n]), _mixed_all(keys[:n]), strict=False
+        ):
+            if direct:
+                mine_hs = ehs[mh >> _HASH_SHIFT]
+                prev = mine_hs[mh]
+                if prev != key:
+                    if prev is None:
+                        mine_hs[mh] = key
+                        added += 1
+                    else:
+                        # A re-keyed hash (its shard may be copied meanwhile).
+                        removed += self._remove_hash(inst, h, ALL_TIERS_MASK)
+                        hmap[h] = key
+            else:
+                entry = base | key
+                prev = hmap.get(h)
+                if prev != entry:
+                    if prev is not None:
+                        removed += self._remove_hash(inst, h, ALL_TIERS_MASK)
+                    hmap[h] = entry
+            table = tables[m >> _SLOT_SHIFT]
+            cur = table[m]
             if cur is None:
-                table[key] = mine
+                table[m] = mine
                 pairs += 1
                 stored += 1
-            elif cur > 0:
+                fresh += 1
+            elif cur < _SHARED:
                 if cur >> 3 != no:
-                    new = ~(_share(cur >> 3, cur & 7) ^ sig[bit])
-                    table[key] = self._moved(
-                        nid, key, 0, new, {cur >> 3: cur & 7, no: bit}, no, bit
-                    )
+                    new = _share(cur >> 3, cur & 7) ^ sig[bit] ^ _SHARED
+                    table[m] = self._moved(nid, key, 0, new, {cur >> 3: cur & 7, no: bit}, no, bit)
                     pairs += 1
                     stored += 1
                 elif not cur & bit:
-                    table[key] = cur | bit
+                    table[m] = cur | bit
                     stored += 1
                 elif counts_copies:
                     k = h << 2 | (ev.tier.value - 1)
@@ -967,13 +1137,16 @@ class MemoryIndex(Index):
                     if not old:
                         pairs += 1
                     new = cur ^ sig[old] ^ sig[old | bit]
-                    table[key] = self._moved(nid, key, cur, new, held, no, old | bit)
+                    table[m] = self._moved(nid, key, cur, new, held, no, old | bit)
                     stored += 1
                 elif counts_copies:
                     k = h << 2 | (ev.tier.value - 1)
                     inst.copies[k] = inst.copies.get(k, 0) + 1
+        hmap.n += added
         if pairs:
             self._ns_pairs[ns] += pairs
+        if fresh:
+            self._ns_blocks[ns] += fresh
         inst.bits += stored
         if inst.predicted:
             self._confirm(inst, nid << 64, keys[: len(ev.block_hashes)])
@@ -987,10 +1160,11 @@ class MemoryIndex(Index):
         tables = self._blocks.get(ns)
         old = new = 0
         if tables is not None:
-            table = tables[key & _SLOT]
-            holders = table.get(key)
+            m = _mixed(key)
+            table = tables[m >> _SLOT_SHIFT]
+            holders = table[m]
             if holders is not None:
-                old, new = self._drop(ns, table, key, holders, inst, mask)
+                old, new = self._drop(ns, table, m, key, holders, inst, mask)
         if not new:
             del inst.engine_hashes[h]
         if inst.copies:
@@ -1001,26 +1175,86 @@ class MemoryIndex(Index):
         inst.bits -= cleared
         return cleared
 
+    def _remove_hashes(self, inst: _Instance, hashes: Sequence[int], mask: int) -> int:
+        """:meth:`_remove_hash` of each of ``hashes``, for an instance with
+        every entry at place 0 and no copies counted: the hashes mixed in one
+        step, then the keys they name; a block this instance alone holds is
+        dropped here, the rest by :meth:`_drop`."""
+        hmap = inst.engine_hashes
+        slots = hmap.slots
+        # By mixed hash: a hash given twice is dropped once.
+        found = {
+            mh: key
+            for mh in _mixed_all(hashes)
+            if (key := slots[mh >> _HASH_SHIFT][mh]) is not None
+        }
+        if not found:
+            return 0
+        ns = self._ns_list[inst.nids[0]]
+        tables = self._blocks[ns]
+        dead, hdead = self._dead[ns], hmap.dead
+        no = inst.no
+        rebuild_min = REBUILD_MIN
+        cleared = blocks = hashes_gone = 0
+        for (mh, key), m in zip(found.items(), _mixed_all(list(found.values())), strict=True):
+            table = tables[m >> _SLOT_SHIFT]
+            holders = table[m]
+            old = new = 0
+            if holders is None:
+                pass
+            elif holders < _SHARED:
+                if holders >> 3 == no:
+                    old = holders & 7
+                    new = old & ~mask
+                    if new:
+                        table[m] = no << 3 | new
+                    else:
+                        del table[m]
+                        blocks += 1
+                        i = _SLOT_SHARD[m >> _SLOT_SHIFT]
+                        d = dead[i] = dead[i] + 1
+                        if d >= rebuild_min and d * 2 > len(table):
+                            self._rebuild(ns, i, table, d)
+            else:
+                old, new = self._drop(ns, table, m, key, holders, inst, mask)
+            if not new:
+                shard = slots[mh >> _HASH_SHIFT]
+                del shard[mh]
+                hashes_gone += 1
+                i = _HASH_SLOT_SHARD[mh >> _HASH_SHIFT]
+                d = hdead[i] = hdead[i] + 1
+                if d >= rebuild_min and d * 2 > len(shard):
+                    hmap.rebuild(i, shard, d)
+            cleared += _POPCOUNT[old] - _POPCOUNT[new]
+        hmap.n -= hashes_gone
+        if blocks:
+            self._ns_blocks[ns] -= blocks
+            self._ns_pairs[ns] -= blocks
+        inst.bits -= cleared
+        return cleared
+
     def _drop(
         self,
         ns: Namespace,
-        table: dict[int, Holders],
+        table: PreshMap,
+        m: int,
         key: int,
         holders: Holders,
         inst: _Instance,
         mask: int,
     ) -> tuple[int, int]:
-        """Clear ``mask`` of ``inst`` on block ``key``: (old mask, new mask)."""
+        """Clear ``mask`` of ``inst`` on block ``key`` (``m`` its mixed value,
+        in ``table``): (old mask, new mask)."""
         no = inst.no
-        if holders > 0:
+        if holders < _SHARED:
             if holders >> 3 != no:
                 return 0, 0
             old = holders & 7
             new = old & ~mask
             if new:
-                table[key] = no << 3 | new
+                table[m] = no << 3 | new
             else:
-                del table[key]
+                self._delete(ns, table, m)
                 self._ns_pairs[ns] -= 1
             return old, new
         held = self._sets[holders]
@@ -1034,12 +1268,12 @@ class MemoryIndex(Index):
             self._ns_pairs[ns] -= 1
             if len(held) == 2:
                 # One holder is left: the block leaves the shared sets.
-                ((n, m),) = ((n, m) for n, m in held.items() if n != no)
-                table[key] = n << 3 | m
+                ((n, left),) = ((n, t) for n, t in held.items() if n != no)
+                table[m] = n << 3 | left
                 self._unref(self._ns_ids[ns], holders, key)
                 return old, new
         sig = holders ^ inst.sig[old] ^ inst.sig[new]
-        table[key] = self._moved(self._ns_ids[ns], key, holders, sig, held, no, new)
+        table[m] = self._moved(self._ns_ids[ns], key, holders, sig, held, no, new)
         return old, new
 
     def _clear(self, inst: _Instance) -> int:
@@ -1064,11 +1298,12 @@ class MemoryIndex(Index):
             if tables is None:
                 continue
             key = entry & _U64
-            table = tables[key & _SLOT]
-            holders = table.get(key)
+            m = _mixed(key)
+            table = tables[m >> _SLOT_SHIFT]
+            holders = table[m]
             if holders is None:
                 continue
-            old, _ = self._drop(ns, table, key, holders, inst, ALL_TIERS_MASK)
+            old, _ = self._drop(ns, table, m, key, holders, inst, ALL_TIERS_MASK)
             removed += _POPCOUNT[old]
         return removed
 
@@ -1143,10 +1378,11 @@ class MemoryIndex(Index):
                     tables = self._blocks.get(ns)
                     if tables is None:
                         continue
-                    held = tables[key & _SLOT].get(key)
+                    m = _mixed(key)
+                    held = tables[m >> _SLOT_SHIFT][m]
                     if held is None:
                         continue
-                    if held > 0:
+                    if held < _SHARED:
                         mask = held & 7 if held >> 3 == no else 0
                     else:
                         mask = self._sets[held].get(no, 0)
@@ -1365,10 +1601,11 @@ class MemoryIndex(Index):
         tables = self._blocks.get(ns)
         if tables is None:
             return False
-        h = tables[key & _SLOT].get(key)
+        m = _mixed(key)
+        h: int | None = tables[m >> _SLOT_SHIFT][m]
         if h is None:
             return False
-        if h > 0:
+        if h < _SHARED:
             return h >> 3 == no
         return no in self._sets[h]
 
@@ -1735,8 +1972,8 @@ class MemoryIndex(Index):
         tables = self._blocks.get(namespace)
         if tables is None or not keys:
             return []
-        k0 = keys[0]
-        first = tables[k0 & _SLOT].get(k0)
+        m = _mixed(keys[0])
+        first = tables[m >> _SLOT_SHIFT][m]
         if first is None:
             return []
         sets = self._sets
@@ -1755,8 +1992,10 @@ class MemoryIndex(Index):
         # Block 1 splits the candidates: those that go no deeper are settled
         # with C-level set operations, the rest walk on with tier counters.
         active: dict[int, list[int]] = {}
-        k1 = keys[1] if len(keys) > 1 else 0
-        nxt = tables[k1 & _SLOT].get(k1) if len(keys) > 1 else None
+        nxt = None
+        if len(keys) > 1:
+            m = _mixed(keys[1])
+            nxt = tables[m >> _SLOT_SHIFT][m]
         all_gpu: dict[int, int] | None = None
         # The table entry (signature) of a block held exactly by the walkers,
         # each on the GPU alone, once one was seen (None: not known).
@@ -1772,7 +2011,7 @@ class MemoryIndex(Index):
                 # holds (or at the prompt's end), every answer is that depth.
                 alike = nxt
                 depth += self._run_alike(namespace, alike, keys, 2)
-                if depth == n_keys or keys[depth] not in tables[keys[depth] & _SLOT]:
+                if depth == n_keys or (m := _mixed(keys[depth])) not in tables[m >> _SLOT_SHIFT]:
                     return self._alike_answers(cand, depth, alike)
                 active = {n: [depth, 0, 0] for n in cand}
             else:
@@ -1814,11 +2053,11 @@ class MemoryIndex(Index):
                     depth += run
                     if depth == n_keys:
                         break
-                key = keys[depth]
-                h = tables[key & _SLOT].get(key)
+                m = _mixed(keys[depth])
+                h = tables[m >> _SLOT_SHIFT][m]
                 if h is None:
                     break
-                if h > 0:
+                if h < _SHARED:
                     n1 = h >> 3
                     counts1 = active.pop(n1, None)
                     for n, counts in active.items():
@@ -1959,8 +2198,8 @@ class MemoryIndex(Index):
         for inst in self._instances.values():
             st.instances_live += inst.lease_expires_at > now
             st.instances_stale += inst.stale
-        for ns, tables in sorted(self._blocks.items(), key=lambda kv: str(kv[0])):
-            n_blocks = sum(map(len, tables[:SHARDS]))
+        for ns in sorted(self._blocks, key=str):
+            n_blocks = self._ns_blocks[ns]
             if not n_blocks:
                 continue
             pairs = self._ns_pairs.get(ns, 0)
@@ -1995,7 +2234,7 @@ class MemoryIndex(Index):
                 now = self._blocks.get(ns)
                 if now is None:
                     break  # the namespace emptied meanwhile
-                best = sorted(chain(best, now[shard]))[: want + 1]
+                best = sorted(chain(best, map(_unmixed, now[shard])))[: want + 1]
                 await asyncio.sleep(0)
             tables = self._blocks.get(ns) or []
             taken = 0
@@ -2010,7 +2249,8 @@ class MemoryIndex(Index):
                         break  # the namespace emptied meanwhile
                     tables = now
                     ids = {no: inst.spec.instance for no, inst in self._by_no.items()}
-                h = tables[key & _SLOT].get(key)
+                m = _mixed(key)
+                h = tables[m >> _SLOT_SHIFT][m]
                 if h is None:
                     continue  # removed meanwhile
                 holders = _holders_dict(h, self._sets)
@@ -2027,12 +2267,12 @@ class MemoryIndex(Index):
         ns_list = self._ns_list
         blocks = {
             ns: {
-                k: {ids[i]: m for i, m in _holders_dict(h, self._sets).items()}
+                _unmixed(k): {ids[i]: m for i, m in _holders_dict(h, self._sets).items()}
                 for table in tables[:SHARDS]
                 for k, h in table.items()
             }
             for ns, tables in self._blocks.items()
-            if any(tables[:SHARDS])
+            if self._ns_blocks[ns]
         }
         return IndexDump(
             blocks=blocks,

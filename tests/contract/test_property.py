@@ -433,6 +433,53 @@ def test_memory_backend_sliced_matches_reference(case: Any) -> None:
         run_case(lambda clock: MemoryIndex(clock=clock), case)
 
 
+@contextlib.contextmanager
+def maps_copied_often(rebuilt: Callable[..., Any] | None = None) -> Iterator[None]:
+    """The memory backend's maps copied without their tombstones as soon as
+    they hold more deletions than entries (indexer/memory.py, "Tables"), most
+    keys in one shard of each table so that a copy moves several entries."""
+    import indexer.memory as memory
+
+    names = ("REBUILD_MIN", "_rebuilt", "_SLOT_SHARD", "_SHARD_SLOTS")
+    names += ("_HASH_SLOT_SHARD", "_HASH_SHARD_SLOTS")
+    saved = {n: getattr(memory, n) for n in names}
+    # The first slots keep naming each shard once (stats and dumps read them).
+    slot_shard = tuple(range(memory.SHARDS)) + (0,) * (memory.SLOTS - memory.SHARDS)
+    hash_shard = tuple(range(memory.HASH_SHARDS)) + (0,) * (memory.HASH_SLOTS - memory.HASH_SHARDS)
+    memory.REBUILD_MIN = 1
+    memory._SLOT_SHARD, memory._HASH_SLOT_SHARD = slot_shard, hash_shard
+    memory._SHARD_SLOTS = memory._shard_slots(slot_shard, memory.SHARDS)
+    memory._HASH_SHARD_SLOTS = memory._shard_slots(hash_shard, memory.HASH_SHARDS)
+    if rebuilt is not None:
+        memory._rebuilt = rebuilt  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(memory, n, v)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=case_st)
+def test_memory_backend_with_maps_copied_often_matches_reference(case: Any) -> None:
+    """Maps copied without their tombstones mid-batch keep the contract."""
+    with maps_copied_often():
+        run_case(lambda clock: MemoryIndex(clock=clock), case)
+
+
+def test_a_copy_that_loses_an_entry_is_caught() -> None:
+    from preshed.maps import PreshMap
+
+    def lossy(old: Any, live: int) -> Any:
+        new = PreshMap()
+        for k, v in list(old.items())[1:]:
+            new[k] = v
+        return new
+
+    with maps_copied_often(lossy):
+        assert_counterexample()
+
+
 def test_broken_slicing_is_caught() -> None:
     """A slicer that restarts each piece's chain at the namespace seed must fail the harness."""
     from dataclasses import replace
@@ -462,9 +509,10 @@ def _signature_violations(index: MemoryIndex) -> list[str]:
     named: dict[tuple[int, int], set[int]] = {}
     for ns, tables in index._blocks.items():
         nid = index._ns_ids[ns]
-        for table in tables:
-            for key, entry in table.items():
-                if entry > 0:
+        for table in tables[: memory.SHARDS]:
+            for mixed, entry in table.items():
+                key = memory._unmixed(mixed)
+                if entry < memory._SHARED:
                     continue
                 named.setdefault((entry, nid), set()).add(key)
                 held = index._sets.get(entry)
@@ -474,8 +522,8 @@ def _signature_violations(index: MemoryIndex) -> list[str]:
                 sig = functools.reduce(
                     operator.xor, (memory._signature(n)[m] for n, m in held.items())
                 )
-                if entry != ~sig:
-                    out.append(f"{ns} {key}: entry {entry}, holders' signature {~sig}")
+                if entry != sig ^ memory._SHARED:
+                    out.append(f"{ns} {key}: entry {entry}, holders' signature {sig}")
     members = {
         (sig, nid): set(keys)
         for sig, by_ns in index._members.items()

@@ -144,12 +144,22 @@ async def test_stored_blocks_add_nothing_for_the_garbage_collector_to_walk() -> 
     await reg(index, A, "http://a:1")
     await reg(index, B, "http://b:1")
     n = 20_000
-    tokens = tuple(range(BS * n))
+    tokens = tuple(range(BS * 2 * n))
+    # The first block of each instance makes the namespace's and the
+    # instance's maps (a few hundred objects, however large the index grows).
+    for iid in (A, B):
+        ev = BlockStored(block_hashes=(1,), token_ids=tokens[:BS], block_size=BS)
+        await index.apply(EventBatch(iid, 0, (ev,)))
     gc.collect()
     before = len(gc.get_objects())
     for iid in (A, B):
-        ev = BlockStored(block_hashes=tuple(range(1, n + 1)), token_ids=tokens, block_size=BS)
-        await index.apply(EventBatch(iid, 0, (ev,)))
+        ev = BlockStored(
+            block_hashes=tuple(range(2, n + 1)),
+            parent_block_hash=1,
+            token_ids=tokens[BS : BS * n],
+            block_size=BS,
+        )
+        await index.apply(EventBatch(iid, 1, (ev,)))
     gc.collect()
     added = len(gc.get_objects()) - before
     assert (await index.stats()).block_instances == 2 * n

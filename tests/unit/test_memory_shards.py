@@ -1,6 +1,6 @@
 """The memory backend's block tables grow one shard at a time.
 
-A dict grows by copying itself whole, in one step nothing can cut. The
+A map grows by copying itself whole, in one step nothing can cut. The
 block table of a namespace is therefore split into shards; but shards of
 equal share fill alike (block keys are hashes), so all of them reached a
 growth point within a few thousand keys of each other and were copied
@@ -13,11 +13,11 @@ are spread over the doubling of the table (indexer/memory.py, "Shards").
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 import pytest
+from preshed.maps import PreshMap
 
 from indexer import memory
 from indexer.memory import SHARDS, SLOTS, MemoryIndex
@@ -36,18 +36,18 @@ WINDOW = 1.10
 MAX_GROWN_IN_WINDOW = SHARDS // 4
 
 
-def _table_shards(index: MemoryIndex) -> Sequence[dict[int, int]]:
+def _table_shards(index: MemoryIndex) -> Sequence[PreshMap]:
     return index._blocks[NS][:SHARDS]
 
 
-def _hash_shards(index: MemoryIndex) -> Sequence[dict[int, int]]:
+def _hash_shards(index: MemoryIndex) -> Sequence[PreshMap]:
     return index._instances[(A.worker_id, A.dp_rank)].engine_hashes.shards
 
 
 async def _growth_points(
-    shards_of: Callable[[MemoryIndex], Sequence[dict[int, int]]] = _table_shards, seed: int = 7
+    shards_of: Callable[[MemoryIndex], Sequence[PreshMap]] = _table_shards, seed: int = 7
 ) -> list[tuple[int, int]]:
-    """(keys stored, shard) each time a dict of ``shards_of`` the index grew,
+    """(keys stored, shard) each time a map of ``shards_of`` the index grew,
     storing TOTAL random keys (as engine hashes too) on one instance."""
     index = MemoryIndex()
     await index.register(InstanceSpec(A, "llama", "http://a:1", 600.0, "x"))
@@ -58,7 +58,7 @@ async def _growth_points(
         keys = tuple(rng.getrandbits(63) for _ in range(BATCH))
         stored = BlockStored(block_hashes=keys, block_keys=keys, token_ids=(), block_size=16)
         await index.apply(EventBatch(A, seq, (stored,)))
-        now = [sys.getsizeof(d) for d in shards_of(index)]
+        now = [d.capacity for d in shards_of(index)]
         if sizes is not None:
             points += [(start + BATCH, i) for i in range(len(now)) if now[i] != sizes[i]]
         sizes = now

@@ -1,9 +1,9 @@
 """In-process index backend: the embedded default for a single replica.
 
-Layout: per namespace a dict ``block key -> holders``, where holders is one
+Layout: per namespace a map ``block key -> holders``, where holders is one
 int ``instance number << 3 | tier mask`` while a single instance holds the
 block (most blocks of a fleet: a conversation lives on one worker) and the
-signature of its holders (a negative int, below) once several do, their
+signature of its holders (an int of 2^63 or more, below) once several do, their
 ``{instance number: tier mask}`` then in the index's table of holder sets,
 one per distinct set (interned by signature); per instance its engine-hash map
 ``engine hash -> (namespace, key)``, which is also the reverse index used to
@@ -12,7 +12,7 @@ registration and never reused. Match walks the keys in order and narrows the
 set of instances still holding the prefix, so its cost is the number of
 (block, instance) pairs visited, never the size of the index.
 
-Signatures: a shared block's table entry is ``~x``, ``x`` the XOR over its
+Signatures: a shared block's table entry is ``2^63 | x``, ``x`` the XOR over its
 holders of a 63-bit mix of ``(number, tier mask)`` (:func:`_signature`), kept
 up to date by every store and drop in O(1). Equal holders give equal
 entries, so Match tells a block held exactly by its walkers with one int
@@ -30,7 +30,34 @@ blocks of a prefix that 64 instances hold share one set: a store or drop
 there costs O(1) dict operations after the first block of a run, and the
 memory of a shared block is its table entry.
 
-Memory: a dict per block cost about 230 of the 470 bytes a (block, instance)
+Tables: the block tables and the engine-hash maps are preshed maps (C
+arrays of 64-bit key and value cells, open addressing, linear probing), not
+dicts. A dict entry and the int object of its 64-bit key took about 90
+bytes; a cell takes 16, at a load of 0.3 to 0.6. The conversation trace at
+16-token blocks in process (``tools/memory_pairs.py``): 125 bytes of RSS a
+(block, instance) pair with dicts, 82 with the maps.
+
+Such a map finds a key's first cell from the key's low bits. A client giving
+block keys, or an engine its hashes, could send keys whose low bits are equal,
+and each store would probe past all the others: quadratic. So a key enters a
+map mixed (:func:`_mixed`): multiplied by an odd number drawn per process,
+then folded by 32 and by 16 bits. Multiplication carries a difference between
+keys only upward, and the folds bring the top bits down, so keys that differ
+anywhere differ in the low bits too, where only the process knows how. All
+three steps are bijections of 64-bit ints, so the map's key is the key
+(:func:`_unmixed` gives it back for dumps). In Python the mix costs about
+200 ns a key; a stored event's hashes and keys, and a walk's next keys, are
+mixed in one numpy step (about 10 ns a key).
+
+A map deletes by leaving a tombstone, and grows when entries and tombstones
+together reach 0.6 of its cells: under churn (engines evicting what they
+stored) a map would double again and again with a constant number of
+entries. Each shard counts its deletions, and once they pass half of what
+it holds (and :data:`REBUILD_MIN`), the shard is copied without them (a few
+ms for the largest shards at 16-token blocks); a map's own length counts its
+tombstones, so the index keeps its block and engine-hash counts itself.
+
+Memory, with dicts: a dict per block cost about 230 of the 470 bytes a (block, instance)
 pair took at 16-token blocks; the single-holder int is 28. With holder sets
 interned, 64 holders of 20 k blocks take 62 bytes a pair (97 with a dict per
 shared block), 4 holders of 200 k blocks 77 (123). An engine-hash entry names
@@ -40,8 +67,8 @@ the int the block table already holds: with the index's number of the
 namespace instead, every model but the index's first paid a new int a pair,
 189 bytes a pair against 151 (tests/unit/test_memory_places.py).
 
-Shards: each namespace's tables are :data:`SHARDS` dicts, a key in the one
-its low bits name. A dict grows by copying itself whole, in one step no
+Shards: each namespace's tables are :data:`SHARDS` maps, a key in the one
+its mixed value's high bits name. A map grows by copying itself whole, in one step no
 slice can cut: one table of the conversation trace at 16-token blocks grew
 from 2.8 M to 5.6 M keys in 290 ms, and every Match and health probe waited
 for it. A shard grows a sixty-fourth as far at a time. But shards of equal
@@ -49,20 +76,21 @@ share fill alike (keys are hashes), so all of them crossed a growth point within
 a few thousand keys of each other: the same 290 ms, in one or two slices of
 an apply (17 to 47 ms each; Match p99 during a 16-token ingest 80 to 170
 ms, in plateaus of a few hundred ms). So the shards' shares are uneven: the
-low bits name one of :data:`SLOTS` slots, and shard ``i`` has slots in
+mixed key's high bits name one of :data:`SLOTS` slots, and shard ``i`` has slots in
 proportion to ``2 ** (i / 256)``. Their sizes then spread over a factor of
 two, and their growth points over the whole doubling of the table: one
 shard's copy at a time. And 256 of them, not 64: one copy of a shard of 2 %
 of the table still took 16 ms of the loop at 5.6 M keys; the largest shard
-now holds about 0.5 %. A namespace's tables cost about 48 KB empty (the
-4,096 slots and the 256 dicts). Its cost is a list index per key, as before.
+now holds about 0.5 %. A namespace's tables cost about 60 KB empty (the
+4,096 slots and the 256 maps). Its cost is a list index per key, as before.
 
 Garbage collection: a collection walks every container the collector
 tracks. With a tracked dict per block key and a tuple per engine hash, that
 paused the process (every Match and health check with it) for 20 to 100 ms
 at a time while the conversation trace was ingested. So none is tracked: the
-block tables and the engine-hash maps hold only ints (a dict of ints is not
-tracked), an engine-hash entry being ``place << 64 | content key`` (below).
+block tables and the engine-hash maps hold C ints (a map is tracked, but a
+collection visits it once, never its cells), an engine-hash entry being the
+content key (``place << 64 | content key`` at a later place, in a dict of ints).
 A dict among a table's values would make the table tracked, and each
 collection that reached it would walk every block (60 ms at 721 k blocks):
 that is why shared blocks' holders live apart. What is left to walk is the
@@ -184,22 +212,28 @@ def _unmixed(m: int) -> int:
     return (m ^ m >> 32) * _UNMIX & _U64
 
 
-#: Keys from which :func:`_mixed_all` mixes in numpy (one element costs about
-#: 45 ns there, 150 in Python; the call about 4 us).
-MIX_VECTOR_FROM = 32
+#: Keys from which :func:`_mixed_all` mixes in numpy (an element costs about
+#: 10 ns there, 200 in Python; the call about 4 us).
+MIX_VECTOR_FROM = 20
 _S32, _S16 = np.uint64(32), np.uint64(16)
 
 
 def _mixed_all(keys: Sequence[int]) -> list[int]:
     """:func:`_mixed` of each of ``keys`` (64-bit unsigned ints)."""
     if len(keys) < MIX_VECTOR_FROM:
-        return [_mixed(k) for k in keys]
+        out = []
+        mix, u64 = _MIX, _U64
+        for k in keys:
+            m = k * mix & u64
+            m ^= m >> 32
+            out.append(m ^ m >> 16)
+        return out
     a = np.array(keys, dtype=np.uint64)
     a *= np.uint64(_MIX)
     a ^= a >> _S32
     a ^= a >> _S16
-    out: list[int] = a.tolist()
-    return out
+    got: list[int] = a.tolist()
+    return got
 
 
 #: Maps per namespace table: see "Shards" above.

@@ -81,8 +81,9 @@ proportion to ``2 ** (i / 256)``. Their sizes then spread over a factor of
 two, and their growth points over the whole doubling of the table: one
 shard's copy at a time. And 256 of them, not 64: one copy of a shard of 2 %
 of the table still took 16 ms of the loop at 5.6 M keys; the largest shard
-now holds about 0.5 %. A namespace's tables cost about 60 KB empty (the
-4,096 slots and the 256 maps). Its cost is a list index per key, as before.
+now holds about 0.5 %. A namespace's tables cost about 200 KB empty (the
+4,096 slots and the 256 maps, some 700 bytes each), an instance's engine-hash
+map 48 KB. Its cost is a list index per key, as before.
 
 Garbage collection: a collection walks every container the collector
 tracks. With a tracked dict per block key and a tuple per engine hash, that

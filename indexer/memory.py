@@ -120,6 +120,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copyreg
 import heapq
 import math
 import operator
@@ -128,8 +129,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain, takewhile
+from typing import Any
 
-import numpy as np
 from preshed.maps import PreshMap
 
 from indexer.index import Index
@@ -161,6 +162,14 @@ from indexer.pacing import loop_pacer
 from indexer.watch import WatchHub, keyed_stores
 from kvmesh.blockkeys import chain_keys, namespace_seed
 from kvmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
+
+np: Any
+try:  # a server's dependency; a router's follower (router-only install) mixes in Python
+    import numpy
+
+    np = numpy
+except ImportError:  # pragma: no cover - the router-only install's test covers it
+    np = None
 
 
 def _uncopied(copies: dict[int, int], h: int, mask: int) -> int:
@@ -214,9 +223,9 @@ def _unmixed(m: int) -> int:
 
 
 #: Keys from which :func:`_mixed_all` mixes in numpy (an element costs about
-#: 10 ns there, 200 in Python; the call about 4 us).
-MIX_VECTOR_FROM = 20
-_S32, _S16 = np.uint64(32), np.uint64(16)
+#: 10 ns there, 200 in Python; the call about 4 us), if numpy is installed.
+MIX_VECTOR_FROM = 20 if np is not None else 1 << 62
+_S32, _S16 = (np.uint64(32), np.uint64(16)) if np is not None else (None, None)
 
 
 def _mixed_all(keys: Sequence[int]) -> list[int]:
@@ -279,6 +288,23 @@ HASH_SHARDS = 64
 HASH_SLOTS = 1024
 _HASH_SHIFT = 64 - HASH_SLOTS.bit_length() + 1
 _HASH_SLOT_SHARD = _slot_shards(HASH_SHARDS, HASH_SLOTS)
+
+
+def _map_from(items: list[tuple[int, int]], capacity: int) -> PreshMap:
+    """A map of ``items`` (the inverse of :func:`_map_items`)."""
+    m = PreshMap(initial_size=capacity)
+    for k, v in items:
+        m[k] = v
+    return m
+
+
+def _map_items(m: PreshMap) -> tuple[Callable[..., PreshMap], tuple[list[tuple[int, int]], int]]:
+    """How to copy or pickle a map (``copy.deepcopy`` of a whole index: the
+    fault harness's shadow of one)."""
+    return _map_from, (list(m.items()), m.capacity)
+
+
+copyreg.pickle(PreshMap, _map_items)
 
 
 def _shard_slots(slot_shard: tuple[int, ...], shards: int) -> tuple[tuple[int, ...], ...]:

@@ -35,7 +35,7 @@ FAMILIES: dict[str, Callable[[int], int]] = {
 }
 
 
-def test_the_mix_is_a_bijection_and_both_paths_agree() -> None:
+def test_the_mix_is_a_bijection_and_both_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(5)
     edges = [0, 1, 2, (1 << 32) - 1, 1 << 32, 1 << 63, U64 - 1, U64]
     keys = edges + [rng.getrandbits(64) for _ in range(2_000)]
@@ -46,6 +46,9 @@ def test_the_mix_is_a_bijection_and_both_paths_agree() -> None:
     for n in (3, memory.MIX_VECTOR_FROM - 1, memory.MIX_VECTOR_FROM, 500):
         assert memory._mixed_all(keys[:n]) == mixed[:n]
         assert memory._mixed_all(tuple(keys[:n])) == mixed[:n]
+    # Without numpy (a router-only install's follower): Python throughout.
+    monkeypatch.setattr(memory, "MIX_VECTOR_FROM", 1 << 62)
+    assert memory._mixed_all(keys) == mixed
 
 
 def _homes(family: Callable[[int], int], n: int = 4096, bits: int = 16) -> tuple[int, int]:

@@ -79,11 +79,15 @@ ms, in plateaus of a few hundred ms). So the shards' shares are uneven: the
 mixed key's high bits name one of :data:`SLOTS` slots, and shard ``i`` has slots in
 proportion to ``2 ** (i / 256)``. Their sizes then spread over a factor of
 two, and their growth points over the whole doubling of the table: one
-shard's copy at a time. And 256 of them, not 64: one copy of a shard of 2 %
-of the table still took 16 ms of the loop at 5.6 M keys; the largest shard
-now holds about 0.5 %. A namespace's tables cost about 200 KB empty (the
-4,096 slots and the 256 maps, some 700 bytes each), an instance's engine-hash
-map 48 KB. Its cost is a list index per key, as before.
+shard's copy at a time. With dicts, 256 of them, not 64: one copy of a
+dict of 2 % of the table still took 16 ms of the loop at 5.6 M keys. A map
+copies its cells in C, about 50 ns an entry (one of 157 k entries grew in 9
+ms, one of 629 k in 33), so 64 shards: the largest holds about 2.1 % of the
+table, a copy of about 6 ms at 5.6 M keys. A namespace's tables cost about
+50 KB empty (the 1,024 slots and 64 maps of some 700 bytes each), as the 256
+dicts did; an instance's engine-hash map, 16 shards, 13 KB (its largest
+shard, about 8 % of it, copies in about 4 ms at the 1 M-block quota). Its
+cost is a list index per key, as before.
 
 Garbage collection: a collection walks every container the collector
 tracks. With a tracked dict per block key and a tuple per engine hash, that
@@ -247,9 +251,9 @@ def _mixed_all(keys: Sequence[int]) -> list[int]:
 
 
 #: Maps per namespace table: see "Shards" above.
-SHARDS = 256
+SHARDS = 64
 #: Slots a mixed key's high bits pick among (a power of two), each naming a shard.
-SLOTS = 4096
+SLOTS = 1024
 #: A mixed key's slot is ``m >> _SLOT_SHIFT``.
 _SLOT_SHIFT = 64 - SLOTS.bit_length() + 1
 
@@ -282,10 +286,10 @@ def _slot_shards(shards: int, slots: int) -> tuple[int, ...]:
 
 _SLOT_SHARD = _slot_shards(SHARDS, SLOTS)
 
-#: Dicts of one instance's engine-hash map, and the slots naming them (as
+#: Maps of one instance's engine-hash map, and the slots naming them (as
 #: the block tables', smaller: an instance holds a part of a namespace).
-HASH_SHARDS = 64
-HASH_SLOTS = 1024
+HASH_SHARDS = 16
+HASH_SLOTS = 256
 _HASH_SHIFT = 64 - HASH_SLOTS.bit_length() + 1
 _HASH_SLOT_SHARD = _slot_shards(HASH_SHARDS, HASH_SLOTS)
 
@@ -337,7 +341,8 @@ class _HashMap:
     nearly all) are in :data:`HASH_SHARDS` maps of 64-bit values by the mixed
     hash ("Tables" above), of uneven share like a namespace's block table
     ("Shards" above: as one dict, an engine's map of 90 k hashes grew in one
-    step of up to 16 ms, about every 3 s of a 64-engine ingest); the others, which
+    step of up to 16 ms, about every 3 s of a 64-engine ingest; as one map, 4
+    ms); the others, which
     do not fit 64 bits, in :attr:`other` by the hash itself. The hot path
     indexes :attr:`slots` itself while :attr:`other` is empty, and adds what it
     stores there to :attr:`n`; the rest goes through the dict methods it needs."""

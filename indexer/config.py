@@ -393,8 +393,9 @@ class Quotas(StrictModel):
         ge=0,
         description="Most blocks one instance may hold (the larger of its (block, tier) "
         "entries and its engine block hashes), whoever writes them, a ZMQ stream and an "
-        "anonymous client included. A memory replica holds about 165 bytes a block (320 MB "
-        'of RSS growth measured for a flood up to the cap, SECURITY.md "Quotas").',
+        "anonymous client included. A memory replica holds about 100 bytes a block at 16-token "
+        "blocks (docs/benchmarks.md); a flood of an identity's 2,097,152 blocks in batches of "
+        "65,536 grew one's RSS by 468 MB, the batches' own buffers included.",
     )
     max_blocks_per_identity: int = Field(
         default=1 << 21,

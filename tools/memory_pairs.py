@@ -10,18 +10,25 @@ the clock; then:
 - **apply**: ``MemoryIndex.apply`` of every batch, instances interleaved
   (keys chained from the token ids by the index, as on the engine path, but
   no decoding): blocks per second of wall and of this process's CPU;
-- **memory**: the process's RSS growth over the apply and the index's own
-  ``tracemalloc``-free estimate are not the same thing: RSS is what an
-  operator pays, so RSS it is (after a full collection), per (block, instance);
+- **memory**: the process's RSS growth over the apply (after a full
+  collection), per (block, instance): what an operator pays;
 - **Match**: ``match_sync`` over ``--queries`` prompts of ``--prompt-ids`` trace
   ids (keys computed before the clock), sequentially, p50 and p99; every
-  answer is checked against what the stream stored (:func:`lab.bench.peer.expected_answer`).
+  answer is checked against what the stream stored (:func:`lab.bench.peer.expected_answer`);
+- **remove**: every block removed again by its engine hashes, a stored
+  event's at a time: blocks per second.
+
+Each run is a fork of the process that built the workload, so every run
+starts from the same heap.
 
     .venv/bin/python tools/memory_pairs.py [--requests N] [--block-size 16]
-        [--instances 64] [--requests-per-batch 8] [--queries 200] [--prompt-ids 32] [--json F]
+        [--instances 64] [--requests-per-batch 8] [--queries 200] [--prompt-ids 32]
+        [--runs 3] [--baseline OTHER/indexer/memory.py] [--json F]
 
-Run two checkouts alternately (``PYTHONPATH=<checkout>``) to compare a change
-of the memory backend; no sockets, no other process.
+``--baseline`` loads another checkout's ``indexer/memory.py`` (the rest of the
+index from this one) and runs it alternately with this one's: a change of the
+memory backend against the code before, under the same noise; medians and
+their ratio. No sockets, no other process.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ async def measure(cls: type[MemoryIndex], w: Workload, rounds: int) -> dict[str,
         EventBatch(
             b.instance,
             b.sequence + len(w.order),
-            tuple(BlockRemoved(e.block_hashes) for e in b.events),
+            tuple(BlockRemoved(e.block_hashes) for e in b.events if isinstance(e, BlockStored)),
         )
         for b in w.order
     ]

@@ -296,8 +296,8 @@ _HASH_SHIFT = 64 - HASH_SLOTS.bit_length() + 1
 _HASH_SLOT_SHARD = _slot_shards(HASH_SHARDS, HASH_SLOTS)
 
 
-def _map_from(items: list[tuple[int, int]], capacity: int) -> PreshMap:
-    """A map of ``items`` (the inverse of :func:`_map_items`)."""
+def _map_from(items: Iterable[tuple[int, int]], capacity: int) -> PreshMap:
+    """A map of ``items``, made with ``capacity`` cells (it grows as it fills)."""
     m = PreshMap(initial_size=capacity)
     for k, v in items:
         m[k] = v
@@ -331,10 +331,22 @@ REBUILD_MIN = 64
 
 def _rebuilt(old: PreshMap, live: int) -> PreshMap:
     """``old``'s entries in a new map sized for ``live`` of them (no tombstones)."""
-    new = PreshMap(initial_size=max(8, 1 << (2 * live).bit_length()))
-    for k, v in old.items():
-        new[k] = v
-    return new
+    return _map_from(old.items(), max(8, 1 << (2 * live).bit_length()))
+
+
+def _deleted(
+    slots: list[PreshMap], dead: list[int], shard_slots: tuple[tuple[int, ...], ...], i: int
+) -> None:
+    """A deletion from shard ``i`` (of the maps named by ``slots``), counted in
+    ``dead``; past half its entries (and :data:`REBUILD_MIN`) the shard is
+    copied without its tombstones, in every slot naming it."""
+    d = dead[i] = dead[i] + 1
+    shard = slots[i]  # slot i < shards names shard i
+    if d >= REBUILD_MIN and d * 2 > len(shard):
+        new = _rebuilt(shard, len(shard) - d)
+        for slot in shard_slots[i]:
+            slots[slot] = new
+        dead[i] = 0
 
 
 class _HashMap:
@@ -349,12 +361,13 @@ class _HashMap:
     empty, and adds what it stores there to :attr:`n`; the rest goes through
     the dict methods it needs."""
 
-    __slots__ = ("dead", "n", "other", "shards", "slots")
+    __slots__ = ("dead", "n", "other", "slots")
 
     def __init__(self) -> None:
-        self.shards: list[PreshMap] = [PreshMap() for _ in range(HASH_SHARDS)]
-        #: Shard of each slot (``_mixed(h) >> _HASH_SHIFT``).
-        self.slots: list[PreshMap] = [self.shards[i] for i in _HASH_SLOT_SHARD]
+        shards = [PreshMap() for _ in range(HASH_SHARDS)]
+        #: Shard of each slot (``_mixed(h) >> _HASH_SHIFT``); slot ``i`` below
+        #: HASH_SHARDS names shard ``i``.
+        self.slots: list[PreshMap] = [shards[i] for i in _HASH_SLOT_SHARD]
         #: Entries at a place above 0, by engine hash.
         self.other: dict[int, int] = {}
         #: Entries in the shards.
@@ -391,20 +404,14 @@ class _HashMap:
         else:
             del self.other[h]
 
+    @property
+    def shards(self) -> list[PreshMap]:
+        return self.slots[:HASH_SHARDS]
+
     def _delete(self, shard: PreshMap, m: int) -> None:
         del shard[m]
         self.n -= 1
-        i = _HASH_SLOT_SHARD[m >> _HASH_SHIFT]
-        dead = self.dead[i] = self.dead[i] + 1
-        if dead >= REBUILD_MIN and dead * 2 > len(shard):
-            self.rebuild(i, shard, dead)
-
-    def rebuild(self, i: int, shard: PreshMap, dead: int) -> None:
-        """Shard ``i`` (``shard``), with ``dead`` deletions, copied without its tombstones."""
-        new = self.shards[i] = _rebuilt(shard, len(shard) - dead)
-        for slot in _HASH_SHARD_SLOTS[i]:
-            self.slots[slot] = new
-        self.dead[i] = 0
+        _deleted(self.slots, self.dead, _HASH_SHARD_SLOTS, _HASH_SLOT_SHARD[m >> _HASH_SHIFT])
 
     def __len__(self) -> int:
         return self.n + len(self.other)
@@ -1058,20 +1065,7 @@ class MemoryIndex(Index):
         tombstones ("Tables" above)."""
         del table[m]
         self._ns_blocks[ns] -= 1
-        i = _SLOT_SHARD[m >> _SLOT_SHIFT]
-        dead = self._dead[ns]
-        d = dead[i] = dead[i] + 1
-        if d >= REBUILD_MIN and d * 2 > len(table):
-            self._rebuild(ns, i, table, d)
-
-    def _rebuild(self, ns: Namespace, i: int, table: PreshMap, dead: int) -> None:
-        """Shard ``i`` of ``ns``'s table (``table``), with ``dead`` deletions,
-        copied without its tombstones."""
-        new = _rebuilt(table, len(table) - dead)
-        slots = self._blocks[ns]
-        for slot in _SHARD_SLOTS[i]:
-            slots[slot] = new
-        self._dead[ns][i] = 0
+        _deleted(self._blocks[ns], self._dead[ns], _SHARD_SLOTS, _SLOT_SHARD[m >> _SLOT_SHIFT])
 
     def _moved(
         self, nid: int, key: int, old: int, new: int, held: dict[int, int], no: int, mask: int
@@ -1262,7 +1256,6 @@ class MemoryIndex(Index):
         tables = self._blocks[ns]
         dead, hdead = self._dead[ns], hmap.dead
         no = inst.no
-        rebuild_min = REBUILD_MIN
         cleared = blocks = hashes_gone = 0
         for (mh, key), m in zip(found.items(), _mixed_all(list(found.values())), strict=True):
             table = tables[m >> _SLOT_SHIFT]
@@ -1279,20 +1272,13 @@ class MemoryIndex(Index):
                     else:
                         del table[m]
                         blocks += 1
-                        i = _SLOT_SHARD[m >> _SLOT_SHIFT]
-                        d = dead[i] = dead[i] + 1
-                        if d >= rebuild_min and d * 2 > len(table):
-                            self._rebuild(ns, i, table, d)
+                        _deleted(tables, dead, _SHARD_SLOTS, _SLOT_SHARD[m >> _SLOT_SHIFT])
             else:
                 old, new = self._drop(ns, table, m, key, holders, inst, mask)
             if not new:
-                shard = slots[mh >> _HASH_SHIFT]
-                del shard[mh]
+                del slots[mh >> _HASH_SHIFT][mh]
                 hashes_gone += 1
-                i = _HASH_SLOT_SHARD[mh >> _HASH_SHIFT]
-                d = hdead[i] = hdead[i] + 1
-                if d >= rebuild_min and d * 2 > len(shard):
-                    hmap.rebuild(i, shard, d)
+                _deleted(slots, hdead, _HASH_SHARD_SLOTS, _HASH_SLOT_SHARD[mh >> _HASH_SHIFT])
             cleared += _POPCOUNT[old] - _POPCOUNT[new]
         hmap.n -= hashes_gone
         if blocks:
